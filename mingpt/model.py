@@ -1,0 +1,246 @@
+"""A GPT-2 style decoder-only transformer.
+
+This file is pure PyTorch: no distributed code, no environment, no I/O, no printing.
+Its configuration dataclass sits beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# name -> (n_layer, n_head, n_embd)
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "gpt-nano": (3, 3, 48),
+    "gpt-micro": (4, 4, 128),
+    "gpt-mini": (6, 6, 192),
+    "gopher-44m": (8, 16, 512),
+    "gpt2": (12, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
+
+# Fields that fix the shape of the parameters: a snapshot must agree on all of them.
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size", "bias")
+
+
+def pad_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Round the vocabulary up so the embedding and LM-head matmuls hit fast kernel shapes."""
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape and regularisation of the GPT."""
+
+    preset: str | None = "gpt-mini"
+    """A named shape (see PRESETS); n_layer/n_head/n_embd below override it when set."""
+    n_layer: int | None = None
+    """Number of transformer blocks; None takes the preset's."""
+    n_head: int | None = None
+    """Attention heads per block; must divide n_embd. None takes the preset's."""
+    n_embd: int | None = None
+    """Width of the residual stream; None takes the preset's."""
+    block_size: int = 256
+    """Longest context the model can see (size of the position embedding)."""
+    vocab_size: int = 0
+    """Real vocabulary size; set from the tokenizer when the run is assembled."""
+    dropout: float = 0.0
+    """Dropout on attention weights, residual branches and embeddings."""
+    bias: bool = True
+    """Biases in Linear and LayerNorm layers, as in GPT-2."""
+
+    def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(
+                f"model.preset={self.preset!r} is not a known preset; choose one of "
+                f"{', '.join(PRESETS)} or set preset=null with n_layer, n_head and n_embd"
+            )
+        if self.preset is None and None in (self.n_layer, self.n_head, self.n_embd):
+            raise ValueError("model.preset is null: set model.n_layer, model.n_head and model.n_embd")
+        layer, head, embd = self.shape
+        if min(layer, head, embd) <= 0:
+            raise ValueError(f"model shape must be positive, got n_layer={layer} n_head={head} n_embd={embd}")
+        if embd % head != 0:
+            raise ValueError(
+                f"model.n_embd={embd} is not divisible by model.n_head={head}; "
+                "choose n_embd as a multiple of n_head"
+            )
+        if self.block_size <= 0:
+            raise ValueError(f"model.block_size must be positive, got {self.block_size}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.vocab_size < 0:
+            raise ValueError(f"model.vocab_size must be >= 0, got {self.vocab_size}")
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(n_layer, n_head, n_embd) after applying the preset and the overrides."""
+        base = PRESETS[self.preset] if self.preset is not None else (0, 0, 0)
+        return (
+            self.n_layer if self.n_layer is not None else base[0],
+            self.n_head if self.n_head is not None else base[1],
+            self.n_embd if self.n_embd is not None else base[2],
+        )
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return pad_vocab(self.vocab_size)
+
+    def resolved(self) -> "GPTConfig":
+        """The same config with the preset folded into explicit fields."""
+        layer, head, embd = self.shape
+        return replace(self, n_layer=layer, n_head=head, n_embd=embd)
+
+    def shape_dict(self) -> dict:
+        r = self.resolved()
+        return {k: getattr(r, k) for k in SHAPE_FIELDS}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_scale = True  # marked for GPT-2's scaled init
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        # is_causal builds the mask inside the kernel (flash attention on GPU); a float mask
+        # would be *added* to the scores, which is how other codebases leaked the future.
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj.residual_scale = True
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("GPTConfig.vocab_size must be set (from the tokenizer) before building the model")
+        cfg = cfg.resolved()
+        self.config = cfg
+        V = cfg.padded_vocab_size
+        self.wte = nn.Embedding(V, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "residual_scale", False):
+                # GPT-2: each residual branch adds to the stream, so scale by 1/sqrt(2 * n_layer)
+                std *= (2 * self.config.n_layer) ** -0.5
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; the position embedding is left out by default (it does no matmul)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if non_embedding else n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (forward + backward), PaLM appendix B: 6N + 12 L H Q T."""
+        c = self.config
+        return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * seq_len
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits over the real vocabulary and, with targets, the cross-entropy loss.
+
+        Args:
+            idx: token ids, (B, T) with T <= block_size.
+            targets: next-token ids, (B, T); -100 marks positions that do not count (padding).
+            reduction: "mean" over counted tokens, or "sum" (the trainer normalises globally).
+        """
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)  # (B, T, C)
+        # Slicing off the padded columns means padding ids can never be predicted or sampled.
+        logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, V)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)).float(),  # (B*T, V)
+            targets.reshape(-1),  # (B*T,)
+            ignore_index=-100,
+            reduction=reduction,
+        )
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(
+        self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Append max_new_tokens sampled tokens to idx (B, T); greedy when temperature == 0."""
+        for _ in range(max_new_tokens):
+            ctx = idx[:, -self.config.block_size :]  # (B, <=block_size)
+            logits, _ = self(ctx)
+            logits = logits[:, -1, :]  # (B, V)
+            if temperature == 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+                    logits = logits.masked_fill(logits < kth, -math.inf)
+                probs = F.softmax(logits, dim=-1)
+                nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+            idx = torch.cat((idx, nxt), dim=1)  # (B, T+1)
+        return idx

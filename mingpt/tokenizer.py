@@ -1,0 +1,181 @@
+"""Character-level and GPT-2 BPE tokenizers behind one small interface.
+
+A tokenizer's `state_dict()` is plain data (str/int), stored in every snapshot, so sampling
+later decodes exactly as training encoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+GPT2_RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
+GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+EOT = "<|endoftext|>"
+# The package registry is often the only thing an air-gapped cluster reaches; this source
+# distribution ships GPT-2's ranks file.
+WHISPER_SDIST = "openai-whisper==20250625"
+WHISPER_MEMBER = "whisper/assets/gpt2.tiktoken"
+
+
+class TokenizerError(RuntimeError):
+    """A tokenizer cannot be built; the message says how to fix it."""
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eot_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def state_dict(self) -> dict: ...
+    def fingerprint(self) -> str: ...
+
+
+class CharTokenizer:
+    """One id per distinct character of the training text, in sorted order."""
+
+    def __init__(self, chars: str):
+        if not chars:
+            raise TokenizerError("the character vocabulary is empty: the corpus has no text")
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.vocab_size = len(chars)
+        self.eot_id = None
+
+    @classmethod
+    def from_text(cls, text: str) -> "CharTokenizer":
+        return cls("".join(sorted(set(text))))
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return [self.stoi[c] for c in text]
+        except KeyError as e:
+            raise TokenizerError(
+                f"character {e.args[0]!r} is not in this run's vocabulary of {self.vocab_size} characters"
+            ) from None
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def state_dict(self) -> dict:
+        return {"kind": "char", "chars": self.chars}
+
+    def fingerprint(self) -> str:
+        return "char-" + hashlib.sha256(self.chars.encode()).hexdigest()[:16]
+
+
+class BPETokenizer:
+    """GPT-2 byte-level BPE through tiktoken."""
+
+    def __init__(self, encoding, ranks_sha256: str):
+        self.enc = encoding
+        self.ranks_sha256 = ranks_sha256
+        self.vocab_size = encoding.n_vocab
+        self.eot_id = encoding.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode(ids)
+
+    def state_dict(self) -> dict:
+        return {"kind": "bpe", "ranks_sha256": self.ranks_sha256}
+
+    def fingerprint(self) -> str:
+        return "gpt2-" + self.ranks_sha256[:16]
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def encoding_from_ranks(data: bytes, expected_sha256: str | None = GPT2_RANKS_SHA256, source: str = "?"):
+    """A tiktoken Encoding for GPT-2 from the bytes of a `.tiktoken` ranks file."""
+    import tiktoken
+
+    digest = _sha256(data)
+    if expected_sha256 is not None and digest != expected_sha256:
+        raise TokenizerError(
+            f"ranks file {source} has sha256 {digest}, expected {expected_sha256} (GPT-2's r50k_base); "
+            "it is corrupt or a different vocabulary"
+        )
+    ranks = {}
+    for line in data.splitlines():
+        if line:
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    enc = tiktoken.Encoding(
+        name="gpt2-local", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)}
+    )
+    return enc, digest
+
+
+def _ranks_from_registry() -> bytes:
+    """GPT-2's ranks from the openai-whisper source distribution on the package registry."""
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp,
+             WHISPER_SDIST],
+            check=True, capture_output=True, timeout=600,
+        )
+        (sdist,) = Path(tmp).glob("*.tar.gz")
+        with tarfile.open(sdist) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith(WHISPER_MEMBER))
+            return tar.extractfile(member).read()
+
+
+def build_bpe(ranks_file: str | None) -> BPETokenizer:
+    """GPT-2 BPE: from ranks_file if given, else tiktoken's download, else the package registry."""
+    if ranks_file:
+        path = Path(os.path.expanduser(ranks_file))
+        if not path.is_file():
+            raise TokenizerError(
+                f"tokenizer ranks file {path} does not exist; point data.tokenizer.ranks_file at GPT-2's "
+                "r50k_base.tiktoken (sha256 " + GPT2_RANKS_SHA256 + ")"
+            )
+        enc, digest = encoding_from_ranks(path.read_bytes(), source=str(path))
+        return BPETokenizer(enc, digest)
+    errors = []
+    try:
+        import tiktoken
+
+        enc = tiktoken.get_encoding("gpt2")
+        return BPETokenizer(enc, GPT2_RANKS_SHA256)
+    except Exception as e:  # noqa: BLE001 - every failure here means "try the next source"
+        errors.append(f"tiktoken download: {e.__class__.__name__}: {e}")
+    try:
+        log.info("tiktoken could not download GPT-2's ranks; taking them from %s on the package registry",
+                 WHISPER_SDIST)
+        enc, digest = encoding_from_ranks(_ranks_from_registry(), source=WHISPER_SDIST)
+        return BPETokenizer(enc, digest)
+    except Exception as e:  # noqa: BLE001
+        errors.append(f"package registry ({WHISPER_SDIST}): {e.__class__.__name__}: {e}")
+    raise TokenizerError(
+        "could not load GPT-2's BPE ranks from any source ("
+        + "; ".join(errors)
+        + "). Copy r50k_base.tiktoken to this machine and set data.tokenizer.ranks_file=/path/to/r50k_base.tiktoken"
+    )
+
+
+def from_state(state: dict, ranks_file: str | None = None) -> Tokenizer:
+    """Rebuild the tokenizer a run was trained with, from its snapshot state."""
+    if state["kind"] == "char":
+        return CharTokenizer(state["chars"])
+    if state["kind"] == "bpe":
+        tok = build_bpe(ranks_file)
+        if tok.ranks_sha256 != state["ranks_sha256"]:
+            raise TokenizerError("the BPE ranks differ from the ones this snapshot was trained with")
+        return tok
+    raise TokenizerError(f"unknown tokenizer kind {state['kind']!r} in snapshot")

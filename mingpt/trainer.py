@@ -1,0 +1,251 @@
+"""The training loop: train(), train_step(), evaluate(); everything that must survive a restart
+is reachable from Trainer.state_dict()."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from mingpt import distributed as D
+from mingpt.config import OptimConfig, TrainerConfig
+from mingpt.data import StreamDataset
+from mingpt.metrics import MetricsWriter
+from mingpt.model import GPT
+from mingpt.optim import lr_at
+from mingpt.sampler import StreamSampler, epoch_order, split_global_batch
+from mingpt.snapshot import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s per GPU, by a substring of the device name, for MFU.
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12,
+                  "L4": 121e12, "V100": 125e12, "4090": 165e12}
+
+
+@dataclass
+class StepStats:
+    loss_sum: torch.Tensor  # this rank's summed token loss (unreduced)
+    tokens: int  # global target tokens of the step
+    grad_norm: float
+    lr: float
+    compute_s: float
+
+
+class Trainer:
+    """Owns the training state; main.py builds every part and hands it in.
+
+    Args:
+        model: what the loop calls (DDP and/or compiled wrapper around `raw_model`).
+        raw_model: the plain GPT, whose state_dict has no wrapper prefixes.
+        store: where snapshots go; None disables snapshots.
+        run_meta: plain data recorded in every snapshot manifest (config, tokenizer).
+    """
+
+    def __init__(self, cfg: TrainerConfig, optim_cfg: OptimConfig, model: nn.Module, raw_model: GPT,
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, train_data: StreamDataset,
+                 val_data: StreamDataset, sampler: StreamSampler, dist: D.DistInfo, metrics: MetricsWriter,
+                 store: SnapshotStore | None, snapshot_every: int, keep_last: int, run_meta: dict):
+        self.cfg, self.optim_cfg = cfg, optim_cfg
+        self.model, self.raw_model, self.optimizer, self.scaler = model, raw_model, optimizer, scaler
+        self.train_data, self.val_data, self.sampler = train_data, val_data, sampler
+        self.dist, self.metrics, self.store = dist, metrics, store
+        self.snapshot_every, self.keep_last, self.run_meta = snapshot_every, keep_last, run_meta
+        self.device = torch.device(dist.device)
+        self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
+        # Counters that survive a restart (state_dict below).
+        self.step = 0
+        self.tokens_seen = 0
+        self.best_val_loss = math.inf
+        block = train_data.block_size
+        self.flops_per_token = raw_model.flops_per_token(block)
+        nodes = max(1, dist.world_size // dist.local_world_size)
+        self.peak_flops = (cfg.cpu_peak_flops * nodes if self.device.type == "cpu"
+                           else _gpu_peak(cfg.gpu_peak_flops, self.device) * dist.world_size)
+        # A fixed validation subset: the same for every rank, every evaluation, every world size.
+        n_val = min(len(val_data), cfg.eval_iters * cfg.batch_size)
+        self.val_indices = np.sort(epoch_order(len(val_data), cfg.seed, 0)[:n_val])
+
+    # ---------------------------------------------------------------- the loop
+    def train(self) -> None:
+        cfg = self.cfg
+        if self.step >= cfg.max_steps:
+            log.info("already at step %d of %d; nothing to train", self.step, cfg.max_steps)
+            return
+        log.info("training from step %d to %d: global batch %d x %d tokens, %d ranks, precision %s",
+                 self.step, cfg.max_steps, cfg.batch_size, self.train_data.block_size, self.dist.world_size,
+                 self.amp_dtype or "fp32")
+        bar = _progress(self.dist.is_first and cfg.progress, self.step, cfg.max_steps)
+        t_last, steps_since = time.perf_counter(), 0
+        while self.step < cfg.max_steps:
+            stats = self.train_step()
+            self.step += 1
+            self.tokens_seen += stats.tokens
+            steps_since += 1
+            if bar is not None:
+                bar.update(1)
+            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
+                now = time.perf_counter()
+                self._log_train(stats, (now - t_last) / steps_since)
+                t_last, steps_since = now, 0
+            paused = False
+            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):
+                self.evaluate()
+                paused = True
+            if self.snapshot_every and self.step % self.snapshot_every == 0 and self.step < cfg.max_steps:
+                self.save_snapshot()
+                paused = True
+            if paused:  # keep evaluation and saving out of the step-time figures
+                t_last, steps_since = time.perf_counter(), 0
+        if bar is not None:
+            bar.close()
+        self.save_snapshot()
+
+    def train_step(self) -> StepStats:
+        """One optimizer step over the next global batch, split over ranks and micro-batches."""
+        t0 = time.perf_counter()
+        dist, data = self.dist, self.train_data
+        indices = self.sampler.next_batch()
+        global_tokens = data.tokens_in(indices)
+        micro = split_global_batch(len(indices), dist.world_size, self.cfg.micro_batch_size)[dist.rank]
+        lr = lr_at(self.step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps,
+                   self.cfg.max_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
+        for i, (start, end) in enumerate(micro):
+            # A rank with no samples in this micro-step still runs one (weight 0) so that every
+            # rank joins the same gradient all-reduces.
+            weight = 1.0 if end > start else 0.0
+            x, y = data.batch(indices[start:end] if end > start else indices[:1])
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            if self.raw_model.config.dropout > 0:
+                # Dropout noise as a function of (seed, step, sample position): identical after a
+                # resume and independent of which rank draws the micro-batch.
+                torch.manual_seed(hash((self.cfg.seed, self.step, start)) & 0x7FFF_FFFF_FFFF)
+            last = i == len(micro) - 1
+            sync = contextlib.nullcontext() if last or not dist.distributed else self.model.no_sync()
+            with sync:
+                with _autocast(self.device.type, self.amp_dtype):
+                    _, loss = self.model(x, y, reduction="sum")
+                # DDP averages gradients over ranks; scaling by world_size / global tokens makes
+                # the result the gradient of the mean token loss of the whole global batch,
+                # however unevenly the samples were split.
+                self.scaler.scale(loss * (weight * dist.world_size / global_tokens)).backward()
+            loss_sum += loss.detach().float() * weight
+        compute_s = time.perf_counter() - t0
+        # nanoGPT's order: unscale before clipping, so the threshold applies to true gradients.
+        self.scaler.unscale_(self.optimizer)
+        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return StepStats(loss_sum, global_tokens, float(grad_norm), lr, compute_s)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Validation loss over the fixed subset: sum of token losses / token count, across ranks."""
+        model, dist = self.raw_model, self.dist
+        model.eval()
+        sums = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, tokens)
+        mine = np.array_split(self.val_indices, dist.world_size)[dist.rank]
+        for start in range(0, len(mine), self.cfg.micro_batch_size):
+            batch = mine[start : start + self.cfg.micro_batch_size]
+            x, y = (t.to(self.device, non_blocking=True) for t in self.val_data.batch(batch))
+            with _autocast(self.device.type, self.amp_dtype):
+                _, loss = model(x, y, reduction="sum")
+            sums[0] += loss.double()
+            sums[1] += self.val_data.tokens_in(batch)
+        D.all_reduce_sum(sums)
+        model.train()
+        val_loss = (sums[0] / sums[1]).item()
+        self.best_val_loss = min(self.best_val_loss, val_loss)
+        if dist.is_first:
+            log.info("step %d | val loss %.4f | best %.4f", self.step, val_loss, self.best_val_loss)
+        self.metrics.write({"kind": "eval", "step": self.step, "val_loss": val_loss})
+        return val_loss
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        return {
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "trainer": {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss,
+                        "epoch": self.sampler.epoch, "seed": self.cfg.seed},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.raw_model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.sampler.load_state_dict(state["sampler"])
+        t = state["trainer"]
+        self.step, self.tokens_seen, self.best_val_loss = int(t["step"]), int(t["tokens_seen"]), float(t["best_val_loss"])
+
+    def save_snapshot(self) -> None:
+        """Only the current global rank 0 writes: one writer per job, whichever node it is on."""
+        if self.store is None or not self.dist.is_first:
+            return
+        t0 = time.perf_counter()
+        manifest = {**self.run_meta, "tokens_seen": self.tokens_seen, "world_size": self.dist.world_size}
+        path = self.store.save(self.step, self.state_dict(), manifest)
+        pruned = self.store.prune(self.keep_last)
+        log.info("snapshot step %d saved to %s in %.2fs%s", self.step, path, time.perf_counter() - t0,
+                 f" (pruned {len(pruned)})" if pruned else "")
+
+    # ---------------------------------------------------------------- logging
+    def _log_train(self, stats: StepStats, step_s: float) -> None:
+        loss = D.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
+        if not self.dist.is_first:
+            return
+        tok_s = stats.tokens / step_s
+        mfu = tok_s * self.flops_per_token / self.peak_flops
+        log.info("step %d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | mfu %.1f%% | %.1f ms/step",
+                 self.step, loss, stats.lr, stats.grad_norm, tok_s, 100 * mfu, 1000 * step_s)
+        self.metrics.write({"kind": "train", "step": self.step, "loss": loss, "lr": stats.lr,
+                            "grad_norm": stats.grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
+                            "step_ms": 1000 * step_s, "tokens_seen": self.tokens_seen,
+                            "epoch": self.sampler.epoch, "world_size": self.dist.world_size})
+
+
+def _amp_dtype(precision: str, device_type: str) -> torch.dtype | None:
+    if precision == "auto":
+        return torch.bfloat16 if device_type == "cuda" else None
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def _autocast(device_type: str, dtype: torch.dtype | None):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def _gpu_peak(configured: float, device: torch.device) -> float:
+    if configured > 0:
+        return configured
+    name = torch.cuda.get_device_name(device)
+    for key, flops in GPU_PEAK_FLOPS.items():
+        if key in name:
+            return flops
+    log.warning("unknown GPU %r: MFU assumes 312 TFLOP/s; set trainer.gpu_peak_flops", name)
+    return 312e12
+
+
+def _progress(enabled: bool, start: int, total: int):
+    if not (enabled and sys.stderr.isatty()):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
