@@ -129,8 +129,9 @@ def assemble(cfg: RunConfig, info: D.DistInfo) -> Run:
         model = torch.compile(model)
     if info.distributed:
         model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[info.local_rank] if info.device.startswith("cuda") else None)
-    optimizer = build_optimizer(raw, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay, info.device)
+            model, device_ids=[info.local_rank] if info.device.startswith("cuda") else None,
+            gradient_as_bucket_view=True)
+    optimizer = build_optimizer(raw, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
     scaler = torch.amp.GradScaler(torch.device(info.device).type, enabled=tcfg.precision == "fp16")
     sampler = StreamSampler(len(corpus.train), tcfg.batch_size, tcfg.seed)
     metrics = MetricsWriter(tcfg.run_dir, enabled=info.is_first, tensorboard=tcfg.tensorboard)

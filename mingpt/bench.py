@@ -1,0 +1,89 @@
+"""Training throughput: tokens/s, ms per step and MFU over a fixed number of steps after warm-up.
+
+    python -m mingpt.bench model=gpt-micro data.block_size=64 trainer.batch_size=12 trainer.micro_batch_size=12
+    torchrun --standalone --nproc_per_node=2 -m mingpt.bench --steps 100 model=gpt-micro ...
+
+Arguments after the options are Hydra overrides of conf/config.yaml. Nothing is saved or resumed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mingpt import distributed as D
+from mingpt.config import from_dict
+from mingpt.main import assemble, config_dir, setup_logging
+
+
+def compose_config(overrides: list[str]):
+    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
+        return from_dict(OmegaConf.to_container(compose("config", overrides=overrides), resolve=True))
+
+
+def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
+    info = D.DistInfo.from_env()
+    setup_logging(info)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = compose_config([f"trainer.run_dir={tmp}", "snapshot.resume=never", "trainer.progress=false",
+                              *overrides])
+        D.init(info, cfg.dist.timeout_s)
+        try:
+            run = assemble(cfg, info)
+            trainer = run.trainer
+            for _ in range(warmup):
+                trainer.train_step()
+                trainer.step += 1
+            D.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                stats = trainer.train_step()
+                trainer.step += 1
+            loss = D.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
+            D.barrier()
+            dt = (time.perf_counter() - t0) / steps
+            run.metrics.close()
+        finally:
+            D.shutdown()
+    tok_s = cfg.trainer.batch_size * cfg.data.block_size / dt
+    return {
+        "config": " ".join(overrides) or "(defaults)",
+        "world_size": info.world_size,
+        "threads_per_process": torch.get_num_threads(),
+        "steps": steps,
+        "ms_per_step": round(1000 * dt, 2),
+        "tokens_per_s": round(tok_s),
+        "mfu": round(tok_s * trainer.flops_per_token / trainer.peak_flops, 4),
+        "last_loss": round(loss, 4),
+        "is_first": info.is_first,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m mingpt.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=50, help="timed steps (default 50)")
+    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-micro trainer.compile=true")
+    args = ap.parse_args(argv)
+    res = throughput(args.overrides, args.steps, args.warmup)
+    if not res.pop("is_first"):
+        return
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{res['config']}\n  world size {res['world_size']} x {res['threads_per_process']} threads: "
+              f"{res['ms_per_step']:.1f} ms/step, {res['tokens_per_s']:,} tokens/s, MFU {100 * res['mfu']:.1f}%")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

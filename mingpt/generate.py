@@ -1,0 +1,76 @@
+"""Sample text from a snapshot.
+
+    python -m mingpt.generate runs/default/snapshots --prompt "ROMEO:" --max-new-tokens 300
+    python -m mingpt.generate runs/default/snapshots/step_000002000 --temperature 0.8 --top-k 40
+
+The path is a snapshot store (the newest good snapshot is used) or one snapshot folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from mingpt.model import GPT, GPTConfig
+from mingpt.snapshot import MANIFEST_FILE, SnapshotError, SnapshotStore
+from mingpt.tokenizer import TokenizerError, from_state
+
+
+def load_model(path: str, storage_options: dict | None = None) -> tuple[GPT, dict]:
+    """The raw GPT of a snapshot (or of a store's newest good snapshot) and its manifest."""
+    store = SnapshotStore(path, storage_options)
+    if store.fs.exists(f"{store.root}/{MANIFEST_FILE}"):
+        parent, _, name = path.rstrip("/").rpartition("/")
+        store = SnapshotStore(parent or ".", storage_options)
+        state, manifest = store.load(f"{store.root}/{name}")
+    else:
+        found = store.load_latest()
+        if found is None:
+            raise SnapshotError(f"no committed snapshot in {path}")
+        state, manifest = found
+    shape = manifest["model_shape"]
+    cfg = GPTConfig(preset=None, n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"],
+                    block_size=shape["block_size"], vocab_size=shape["vocab_size"], bias=shape["bias"])
+    model = GPT(cfg)
+    model.load_state_dict(state["model"])
+    return model.eval(), manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mingpt.generate", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("snapshot", help="snapshot store or snapshot folder (local path or s3://)")
+    ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    ap.add_argument("--max-new-tokens", type=int, default=200)
+    ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--num-samples", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--ranks-file", default=None, help="local GPT-2 ranks file, for BPE runs without internet")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    try:
+        model, manifest = load_model(args.snapshot)
+        tok = from_state(manifest["tokenizer"], args.ranks_file)
+        ids = tok.encode(args.prompt)
+    except (SnapshotError, TokenizerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not ids:
+        print("error: the prompt encodes to no tokens; give a non-empty --prompt", file=sys.stderr)
+        return 2
+    model.to(args.device)
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
+    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, generator=gen)
+    for i, row in enumerate(out.tolist()):
+        if i:
+            print("-" * 40)
+        print(tok.decode(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
