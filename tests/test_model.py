@@ -1,0 +1,93 @@
+import math
+
+import pytest
+import torch
+
+from mingpt.model import GPT, PRESETS, GPTConfig, pad_vocab
+
+
+def tiny(**kw) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(**{"preset": None, "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16,
+                       "vocab_size": 50, **kw})
+    return GPT(cfg).eval()
+
+
+def test_causal_changing_a_token_leaves_earlier_logits_unchanged():
+    model = tiny()
+    idx = torch.randint(0, 50, (2, 16))
+    t = 9
+    changed = idx.clone()
+    changed[:, t] = (changed[:, t] + 1) % 50
+    a, _ = model(idx)
+    b, _ = model(changed)
+    assert torch.equal(a[:, :t], b[:, :t])
+    assert not torch.allclose(a[:, t], b[:, t])
+
+
+def test_initial_loss_close_to_uniform():
+    model = tiny(vocab_size=65)
+    idx = torch.randint(0, 65, (8, 16))
+    _, loss = model(idx, torch.randint(0, 65, (8, 16)))
+    assert abs(loss.item() - math.log(65)) < 0.15
+
+
+def test_weight_tying_and_padded_vocab_never_predicted():
+    model = tiny(vocab_size=50)
+    assert model.lm_head.weight is model.wte.weight
+    assert model.wte.weight.shape[0] == 64 == pad_vocab(50)
+    logits, _ = model(torch.zeros(1, 4, dtype=torch.long))
+    assert logits.shape == (1, 4, 50)
+    out = model.generate(torch.zeros(4, 1, dtype=torch.long), 30, temperature=1.5)
+    assert out.max().item() < 50
+
+
+def test_generate_length_and_top_k():
+    model = tiny()
+    out = model.generate(torch.zeros(3, 5, dtype=torch.long), max_new_tokens=20, temperature=1.0, top_k=5)
+    assert out.shape == (3, 25)  # also exceeds block_size (16): context is cropped
+
+
+def test_padded_targets_are_ignored():
+    model = tiny()
+    idx = torch.randint(0, 50, (1, 10))
+    _, short = model(idx[:, :6], idx[:, 1:7])
+    tgt = torch.full((1, 10), -100)
+    tgt[:, :6] = idx[:, 1:7]
+    padded = torch.cat([idx[:, :6], torch.zeros(1, 4, dtype=torch.long)], 1)
+    _, loss = model(padded, tgt)
+    # causal attention: the pad tokens after position 6 cannot change the first 6 predictions
+    assert torch.allclose(short, loss, atol=1e-6)
+
+
+def test_residual_projection_init_is_scaled():
+    model = tiny(n_layer=8, n_embd=64, n_head=4)
+    std = model.blocks[0].mlp.c_proj.weight.std().item()
+    assert abs(std - 0.02 / math.sqrt(16)) < 0.002
+    assert abs(model.blocks[0].mlp.c_fc.weight.std().item() - 0.02) < 0.002
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_resolve(name):
+    cfg = GPTConfig(preset=name, vocab_size=10)
+    assert cfg.shape == PRESETS[name]
+    assert cfg.resolved().n_embd % cfg.resolved().n_head == 0
+
+
+def test_override_beats_preset_and_flops():
+    cfg = GPTConfig(preset="gpt2", n_layer=2, vocab_size=100)
+    assert cfg.shape == (2, 12, 768)
+    model = GPT(GPTConfig(preset="gpt-nano", vocab_size=65, block_size=64))
+    n = model.num_params()
+    assert model.flops_per_token(64) == 6 * n + 12 * 3 * 3 * 16 * 64
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"preset": "gpt-huge"}, "not a known preset"),
+    ({"preset": None, "n_layer": 2, "n_head": 3, "n_embd": 32}, "not divisible by model.n_head=3"),
+    ({"preset": None, "n_layer": 2}, "set model.n_layer, model.n_head and model.n_embd"),
+    ({"dropout": 1.5}, "dropout"),
+])
+def test_bad_model_config_is_refused(kw, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**kw)

