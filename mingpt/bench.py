@@ -1,7 +1,7 @@
 """Training throughput: tokens/s, ms per step and MFU over a fixed number of steps after warm-up.
 
     python -m mingpt.bench model=gpt-micro data.block_size=64 trainer.batch_size=12 trainer.micro_batch_size=12
-    torchrun --standalone --nproc_per_node=2 -m mingpt.bench --steps 100 model=gpt-micro ...
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 -m mingpt.bench --steps 100 model=gpt-micro ...
 
 Arguments after the options are Hydra overrides of conf/config.yaml. Nothing is saved or resumed.
 """

@@ -1,6 +1,6 @@
 """The Hydra entry point, and the only place where the run's objects are assembled.
 
-    torchrun --standalone --nproc_per_node=2 mingpt/main.py trainer.max_steps=200 model=gpt-micro
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 mingpt/main.py trainer.max_steps=200 model=gpt-micro
     python -m mingpt.main
 """
 

@@ -1,0 +1,65 @@
+"""Real torchrun processes (gloo on CPU)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, torchrun_cmd, torchrun_env
+from mingpt.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+TINY = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.block_size=32",
+        "optim.warmup_steps=5", "trainer.log_every=5", "trainer.progress=false"]
+
+
+def common(corpus, tmp_path):
+    return [f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+def run(cmd, timeout=240):
+    proc = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout + proc.stderr
+
+
+def test_two_process_run_learns_snapshots_and_resumes(corpus_file, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TINY, *common(corpus_file, tmp_path), f"trainer.run_dir={run_dir}", "trainer.batch_size=16",
+            "trainer.micro_batch_size=4", "trainer.eval_every=20", "snapshot.every_steps=20"]
+    log = run(torchrun_cmd(2, "mingpt/main.py", *args, "trainer.max_steps=40"))
+    assert "[rank 0/2]" in log and "[rank 1/2] INFO" not in log  # one logger
+    train = read_metrics(run_dir / "metrics.jsonl")
+    assert train[40]["loss"] < train[5]["loss"] - 0.5
+    assert train[40]["world_size"] == 2
+    evals = read_metrics(run_dir / "metrics.jsonl", "eval")
+    assert evals[40]["val_loss"] < evals[20]["val_loss"]
+    snaps = sorted(p.name for p in (run_dir / "snapshots").iterdir())
+    assert snaps == ["step_000000020", "step_000000040"]
+
+    # the same command with a higher max_steps resumes at 40, it does not start over
+    log = run(torchrun_cmd(2, "mingpt/main.py", *args, "trainer.max_steps=50"))
+    assert "resumed from snapshot step 40" in log
+    train = read_metrics(run_dir / "metrics.jsonl")
+    assert max(train) == 50 and 45 in train
+
+    out = subprocess.run([sys.executable, "-m", "mingpt.generate", str(run_dir / "snapshots"), "--prompt",
+                          "Speaker", "--max-new-tokens", "30"], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("Speaker") and len(out.stdout.strip()) >= 30
+
+
+@pytest.mark.parametrize("batch, micro", [(8, 4), (5, 2)], ids=["even", "uneven"])
+def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, batch, micro):
+    args = [*TINY, *common(corpus_file, tmp_path), f"trainer.batch_size={batch}", f"trainer.micro_batch_size={micro}",
+            "snapshot.resume=never"]
+    one, two = tmp_path / "g1.pt", tmp_path / "g2.pt"
+    run([sys.executable, "tests/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
+    run(torchrun_cmd(2, "tests/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))
+    g1, g2 = torch.load(one), torch.load(two)
+    assert g1.keys() == g2.keys()
+    for name in g1:
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert max(g.abs().max().item() for g in g1.values()) > 1e-3  # real, non-zero gradients
