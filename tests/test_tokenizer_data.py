@@ -36,7 +36,6 @@ def test_bpe_ranks_file_is_checked_against_gpt2_hash(tmp_path):
         build_bpe(str(tmp_path / "missing.tiktoken"))
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "r50k_base.tiktoken").exists(), reason="shared GPT-2 ranks not present")
 def test_gpt2_bpe_from_local_ranks_file():
     tok = build_bpe(str(SHARED_DATA / "r50k_base.tiktoken"))
     assert tok.vocab_size == 50257 and tok.eot_id == 50256
