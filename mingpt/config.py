@@ -126,9 +126,15 @@ class SnapshotConfig:
     dir: str | None = None
     """Snapshot store: a local directory or s3://bucket/prefix; None = run_dir/snapshots."""
     every_steps: int = 500
-    """Save every N steps (and always at the end); 0 = only at the end."""
+    """Save every N steps (and always at the end and on preemption); 0 = off."""
+    every_seconds: float = 0.0
+    """Also save when this many seconds passed since the last save; 0 = off."""
     keep_last: int = 3
     """Committed snapshots kept; older ones are deleted after a newer one commits."""
+    keep_every: int = 0
+    """Also keep every snapshot whose step is a multiple of this, forever; 0 = off."""
+    retries: int = 3
+    """Retries of a failed save (with exponential backoff from 1 s) before reporting it."""
     resume: str = "latest"
     """"latest" (default: continue from the newest good snapshot), "never", or a snapshot path."""
     endpoint_url: str | None = None
@@ -137,6 +143,8 @@ class SnapshotConfig:
     def __post_init__(self) -> None:
         _check(self.every_steps >= 0, f"snapshot.every_steps must be >= 0, got {self.every_steps}")
         _check(self.keep_last >= 1, f"snapshot.keep_last must be >= 1, got {self.keep_last}")
+        _check(self.every_seconds >= 0 and self.keep_every >= 0 and self.retries >= 0,
+               "snapshot.every_seconds, keep_every and retries must be >= 0")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import socket
 from dataclasses import dataclass
 
@@ -123,3 +124,24 @@ def default_threads(local_world_size: int) -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, local_world_size))
+
+
+class PreemptionFlag:
+    """Set by SIGTERM (torchrun forwards it on shutdown; SLURM sends it before a kill) or SIGUSR1
+    (`sbatch --signal`). The handler only records the request: the ranks agree on it at the next
+    step boundary, save once and exit, so no rank hangs waiting for one that was not signalled."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def install(self, signums=(signal.SIGTERM, signal.SIGUSR1)) -> "PreemptionFlag":
+        for s in signums:
+            signal.signal(s, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        self.signum = signum

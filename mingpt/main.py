@@ -24,13 +24,16 @@ from mingpt.metrics import MetricsWriter
 from mingpt.model import GPT
 from mingpt.optim import build_optimizer
 from mingpt.sampler import StreamSampler
-from mingpt.snapshot import SnapshotError, SnapshotStore
+from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 from mingpt.tokenizer import TokenizerError
 from mingpt.trainer import Trainer
 
 log = logging.getLogger("mingpt")
 
 USER_ERRORS = (ConfigError, DataError, SnapshotError, TokenizerError)
+# Exit code of a run stopped by a preemption signal after saving (EX_TEMPFAIL: try again later).
+# Non-zero, so schedulers count the attempt as failed and torchrun / SLURM can restart it.
+EXIT_PREEMPTED = 75
 
 
 def config_dir() -> str:
@@ -97,17 +100,34 @@ def load_resume_state(store: SnapshotStore | None, resume: str, info: D.DistInfo
 class Run:
     trainer: Trainer
     metrics: MetricsWriter
+    snapshotter: Snapshotter
+
+    def close(self) -> None:
+        self.snapshotter.close()  # waits for the last save
+        self.metrics.close()
 
 
-def assemble(cfg: RunConfig, info: D.DistInfo) -> Run:
+def open_store(url: str, endpoint_url: str | None) -> SnapshotStore:
+    """The snapshot store, checked to be reachable now rather than at the first save."""
+    storage_options = {"endpoint_url": endpoint_url} if endpoint_url else {}
+    try:
+        store = SnapshotStore(url, storage_options)
+        store.list()
+    except Exception as e:  # noqa: BLE001 - any backend's connection or permission error
+        raise SnapshotError(
+            f"cannot reach snapshot store {url} ({e.__class__.__name__}: {e}); check snapshot.dir, "
+            "snapshot.endpoint_url and the AWS credentials / region in the environment"
+        ) from None
+    return store
+
+
+def assemble(cfg: RunConfig, info: D.DistInfo, preempt: D.PreemptionFlag | None = None) -> Run:
     """Build every object of the run from the typed config; resume if a snapshot exists."""
     tcfg = cfg.trainer
     torch.set_num_threads(tcfg.threads or D.default_threads(info.local_world_size))
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
-    store_url = cfg.snapshot.dir or os.path.join(tcfg.run_dir, "snapshots")
-    storage_options = {"endpoint_url": cfg.snapshot.endpoint_url} if cfg.snapshot.endpoint_url else {}
-    store = SnapshotStore(store_url, storage_options)
+    store = open_store(cfg.snapshot.dir or os.path.join(tcfg.run_dir, "snapshots"), cfg.snapshot.endpoint_url)
     resumed = load_resume_state(store, cfg.snapshot.resume, info)
     state, manifest = resumed if resumed else (None, None)
 
@@ -139,32 +159,35 @@ def assemble(cfg: RunConfig, info: D.DistInfo) -> Run:
                 "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source}
     if info.is_first:
         write_json_atomic(Path(tcfg.run_dir) / "tokenizer.json", corpus.tokenizer.state_dict())
+    sc = cfg.snapshot
+    snapshotter = Snapshotter(store, sc.keep_last, sc.keep_every, sc.retries, enabled=info.is_first)
     trainer = Trainer(tcfg, cfg.optim, model, raw, optimizer, scaler, corpus.train, corpus.val, sampler, info,
-                      metrics, store, cfg.snapshot.every_steps, cfg.snapshot.keep_last, run_meta)
+                      metrics, snapshotter, sc.every_steps, sc.every_seconds, preempt or D.PreemptionFlag(), run_meta)
     if state is not None:
         trainer.load_state_dict(state)
         log.info("resumed from snapshot step %d (saved at world size %d, now %d)", trainer.step,
                  manifest["world_size"], info.world_size)
         metrics.write({"kind": "resume", "step": trainer.step, "world_size": info.world_size})
-    return Run(trainer, metrics)
+    return Run(trainer, metrics, snapshotter)
 
 
 def run(dcfg: DictConfig) -> int:
     info = D.DistInfo.from_env()
     setup_logging(info)
+    preempt = D.PreemptionFlag().install()
     run_obj = None
     try:
         cfg = from_dict(OmegaConf.to_container(dcfg, resolve=True))
         D.init(info, cfg.dist.timeout_s)
-        run_obj = assemble(cfg, info)
-        run_obj.trainer.train()
-        return 0
+        run_obj = assemble(cfg, info, preempt)
+        finished = run_obj.trainer.train()
+        return 0 if finished else EXIT_PREEMPTED
     except USER_ERRORS as e:
         log.error("%s", e)
         return 2
     finally:
         if run_obj is not None:
-            run_obj.metrics.close()
+            run_obj.close()
         D.shutdown()
 
 

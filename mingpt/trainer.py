@@ -21,7 +21,7 @@ from mingpt.metrics import MetricsWriter
 from mingpt.model import GPT
 from mingpt.optim import lr_at
 from mingpt.sampler import StreamSampler, epoch_order, split_global_batch
-from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot import Snapshotter
 
 log = logging.getLogger(__name__)
 
@@ -45,19 +45,23 @@ class Trainer:
     Args:
         model: what the loop calls (DDP and/or compiled wrapper around `raw_model`).
         raw_model: the plain GPT, whose state_dict has no wrapper prefixes.
-        store: where snapshots go; None disables snapshots.
+        snapshotter: saves snapshots (asynchronously, on the current rank 0 only).
+        snapshot_every, snapshot_every_s: save every N steps and/or every T seconds (0 = off).
+        preempt: set by a signal; the ranks agree on it at a step boundary, save and stop.
         run_meta: plain data recorded in every snapshot manifest (config, tokenizer).
     """
 
     def __init__(self, cfg: TrainerConfig, optim_cfg: OptimConfig, model: nn.Module, raw_model: GPT,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, train_data: StreamDataset,
                  val_data: StreamDataset, sampler: StreamSampler, dist: D.DistInfo, metrics: MetricsWriter,
-                 store: SnapshotStore | None, snapshot_every: int, keep_last: int, run_meta: dict):
+                 snapshotter: Snapshotter, snapshot_every: int, snapshot_every_s: float,
+                 preempt: D.PreemptionFlag, run_meta: dict):
         self.cfg, self.optim_cfg = cfg, optim_cfg
         self.model, self.raw_model, self.optimizer, self.scaler = model, raw_model, optimizer, scaler
         self.train_data, self.val_data, self.sampler = train_data, val_data, sampler
-        self.dist, self.metrics, self.store = dist, metrics, store
-        self.snapshot_every, self.keep_last, self.run_meta = snapshot_every, keep_last, run_meta
+        self.dist, self.metrics, self.snapshotter, self.preempt = dist, metrics, snapshotter, preempt
+        self.snapshot_every, self.snapshot_every_s, self.run_meta = snapshot_every, snapshot_every_s, run_meta
+        self._last_save_t = time.monotonic()
         self.device = torch.device(dist.device)
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
         # Counters that survive a restart (state_dict below).
@@ -74,11 +78,12 @@ class Trainer:
         self.val_indices = np.sort(epoch_order(len(val_data), cfg.seed, 0)[:n_val])
 
     # ---------------------------------------------------------------- the loop
-    def train(self) -> None:
+    def train(self) -> bool:
+        """Train to max_steps; False when stopped early by a preemption signal (after saving)."""
         cfg = self.cfg
         if self.step >= cfg.max_steps:
             log.info("already at step %d of %d; nothing to train", self.step, cfg.max_steps)
-            return
+            return True
         log.info("training from step %d to %d: global batch %d x %d tokens, %d ranks, precision %s",
                  self.step, cfg.max_steps, cfg.batch_size, self.train_data.block_size, self.dist.world_size,
                  self.amp_dtype or "fp32")
@@ -99,14 +104,33 @@ class Trainer:
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):
                 self.evaluate()
                 paused = True
-            if self.snapshot_every and self.step % self.snapshot_every == 0 and self.step < cfg.max_steps:
+            stop, timed = self._agree_at_boundary()
+            due = self.snapshot_every and self.step % self.snapshot_every == 0
+            if (stop or timed or due) and self.step < cfg.max_steps:
                 self.save_snapshot()
                 paused = True
+            if stop:
+                self.snapshotter.wait()
+                log.warning("preempted by signal %s: saved step %d and stopping", self.preempt.signum, self.step)
+                return False
             if paused:  # keep evaluation and saving out of the step-time figures
                 t_last, steps_since = time.perf_counter(), 0
         if bar is not None:
             bar.close()
         self.save_snapshot()
+        self.snapshotter.wait()
+        return True
+
+    def _agree_at_boundary(self) -> tuple[bool, bool]:
+        """(stop, save now): any rank's preemption signal, or the save interval having passed.
+
+        One tiny all-reduce per step, so that every rank takes the same decision at the same step.
+        """
+        timed = self.snapshot_every_s > 0 and time.monotonic() - self._last_save_t >= self.snapshot_every_s
+        flags = torch.tensor([float(self.preempt.requested), float(timed)], device=self.device)
+        D.all_reduce_sum(flags)
+        stop, timed = (flags > 0).tolist()
+        return stop, timed
 
     def train_step(self) -> StepStats:
         """One optimizer step over the next global batch, split over ranks and micro-batches."""
@@ -196,14 +220,11 @@ class Trainer:
 
     def save_snapshot(self) -> None:
         """Only the current global rank 0 writes: one writer per job, whichever node it is on."""
-        if self.store is None or not self.dist.is_first:
+        self._last_save_t = time.monotonic()
+        if not self.dist.is_first:
             return
-        t0 = time.perf_counter()
         manifest = {**self.run_meta, "tokens_seen": self.tokens_seen, "world_size": self.dist.world_size}
-        path = self.store.save(self.step, self.state_dict(), manifest)
-        pruned = self.store.prune(self.keep_last)
-        log.info("snapshot step %d saved to %s in %.2fs%s", self.step, path, time.perf_counter() - t0,
-                 f" (pruned {len(pruned)})" if pruned else "")
+        self.snapshotter.save(self.step, self.state_dict(), manifest)
 
     # ---------------------------------------------------------------- logging
     def _log_train(self, stats: StepStats, step_s: float) -> None:

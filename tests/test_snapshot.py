@@ -11,7 +11,7 @@ import torch
 from mingpt.config import RunConfig
 from mingpt.main import MismatchError, check_compatible
 from mingpt.model import GPTConfig
-from mingpt.snapshot import SnapshotError, SnapshotStore
+from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 
 
 def state(v: float) -> dict:
@@ -105,13 +105,15 @@ def test_only_the_first_rank_writes(tmp_path):
 
     written = []
     for rank in range(2):
-        fake = Trainer.__new__(Trainer)
-        fake.dist = DistInfo(rank=rank, world_size=2)
-        fake.store = SnapshotStore(str(tmp_path / f"as_rank{rank}"))
+        info = DistInfo(rank=rank, world_size=2)
+        store = SnapshotStore(str(tmp_path / f"as_rank{rank}"))
+        fake = Trainer.__new__(Trainer)  # only the parts save_snapshot uses
+        fake.dist, fake.snapshotter = info, Snapshotter(store, keep_last=3, enabled=info.is_first)
         fake.state_dict = lambda: state(1)
-        fake.step, fake.tokens_seen, fake.run_meta, fake.keep_last = 1, 0, {}, 3
+        fake.step, fake.tokens_seen, fake.run_meta = 1, 0, {}
         fake.save_snapshot()
-        written.append(bool(fake.store.list()))
+        fake.snapshotter.close()
+        written.append(bool(store.list()))
     assert written == [True, False]
 
 
