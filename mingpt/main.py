@@ -112,7 +112,7 @@ def open_store(url: str, endpoint_url: str | None) -> SnapshotStore:
     storage_options = {"endpoint_url": endpoint_url} if endpoint_url else {}
     try:
         store = SnapshotStore(url, storage_options)
-        store.list()
+        store.check()
     except Exception as e:  # noqa: BLE001 - any backend's connection or permission error
         raise SnapshotError(
             f"cannot reach snapshot store {url} ({e.__class__.__name__}: {e}); check snapshot.dir, "

@@ -41,3 +41,38 @@ def torchrun_env(**extra) -> dict:
 def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             f"--max-restarts={max_restarts}", *args]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on loopback; the AWS environment points at it with dummy credentials."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION")}
+    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="test-key-id",
+                      AWS_SECRET_ACCESS_KEY="test-secret-do-not-log", AWS_DEFAULT_REGION="us-east-1")
+    yield {"server": server, "host": host, "port": port}
+    server.stop()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(params=["local", "s3"])
+def store_url(request, tmp_path):
+    """The same store tests against a local directory and against s3:// on the loopback server."""
+    if request.param == "local":
+        return str(tmp_path / "snapshots")
+    request.getfixturevalue("s3_server")
+    import s3fs
+    import uuid
+
+    bucket = f"bkt-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem().mkdir(bucket)
+    return f"s3://{bucket}/run"

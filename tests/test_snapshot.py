@@ -18,20 +18,21 @@ def state(v: float) -> dict:
     return {"model": {"w": torch.full((4, 4), v)}, "trainer": {"step": int(v)}}
 
 
-def test_round_trip_and_manifest(tmp_path):
-    store = SnapshotStore(str(tmp_path / "snaps"))
+def test_round_trip_and_manifest(store_url):
+    store = SnapshotStore(store_url)
     path = store.save(10, state(10), {"config": {"a": 1}})
     loaded, manifest = store.load(path)
     assert torch.equal(loaded["model"]["w"], torch.full((4, 4), 10.0))
     assert manifest["step"] == 10 and manifest["format_version"] == 1 and manifest["config"] == {"a": 1}
-    assert manifest["files"]["state.pt"]["size"] == os.path.getsize(f"{path}/state.pt")
+    assert manifest["files"]["state.pt"]["size"] == store.fs.size(f"{path}/state.pt")
 
 
-def test_uncommitted_write_is_invisible(tmp_path):
-    store = SnapshotStore(str(tmp_path))
+def test_uncommitted_write_is_invisible(store_url):
+    store = SnapshotStore(store_url)
     store.save(1, state(1), {})
-    (tmp_path / "step_000000002").mkdir()
-    (tmp_path / "step_000000002" / "state.pt").write_bytes(b"half a write")
+    store.fs.makedirs(f"{store.root}/step_000000002", exist_ok=True)
+    store.fs.pipe(f"{store.root}/step_000000002/state.pt", b"half a write")  # no manifest: not committed
+    assert [s.step for s in store.list()] == [1, 2]
     assert [s.step for s in store.list() if s.committed] == [1]
     assert store.load_latest()[1]["step"] == 1
 
@@ -60,13 +61,13 @@ def test_writer_killed_mid_write_leaves_previous_snapshot_valid(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
-def test_corrupt_latest_falls_back_with_warning(tmp_path, caplog, damage):
-    store = SnapshotStore(str(tmp_path))
+def test_corrupt_latest_falls_back_with_warning(store_url, caplog, damage):
+    store = SnapshotStore(store_url)
     store.save(1, state(1), {})
     p2 = store.save(2, state(2), {})
     f = f"{p2}/state.pt"
-    data = open(f, "rb").read()
-    open(f, "wb").write(data[: len(data) // 2] if damage == "truncate" else data[:-8] + b"XXXXXXXX")
+    data = store.fs.cat(f)
+    store.fs.pipe(f, data[: len(data) // 2] if damage == "truncate" else data[:-8] + b"XXXXXXXX")
     loaded, manifest = store.load_latest()
     assert manifest["step"] == 1 and loaded["trainer"]["step"] == 1
     assert "falling back" in caplog.text
@@ -90,12 +91,14 @@ def test_format_version_is_checked(tmp_path):
         store.load(p)
 
 
-def test_retention_keeps_last_k_after_commit(tmp_path):
-    store = SnapshotStore(str(tmp_path))
-    for step in range(1, 6):
+def test_retention_keeps_last_k_after_commit(store_url):
+    store = SnapshotStore(store_url)
+    for step in range(1, 8):
         store.save(step, state(step), {})
-        store.prune(keep_last=2)
-    assert [s.step for s in store.list()] == [4, 5]
+        store.prune(keep_last=2, keep_every=3)
+    assert [s.step for s in store.list()] == [3, 6, 7]
+    store.prune(keep_last=2)
+    assert [s.step for s in store.list()] == [6, 7]
 
 
 def test_only_the_first_rank_writes(tmp_path):

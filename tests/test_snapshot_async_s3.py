@@ -1,0 +1,87 @@
+import logging
+
+import pytest
+import torch
+
+from mingpt.main import open_store
+from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore, cli, weights_digest
+
+
+def test_async_save_copies_state_before_training_goes_on(store_url):
+    store = SnapshotStore(store_url)
+    snap = Snapshotter(store, keep_last=2)
+    w = torch.zeros(1000)
+    snap.save(1, {"model": {"w": w}}, {})
+    w.add_(1.0)  # training continues and changes the live tensor
+    snap.close()
+    loaded, _ = store.load_latest()
+    assert torch.equal(loaded["model"]["w"], torch.zeros(1000))
+    assert snap.last_saved_step == 1 and len(snap.blocking_s) == 1
+
+
+def test_multipart_sized_snapshot_on_s3(s3_server):
+    import s3fs
+
+    s3fs.S3FileSystem().mkdir("multipart")
+    # 5 MiB parts (S3's minimum) instead of s3fs's 50 MiB, so a 24 MB state is a multipart upload
+    store = SnapshotStore("s3://multipart/run", {"default_block_size": 5 * 2**20})
+    big = {"model": {"w": torch.randn(6_000_000)}}
+    path = store.save(3, big, {})
+    loaded, manifest = store.load(path)
+    assert manifest["files"]["state.pt"]["size"] > 4 * 5 * 2**20
+    assert torch.equal(loaded["model"]["w"], big["model"]["w"])
+
+
+def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server, caplog):
+    from moto.server import ThreadedMotoServer
+    import s3fs
+
+    s3fs.S3FileSystem().mkdir("flaky")
+    store = SnapshotStore("s3://flaky/run", {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
+    snap = Snapshotter(store, keep_last=3, retries=1, backoff_s=0.1)
+    snap.save(1, {"model": {"w": torch.ones(10)}}, {})
+    snap.wait()
+    server = s3_server["server"]
+    server.stop()
+    try:
+        caplog.set_level(logging.WARNING)
+        snap.save(2, {"model": {"w": torch.full((10,), 2.0)}}, {})
+        snap.wait()  # does not raise: the failure is reported
+        assert snap.failures == 1 and snap.last_saved_step == 1
+        assert "snapshot step 2 failed after 2 attempts" in caplog.text
+        assert "retrying" in caplog.text
+    finally:
+        # the same port again; moto's state lives in this process, so the bucket is still there
+        s3_server["server"] = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_server["port"], verbose=False)
+        s3_server["server"].start()
+    store.fs.invalidate_cache()
+    assert [s.step for s in store.list() if s.committed] == [1]
+    assert store.load_latest()[1]["step"] == 1
+    snap.close()
+
+
+def test_unreachable_bucket_is_one_clear_error_without_credentials(s3_server):
+    with pytest.raises(SnapshotError, match="cannot reach snapshot store s3://no-such-bucket/x") as e:
+        open_store("s3://no-such-bucket/x", None)
+    assert "test-secret-do-not-log" not in str(e.value)
+    with pytest.raises(SnapshotError, match="snapshot.endpoint_url"):
+        open_store("s3://bucket/x", "http://127.0.0.1:9")  # nothing listens on the discard port
+
+
+def test_snapshot_cli_list_show_verify(tmp_path, capsys):
+    store = SnapshotStore(str(tmp_path))
+    store.save(1, {"model": {"w": torch.ones(3)}}, {"world_size": 2})
+    p2 = store.save(2, {"model": {"w": torch.zeros(3)}}, {"world_size": 2})
+    (tmp_path / "step_000000003").mkdir()
+    assert cli(["list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "committed" in out and "incomplete" in out
+    assert cli(["verify", str(tmp_path)]) == 0
+    assert weights_digest({"w": torch.zeros(3)}) in capsys.readouterr().out
+    assert cli(["show", str(tmp_path), "--step", "1"]) == 0
+    assert '"step": 1' in capsys.readouterr().out
+    with open(f"{p2}/state.pt", "r+b") as fh:
+        fh.seek(-4, 2)
+        fh.write(b"oops")
+    assert cli(["verify", str(tmp_path), "--json"]) == 1
+    assert "FAILED" in capsys.readouterr().out
