@@ -165,8 +165,8 @@ def assemble(cfg: RunConfig, info: D.DistInfo, preempt: D.PreemptionFlag | None 
                       metrics, snapshotter, sc.every_steps, sc.every_seconds, preempt or D.PreemptionFlag(), run_meta)
     if state is not None:
         trainer.load_state_dict(state)
-        log.info("resumed from snapshot step %d (saved at world size %d, now %d)", trainer.step,
-                 manifest["world_size"], info.world_size)
+        log.info("resumed from snapshot step %d (saved at world size %d, now %d; torchrun restart %d here)",
+                 trainer.step, manifest["world_size"], info.world_size, info.restart_count)
         metrics.write({"kind": "resume", "step": trainer.step, "world_size": info.world_size})
     return Run(trainer, metrics, snapshotter)
 

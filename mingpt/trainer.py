@@ -111,7 +111,8 @@ class Trainer:
                 paused = True
             if stop:
                 self.snapshotter.wait()
-                log.warning("preempted by signal %s: saved step %d and stopping", self.preempt.signum, self.step)
+                log.warning("preempted (signal %s on some rank): snapshot of step %d done, stopping",
+                            self.preempt.signum, self.step)
                 return False
             if paused:  # keep evaluation and saving out of the step-time figures
                 t_last, steps_since = time.perf_counter(), 0

@@ -10,13 +10,17 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
-@pytest.fixture
-def corpus_file(tmp_path) -> Path:
-    """A small corpus of a few thousand characters that the test writes itself."""
+def make_corpus(directory: Path) -> Path:
+    """A small corpus (about 17,000 characters) that the test writes itself."""
     lines = [f"Speaker {i % 7}: the quick brown fox {i} jumps over the lazy dog." for i in range(300)]
-    p = tmp_path / "corpus.txt"
+    p = directory / "corpus.txt"
     p.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return p
+
+
+@pytest.fixture
+def corpus_file(tmp_path) -> Path:
+    return make_corpus(tmp_path)
 
 
 def make_ranks_file(path: Path) -> Path:

@@ -1,0 +1,117 @@
+"""Real torchrun agents, real SIGKILL / SIGTERM, real snapshots: the job survives and ends exact."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, torchrun_cmd, torchrun_env
+from mingpt.metrics import read_metrics
+from mingpt.snapshot import SnapshotStore
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 120
+CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=64",
+       "model.dropout=0.1", "trainer.batch_size=16", "trainer.micro_batch_size=4", "trainer.log_every=1",
+       "trainer.eval_every=40", "trainer.progress=false", "optim.warmup_steps=10", f"trainer.max_steps={MAX_STEPS}"]
+
+
+def args(corpus, tmp_path, run_dir, every=10):
+    return [*CFG, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}",
+            f"snapshot.every_steps={every}"]
+
+
+def final_weights(run_dir: Path) -> dict:
+    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    assert manifest["step"] == MAX_STEPS
+    return state["model"]
+
+
+def wait_for_step(metrics: Path, step: int, proc, timeout=120) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, "the run ended before the fault was injected"
+        if metrics.exists():
+            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line]
+            if steps and max(steps) >= step:
+                return max(steps)
+        time.sleep(0.005)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def workers_of(agent_pid: int) -> dict[int, int]:
+    """RANK -> pid of the agent's worker processes, from /proc."""
+    out = {}
+    for pid in Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split():
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        rank = next((e.split(b"=", 1)[1] for e in env if e.startswith(b"RANK=")), None)
+        if rank is not None:
+            out[int(rank)] = int(pid)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted run of the same config: final weights and loss curve."""
+    from conftest import make_corpus
+
+    tmp = tmp_path_factory.mktemp("ref")
+    corpus = make_corpus(tmp)
+    run_dir = tmp / "run"
+    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp, run_dir)), cwd=REPO,
+                          env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"corpus": corpus, "weights": final_weights(run_dir),
+            "losses": {s: r["loss"] for s, r in read_metrics(run_dir / "metrics.jsonl").items()}}
+
+
+def test_sigkill_a_worker_torchrun_restarts_and_the_run_ends_bitwise_identical(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    agent = subprocess.Popen(torchrun_cmd(2, "mingpt/main.py", *args(reference["corpus"], tmp_path, run_dir),
+                                          max_restarts=3),
+                             cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_at = wait_for_step(run_dir / "metrics.jsonl", 35, agent)
+    victim = workers_of(agent.pid)[1]
+    os.kill(victim, signal.SIGKILL)
+    out, _ = agent.communicate(timeout=300)
+    assert agent.returncode == 0, out[-4000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resumes = [r for r in records if r["kind"] == "resume"]
+    assert len(resumes) == 1, out[-3000:]
+    # resumed from the latest snapshot before the kill: at most one snapshot interval was lost
+    assert killed_at - 10 <= resumes[0]["step"] <= killed_at and resumes[0]["step"] % 10 == 0
+    assert "restart 1 here" in out
+    weights = final_weights(run_dir)
+    for name, ref in reference["weights"].items():
+        assert torch.equal(weights[name], ref), name
+    losses = {s: r["loss"] for s, r in read_metrics(run_dir / "metrics.jsonl").items()}
+    assert losses == reference["losses"]  # the logged curve continues exactly
+
+
+def test_sigterm_to_the_agent_saves_at_the_current_step_and_resume_is_exact(reference, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = torchrun_cmd(2, "mingpt/main.py", *args(reference["corpus"], tmp_path, run_dir, every=0))
+    agent = subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    signalled_at = wait_for_step(run_dir / "metrics.jsonl", 30, agent)
+    agent.send_signal(signal.SIGTERM)
+    out, _ = agent.communicate(timeout=120)
+    assert agent.returncode != 0, "a preempted run must not look successful to the scheduler"
+    assert "preempted (signal 15 on some rank): snapshot of step" in out
+    snaps = [s for s in SnapshotStore(str(run_dir / "snapshots")).list() if s.committed]
+    assert len(snaps) == 1  # every_steps=0: this is the preemption snapshot
+    stopped = snaps[0].step
+    assert signalled_at <= stopped < MAX_STEPS and stopped <= signalled_at + 5
+    # the scheduler starts the same command again: it resumes there and ends as if never stopped
+    proc = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"resumed from snapshot step {stopped}" in proc.stderr
+    weights = final_weights(run_dir)
+    for name, ref in reference["weights"].items():
+        assert torch.equal(weights[name], ref), name
