@@ -4,6 +4,7 @@
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 -m mingpt.bench --steps 100 model=gpt-micro ...
 
 Arguments after the options are Hydra overrides of conf/config.yaml. Nothing is saved or resumed.
+`python -m mingpt.bench snapshot` measures snapshot save / load / recovery instead (bench_snapshot.py).
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "snapshot":
+        from mingpt import bench_snapshot
+
+        return bench_snapshot.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m mingpt.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=50, help="timed steps (default 50)")

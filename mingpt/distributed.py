@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,23 @@ class DistInfo:
             hostname=socket.gethostname(),
             device=f"cuda:{local_rank}" if cuda else "cpu",
         )
+
+
+def die_with_parent() -> None:
+    """Under torchrun, make the kernel SIGKILL this worker when its agent dies.
+
+    torchrun starts workers in their own session, so a SIGKILLed agent would leave orphans that
+    keep training at the old world size (and hold the cores). Linux only; a no-op elsewhere.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the agent died before prctl took effect
+        os._exit(1)
 
 
 def init(info: DistInfo, timeout_s: float) -> None:

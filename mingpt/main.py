@@ -172,6 +172,7 @@ def assemble(cfg: RunConfig, info: D.DistInfo, preempt: D.PreemptionFlag | None 
 
 
 def run(dcfg: DictConfig) -> int:
+    D.die_with_parent()
     info = D.DistInfo.from_env()
     setup_logging(info)
     preempt = D.PreemptionFlag().install()

@@ -198,22 +198,24 @@ class SnapshotStore:
         return doomed
 
 
-def cpu_copy(obj):
+def cpu_copy(obj, into=None):
     """A copy of a state tree with every tensor copied off the accelerator into CPU memory.
 
     This is the only part of a save that blocks training: afterwards the live tensors may change.
+    `into`, a previous copy of the same structure, is reused where shapes match: writing into
+    memory that is already mapped (and pinned) is several times faster than allocating anew.
     """
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        if t.device.type == "cpu":
-            return t.clone()
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
-        out.copy_(t, non_blocking=True)
-        return out
+        if not (isinstance(into, torch.Tensor) and into.shape == t.shape and into.dtype == t.dtype):
+            into = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+        return into.copy_(t, non_blocking=t.device.type == "cuda")
     if isinstance(obj, dict):
-        return {k: cpu_copy(v) for k, v in obj.items()}
+        prev = into if isinstance(into, dict) else {}
+        return {k: cpu_copy(v, prev.get(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(cpu_copy(v) for v in obj)
+        prev = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
+        return type(obj)(cpu_copy(v, p) for v, p in zip(obj, prev))
     return obj
 
 
@@ -233,6 +235,7 @@ class Snapshotter:
         self._pending: Future | None = None
         self.last_saved_step: int | None = None
         self._requested_step: int | None = None
+        self._buffers = None  # the last CPU copy, reused by the next save once it has been written
         self.failures = 0
         self.blocking_s: list[float] = []
 
@@ -242,7 +245,7 @@ class Snapshotter:
         self._requested_step = step
         self.wait()  # one save at a time; usually long finished
         t0 = time.perf_counter()
-        state = cpu_copy(state)
+        state = self._buffers = cpu_copy(state, self._buffers)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies are complete
         self.blocking_s.append(time.perf_counter() - t0)

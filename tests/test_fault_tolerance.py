@@ -115,3 +115,24 @@ def test_sigterm_to_the_agent_saves_at_the_current_step_and_resume_is_exact(refe
     weights = final_weights(run_dir)
     for name, ref in reference["weights"].items():
         assert torch.equal(weights[name], ref), name
+
+
+def test_workers_die_with_a_sigkilled_agent(reference, tmp_path):
+    """torchrun starts workers in their own session; without PR_SET_PDEATHSIG they would be orphans."""
+    run_dir = tmp_path / "run"
+    long_run = [a for a in args(reference["corpus"], tmp_path, run_dir) if "max_steps" not in a]
+    agent = subprocess.Popen(torchrun_cmd(2, "mingpt/main.py", *long_run, "trainer.max_steps=1000000"),
+                             cwd=REPO, env=torchrun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_step(run_dir / "metrics.jsonl", 5, agent)
+    workers = list(workers_of(agent.pid).values())
+    assert len(workers) == 2
+    agent.kill()
+    agent.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and any(Path(f"/proc/{p}").exists() and
+                                         "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2] for p in workers):
+        time.sleep(0.05)
+    alive = [p for p in workers if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
+    for p in alive:
+        os.kill(p, signal.SIGKILL)
+    assert alive == [], "workers outlived their agent"
