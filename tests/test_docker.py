@@ -1,0 +1,70 @@
+"""No Docker engine here: lint the Dockerfile, check its structure, and run its install steps in a
+clean virtual environment."""
+
+import re
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+DOCKERFILE = (REPO / "Dockerfile").read_text()
+INSTRUCTIONS = [line for line in DOCKERFILE.splitlines() if line and not line.startswith((" ", "#"))]
+
+
+def test_hadolint_passes():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    proc = subprocess.run([hadolint, "--failure-threshold", "info", str(REPO / "Dockerfile")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_structure():
+    base = next(line for line in INSTRUCTIONS if line.startswith("FROM")).split()[1]
+    assert base.startswith("pytorch/pytorch:") and re.search(r":\d+\.\d+\.\d+-cuda[\d.]+-cudnn\d+-runtime$", base)
+    user = [line.split()[1] for line in INSTRUCTIONS if line.startswith("USER")]
+    assert user and user[-1].split(":")[0] not in ("root", "0")
+    assert 'ENTRYPOINT ["torchrun"]' in INSTRUCTIONS
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in DOCKERFILE
+    run = next(line for line in INSTRUCTIONS if line.startswith("RUN pip install"))
+    assert "pip install --no-cache-dir ." in run and " -e " not in run  # non-editable
+    assert "snapshot.dir=s3://" in DOCKERFILE  # the documented multi-node example snapshots to S3
+
+
+@pytest.mark.slow
+def test_install_steps_in_a_clean_virtualenv(tmp_path):
+    """COPY what the Dockerfile copies, pip install it non-editable, and compose the config from
+    the installed package, far from the source tree."""
+    ctx = tmp_path / "image"
+    ctx.mkdir()
+    for line in INSTRUCTIONS:
+        if line.startswith("COPY"):
+            *sources, dest = line.split()[1:]
+            for src in sources:
+                target = ctx / src if dest == "./" else ctx / dest
+                if (REPO / src).is_dir():
+                    shutil.copytree(REPO / src, target, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy(REPO / src, target)
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = str(env_dir / "bin" / "python")
+    # the base image brings torch; here the CPU wheel of the pinned version stands in for it
+    subprocess.run([py, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True, timeout=600)
+    run = next(line for line in INSTRUCTIONS if line.startswith("RUN pip install"))
+    pip_args = run.split("&&")[0].split()[3:]  # ["--no-cache-dir", "."]
+    subprocess.run([py, "-m", "pip", "install", "-q", *pip_args], cwd=ctx, check=True, timeout=600)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code = ("from mingpt.main import config_dir; from mingpt.bench import compose_config; "
+            "print(config_dir()); print(compose_config(['model=gpt2', 'snapshot=s3']).snapshot.dir)")
+    out = subprocess.run([py, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    conf, snapdir = out.stdout.split()
+    assert "site-packages/mingpt/conf" in conf and snapdir.startswith("s3://")
+    help_out = subprocess.run([str(env_dir / "bin" / "torchrun"), "--help"], capture_output=True, text=True)
+    assert help_out.returncode == 0 and "--rdzv_endpoint" in help_out.stdout

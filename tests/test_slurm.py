@@ -1,0 +1,99 @@
+"""The sbatch script with stand-in srun / scontrol / hostname that record what they are given."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+SCRIPT = REPO / "slurm" / "train.sbatch"
+
+SRUN = """#!/usr/bin/env bash
+printf '%s\\n' "$@" > "$RECORD/srun.args"
+echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}" > "$RECORD/srun.env"
+if [[ "${SRUN_MODE:-}" == sleep ]]; then
+  trap 'echo TERM > "$RECORD/srun.signal"; exit 75' TERM
+  touch "$RECORD/srun.started"
+  for _ in $(seq 300); do sleep 0.1; done
+fi
+"""
+SCONTROL = """#!/usr/bin/env bash
+echo "$*" >> "$RECORD/scontrol.calls"
+if [[ "$1 $2" == "show hostnames" ]]; then tr ',' '\\n' <<< "$3"; fi
+"""
+HOSTNAME = """#!/usr/bin/env bash
+echo "$*" >> "$RECORD/hostname.calls"
+echo node01
+"""
+
+
+@pytest.fixture
+def fake_slurm(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"srun": SRUN, "scontrol": SCONTROL, "hostname": HOSTNAME}.items():
+        (bin_dir / name).write_text(body)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def slurm_env(bin_dir: Path, record: Path, nodes: list[str], **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCH_DISABLE"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(record), SLURM_NNODES=str(len(nodes)),
+               SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=",".join(nodes), SLURM_GPUS_ON_NODE="8",
+               SLURM_SUBMIT_DIR="/shared/home/me", SLURM_JOB_NAME="mingpt", **extra)
+    return env
+
+
+@pytest.mark.parametrize("nodes", [["gpu-a1", "gpu-a2"], ["gpu-b7", "gpu-b8", "gpu-b9", "gpu-c1"]])
+def test_torchrun_command_line_for_the_allocation(fake_slurm, tmp_path, nodes):
+    proc = subprocess.run(["bash", str(SCRIPT), "model=gpt2", "trainer.max_steps=10"],
+                          env=slurm_env(fake_slurm, tmp_path, nodes), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "srun.args").read_text().split("\n")
+    assert args[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "torchrun"]
+    assert f"--nnodes=1:{len(nodes)}" in args
+    assert "--nproc_per_node=8" in args
+    assert f"--rdzv_endpoint={nodes[0]}:29500" in args
+    assert "--rdzv_id=4242" in args and "--rdzv_backend=c10d" in args
+    assert "--rdzv_conf=last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10" in args
+    assert "--max-restarts=3" in args
+    i = args.index("-m")
+    assert args[i + 1] == "mingpt.main"
+    assert "snapshot.dir=/shared/home/me/runs/mingpt/snapshots" in args
+    assert args[-3:-1] == ["model=gpt2", "trainer.max_steps=10"]  # user overrides come last
+    assert (tmp_path / "srun.env").read_text().strip() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def test_usr1_before_the_time_limit_forwards_sigterm_then_requeues(fake_slurm, tmp_path):
+    env = slurm_env(fake_slurm, tmp_path, ["n1", "n2"], SRUN_MODE="sleep")
+    proc = subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    deadline = time.time() + 20
+    while not (tmp_path / "srun.started").exists():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert (tmp_path / "srun.signal").read_text().strip() == "TERM"
+    assert "requeue 4242" in (tmp_path / "scontrol.calls").read_text()
+    assert "requeueing job 4242" in out
+
+
+def test_the_node_count_is_written_once():
+    text = SCRIPT.read_text()
+    assert text.count("#SBATCH --nodes") == 1
+    assert "--nnodes=2" not in text and "SLURM_NNODES" in text
+
+
+def test_shellcheck_passes():
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
