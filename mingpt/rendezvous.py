@@ -1,0 +1,51 @@
+"""A standalone rendezvous store, so that no training node is a single point of failure.
+
+torchrun's c10d rendezvous keeps its store inside the agent on the --rdzv_endpoint host: if that
+node dies, every other agent loses the rendezvous and the whole job ends. Run this on a small,
+stable machine (a login or head node) instead, and give every agent `is_host=0`:
+
+    python -m mingpt.rendezvous --host 0.0.0.0 --port 29400
+    torchrun --nnodes=1:4 --rdzv_backend=c10d --rdzv_endpoint=STORE_HOST:29400 \\
+        --rdzv_conf=is_host=0,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10 ...
+
+For a fully replicated store, use torchrun's etcd backend (`--rdzv_backend=etcd-v2`) with an etcd cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from datetime import timedelta
+
+from torch.distributed import TCPStore
+
+log = logging.getLogger("mingpt.rendezvous")
+
+
+def serve(host: str, port: int, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+    """Host a TCPStore until `stop` is set (or forever)."""
+    store = TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                     timeout=timedelta(seconds=60))
+    log.info("rendezvous store listening on %s:%d", host, store.port)
+    if ready is not None:
+        ready.set()
+    (stop or threading.Event()).wait()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m mingpt.rendezvous", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
+    ap.add_argument("--port", type=int, default=29400)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    serve(args.host, args.port, stop=stop)
+
+
+if __name__ == "__main__":
+    main()
