@@ -110,6 +110,8 @@ class TrainerConfig:
     """Show a progress bar on the first rank when stderr is a terminal."""
     run_dir: str = "runs/default"
     """Where metrics, the tokenizer and (by default) snapshots go."""
+    watchdog_s: float = 900.0
+    """Exit (for torchrun to restart) when a step makes no progress for this long; 0 = off."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")

@@ -121,6 +121,15 @@ def all_gather_floats(values: list[float], device: str) -> list[list[float]]:
     return [o.tolist() for o in out]
 
 
+def all_gather_objects(obj) -> list:
+    """Every rank's picklable object, indexed by current rank."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj, src: int = 0):
     """Send a picklable object from rank src to all ranks."""
     if not dist.is_initialized():

@@ -27,6 +27,7 @@ from mingpt.sampler import StreamSampler
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 from mingpt.tokenizer import TokenizerError
 from mingpt.trainer import Trainer
+from mingpt.watchdog import Watchdog
 
 log = logging.getLogger("mingpt")
 
@@ -162,7 +163,8 @@ def assemble(cfg: RunConfig, info: D.DistInfo, preempt: D.PreemptionFlag | None 
     sc = cfg.snapshot
     snapshotter = Snapshotter(store, sc.keep_last, sc.keep_every, sc.retries, enabled=info.is_first)
     trainer = Trainer(tcfg, cfg.optim, model, raw, optimizer, scaler, corpus.train, corpus.val, sampler, info,
-                      metrics, snapshotter, sc.every_steps, sc.every_seconds, preempt or D.PreemptionFlag(), run_meta)
+                      metrics, snapshotter, sc.every_steps, sc.every_seconds, preempt or D.PreemptionFlag(), run_meta,
+                      Watchdog(tcfg.watchdog_s, f"rank {info.rank} ({info.hostname}:{info.local_rank})"))
     if state is not None:
         trainer.load_state_dict(state)
         log.info("resumed from snapshot step %d (saved at world size %d, now %d; torchrun restart %d here)",

@@ -22,6 +22,7 @@ from mingpt.model import GPT
 from mingpt.optim import lr_at
 from mingpt.sampler import StreamSampler, epoch_order, split_global_batch
 from mingpt.snapshot import Snapshotter
+from mingpt.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +50,27 @@ class Trainer:
         snapshot_every, snapshot_every_s: save every N steps and/or every T seconds (0 = off).
         preempt: set by a signal; the ranks agree on it at a step boundary, save and stop.
         run_meta: plain data recorded in every snapshot manifest (config, tokenizer).
+        watchdog: notices a rank that stops making progress.
     """
 
     def __init__(self, cfg: TrainerConfig, optim_cfg: OptimConfig, model: nn.Module, raw_model: GPT,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, train_data: StreamDataset,
                  val_data: StreamDataset, sampler: StreamSampler, dist: D.DistInfo, metrics: MetricsWriter,
                  snapshotter: Snapshotter, snapshot_every: int, snapshot_every_s: float,
-                 preempt: D.PreemptionFlag, run_meta: dict):
+                 preempt: D.PreemptionFlag, run_meta: dict, watchdog: Watchdog | None = None):
         self.cfg, self.optim_cfg = cfg, optim_cfg
         self.model, self.raw_model, self.optimizer, self.scaler = model, raw_model, optimizer, scaler
         self.train_data, self.val_data, self.sampler = train_data, val_data, sampler
         self.dist, self.metrics, self.snapshotter, self.preempt = dist, metrics, snapshotter, preempt
         self.snapshot_every, self.snapshot_every_s, self.run_meta = snapshot_every, snapshot_every_s, run_meta
         self._last_save_t = time.monotonic()
+        self.watchdog = watchdog or Watchdog(0, "")
+        self.hosts = [f"{h}:{lr}" for h, lr in D.all_gather_objects((dist.hostname, dist.local_rank))]
+        # Compute time before the gradient all-reduce: DDP calls the comm hook when the first
+        # bucket of gradients is ready. (After the all-reduce every rank looks equally slow.)
+        self._grads_ready_t: float | None = None
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model.register_comm_hook(self, _timed_allreduce)
         self.device = torch.device(dist.device)
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
         # Counters that survive a restart (state_dict below).
@@ -88,10 +97,12 @@ class Trainer:
                  self.step, cfg.max_steps, cfg.batch_size, self.train_data.block_size, self.dist.world_size,
                  self.amp_dtype or "fp32")
         bar = _progress(self.dist.is_first and cfg.progress, self.step, cfg.max_steps)
+        self.watchdog.start()
         t_last, steps_since = time.perf_counter(), 0
         while self.step < cfg.max_steps:
             stats = self.train_step()
             self.step += 1
+            self.watchdog.beat(self.step)
             self.tokens_seen += stats.tokens
             steps_since += 1
             if bar is not None:
@@ -109,7 +120,9 @@ class Trainer:
             if (stop or timed or due) and self.step < cfg.max_steps:
                 self.save_snapshot()
                 paused = True
+            self.watchdog.beat(self.step)
             if stop:
+                self.watchdog.stop()
                 self.snapshotter.wait()
                 log.warning("preempted (signal %s on some rank): snapshot of step %d done, stopping",
                             self.preempt.signum, self.step)
@@ -118,6 +131,7 @@ class Trainer:
                 t_last, steps_since = time.perf_counter(), 0
         if bar is not None:
             bar.close()
+        self.watchdog.stop()
         self.save_snapshot()
         self.snapshotter.wait()
         return True
@@ -146,6 +160,7 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self._grads_ready_t = None
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for i, (start, end) in enumerate(micro):
             # A rank with no samples in this micro-step still runs one (weight 0) so that every
@@ -167,7 +182,7 @@ class Trainer:
                 # however unevenly the samples were split.
                 self.scaler.scale(loss * (weight * dist.world_size / global_tokens)).backward()
             loss_sum += loss.detach().float() * weight
-        compute_s = time.perf_counter() - t0
+        compute_s = (self._grads_ready_t or time.perf_counter()) - t0
         # nanoGPT's order: unscale before clipping, so the threshold applies to true gradients.
         self.scaler.unscale_(self.optimizer)
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else math.inf
@@ -230,16 +245,32 @@ class Trainer:
     # ---------------------------------------------------------------- logging
     def _log_train(self, stats: StepStats, step_s: float) -> None:
         loss = D.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
+        compute = [c[0] for c in D.all_gather_floats([stats.compute_s], self.dist.device)]
         if not self.dist.is_first:
             return
         tok_s = stats.tokens / step_s
         mfu = tok_s * self.flops_per_token / self.peak_flops
-        log.info("step %d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | mfu %.1f%% | %.1f ms/step",
-                 self.step, loss, stats.lr, stats.grad_norm, tok_s, 100 * mfu, 1000 * step_s)
+        slowest = max(range(len(compute)), key=compute.__getitem__)
+        ratio = compute[slowest] / max(float(np.median(compute)), 1e-9)
+        log.info("step %d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | mfu %.1f%% | %.1f ms/step"
+                 "%s", self.step, loss, stats.lr, stats.grad_norm, tok_s, 100 * mfu, 1000 * step_s,
+                 f" | compute max/median {ratio:.2f} (slowest {self.hosts[slowest]}, rank {slowest})"
+                 if len(compute) > 1 else "")
         self.metrics.write({"kind": "train", "step": self.step, "loss": loss, "lr": stats.lr,
                             "grad_norm": stats.grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
                             "step_ms": 1000 * step_s, "tokens_seen": self.tokens_seen,
-                            "epoch": self.sampler.epoch, "world_size": self.dist.world_size})
+                            "epoch": self.sampler.epoch, "world_size": self.dist.world_size,
+                            "compute_ms": [round(1000 * c, 2) for c in compute],
+                            "compute_max_median": ratio, "slowest": self.hosts[slowest]})
+
+
+def _timed_allreduce(trainer: "Trainer", bucket):
+    """DDP comm hook: note when the first gradient bucket is ready, then all-reduce as usual."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    if trainer._grads_ready_t is None:
+        trainer._grads_ready_t = time.perf_counter()
+    return allreduce_hook(None, bucket)
 
 
 def _amp_dtype(precision: str, device_type: str) -> torch.dtype | None:

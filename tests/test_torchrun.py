@@ -34,6 +34,9 @@ def test_two_process_run_learns_snapshots_and_resumes(corpus_file, tmp_path):
     train = read_metrics(run_dir / "metrics.jsonl")
     assert train[40]["loss"] < train[5]["loss"] - 0.5
     assert train[40]["world_size"] == 2
+    # straggler figures: each rank's compute time before the gradient all-reduce
+    assert len(train[40]["compute_ms"]) == 2 and all(c > 0 for c in train[40]["compute_ms"])
+    assert train[40]["compute_max_median"] >= 1.0 and train[40]["slowest"].endswith((":0", ":1"))
     evals = read_metrics(run_dir / "metrics.jsonl", "eval")
     assert evals[40]["val_loss"] < evals[20]["val_loss"]
     snaps = sorted(p.name for p in (run_dir / "snapshots").iterdir())
