@@ -89,8 +89,11 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
                    [survivor], what="the survivor resuming at world size 1")
         resumed_after = time.time() - t_kill
         victim = start(agent_cmd(port, run_dir, corpus, cache, extra), tmp_path / "c.log")
+        t_back = time.time()
         wait_until(lambda: [r["world_size"] for r in records(run_dir) if r["kind"] == "resume"][-1:] == [2],
                    [survivor, victim], what="the returning node rejoining at world size 2")
+        print(f"\n[{store} store] resumed at world size 1 {resumed_after:.1f} s after the kill; "
+              f"back at world size 2 {time.time() - t_back:.1f} s after the node returned")
         assert survivor.wait(timeout=240) == 0
         assert victim.wait(timeout=60) == 0
     finally:
