@@ -49,9 +49,35 @@ class DataConfig:
     cache_dir: str = "~/.cache/mingpt"
     """Node-local directory for token caches (memory-mapped ids)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    kind: str = "stream"
+    """"stream": fixed blocks of one token stream (classic minGPT); "documents": variable-length
+    documents with an end-of-text token between them, batched by length."""
+    format: str = "text"
+    """Documents: "text" (one file split on `separator`), "jsonl" (one object per line), or
+    "files" (every file of a directory or fsspec glob is one document)."""
+    separator: str = "\n\n"
+    """Documents: what separates documents in a text file (a blank line by default)."""
+    text_field: str = "text"
+    """Documents: the JSON field holding the text, for format=jsonl."""
+    batching: str = "length_grouped"
+    """Documents: "length_grouped" (similar lengths together, balanced ranks) or "random"."""
+    token_budget: int = 4096
+    """Documents: padded tokens (B x T_max) per micro-batch at most."""
+    micro_batches_per_step: int = 4
+    """Documents: micro-batches per global step (spread over ranks and accumulation steps)."""
+    pool_size: int = 4096
+    """Documents: pieces sorted by length together (larger: less padding, less randomness)."""
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"data.block_size must be positive, got {self.block_size}")
+        _check(self.kind in ("stream", "documents"), f"data.kind={self.kind!r}: use stream or documents")
+        _check(self.format in ("text", "jsonl", "files"), f"data.format={self.format!r}: use text, jsonl or files")
+        _check(self.batching in ("length_grouped", "random"),
+               f"data.batching={self.batching!r}: use length_grouped or random")
+        _check(self.token_budget >= self.block_size,
+               f"data.token_budget={self.token_budget} is below data.block_size={self.block_size}; raise it")
+        _check(self.micro_batches_per_step > 0 and self.pool_size > 0,
+               "data.micro_batches_per_step and data.pool_size must be positive")
         _check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
 
 

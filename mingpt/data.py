@@ -200,10 +200,19 @@ class StreamDataset:
         """Target tokens that count in a batch of these samples (all of them, for blocks)."""
         return len(indices) * self.block_size
 
+    def batch_stats(self, per_rank: list[list[np.ndarray]]) -> dict:
+        """Padding and balance figures of one global step (no padding in fixed blocks)."""
+        return _balance_stats([sum(self.tokens_in(mb) for mb in mbs) for mbs in per_rank], 0.0)
+
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         starts = np.asarray(indices, dtype=np.int64) * self.block_size  # (B,)
         rows = torch.from_numpy(self.ids[starts[:, None] + self._offsets].astype(np.int64))  # (B, T+1)
         return rows[:, :-1], rows[:, 1:]  # (B, T), (B, T)
+
+
+def _balance_stats(real_per_rank: list[int], pad_frac: float) -> dict:
+    mean = sum(real_per_rank) / len(real_per_rank)
+    return {"pad_frac": round(pad_frac, 4), "rank_tokens_max_mean": round(max(real_per_rank) / mean, 4) if mean else 1.0}
 
 
 @dataclass(frozen=True)
@@ -226,12 +235,147 @@ def load_corpus(path: str, fetch_default: bool, kind: str, ranks_file: str | Non
     """
     text, source = read_corpus(path, fetch_default)
     if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
-        tokenizer: Tokenizer = CharTokenizer(tokenizer_state["chars"])
+        tokenizer: Tokenizer = CharTokenizer(tokenizer_state["chars"], tokenizer_state.get("eot", False))
     else:
         tokenizer = build_tokenizer(kind, ranks_file, text)
     ids = token_cache(text, tokenizer, cache_dir)
     train_ids, val_ids = split_train_val(ids, val_fraction)
     return Corpus(tokenizer, StreamDataset(train_ids, block_size), StreamDataset(val_ids, block_size), source)
+
+
+# ---------------------------------------------------------------- documents
+def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool) -> tuple[list[str], str]:
+    """Documents from a text file split on `separator`, a JSON-lines file, or a directory / glob of files."""
+    if fmt == "text":
+        text, source = read_corpus(path, fetch_default)
+        docs = [d for d in text.split(separator) if d.strip()]
+    elif fmt == "jsonl":
+        text, source = read_corpus(path, False)
+        docs = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line)[text_field]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise DataError(f"{path} line {n} is not a JSON object with a {text_field!r} string; "
+                                "set data.text_field to the field that holds the text") from None
+            if doc.strip():
+                docs.append(doc)
+    elif fmt == "files":
+        fs, root = fsspec.core.url_to_fs(path)
+        pattern = root if any(c in root for c in "*?[") else root.rstrip("/") + "/**"
+        files = sorted(f for f in fs.glob(pattern) if fs.isfile(f))
+        if not files:
+            raise DataError(f"no files match {path}; point data.path at a directory or glob of UTF-8 text files")
+        docs, source = [], path
+        for f in files:
+            proto = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+            text, _ = read_corpus(f if proto == "file" else f"{proto}://{f}", False)
+            if text.strip():
+                docs.append(text)
+    else:
+        raise DataError(f"data.format={fmt!r}: use text, jsonl or files")
+    if not docs:
+        raise DataError(f"{path} holds no non-empty documents")
+    return docs, source
+
+
+def document_cache(docs: list[str], tokenizer: Tokenizer, cache_dir: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, offsets): every document's tokens followed by end-of-text, memory-mapped from a
+    node-local cache keyed by content and tokenizer; document d is ids[offsets[d]:offsets[d+1]]."""
+    h = hashlib.sha256()
+    for d in docs:
+        h.update(hashlib.sha256(d.encode("utf-8")).digest())
+    key = h.hexdigest()[:20] + "-" + tokenizer.fingerprint()
+    root = Path(os.path.expanduser(cache_dir))
+    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    ids_path, off_path = root / f"docs-{key}.{np.dtype(dtype).name}", root / f"docs-{key}.offsets.int64"
+    if not off_path.exists():
+        with file_lock(root / f".docs-{key}.lock"):
+            if not off_path.exists():
+                log.info("tokenizing %d documents into %s", len(docs), ids_path)
+                encoded = [tokenizer.encode(d) + [tokenizer.eot_id] for d in docs]
+                offsets = np.zeros(len(docs) + 1, dtype=np.int64)
+                np.cumsum([len(e) for e in encoded], out=offsets[1:])
+                atomic_write_bytes(ids_path, np.fromiter((t for e in encoded for t in e), dtype=dtype,
+                                                         count=int(offsets[-1])).tobytes())
+                atomic_write_bytes(off_path, offsets.tobytes())  # written last: marks the cache complete
+    return np.memmap(ids_path, dtype=dtype, mode="r"), np.fromfile(off_path, dtype=np.int64)
+
+
+def split_pieces(doc_starts: np.ndarray, doc_lengths: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut documents into pieces of at most max_len tokens; pieces under 2 tokens (nothing to
+    predict) are dropped. Returns (starts, lengths), vectorised over documents."""
+    n = -(-doc_lengths // max_len)  # pieces per document
+    doc = np.repeat(np.arange(len(doc_lengths)), n)
+    k = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)  # piece number within its document
+    starts = doc_starts[doc] + k * max_len
+    lengths = np.minimum(max_len, doc_lengths[doc] - k * max_len)
+    keep = lengths >= 2
+    return starts[keep], lengths[keep]
+
+
+class DocumentDataset:
+    """Pieces of documents, at most block_size+1 tokens each, right-padded into batches.
+
+    Padding positions get target -100 (ignored by the loss), so no attention mask is needed:
+    causal attention means real tokens never see the padding after them.
+    """
+
+    def __init__(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, block_size: int, pad_id: int):
+        if len(starts) == 0:
+            raise DataError("a split holds no document pieces of 2 tokens or more")
+        self.ids, self.starts, self.lengths = ids, starts, lengths
+        self.block_size, self.pad_id = block_size, pad_id
+        self.seq_lengths = lengths - 1  # input (and target) positions per piece
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def tokens_in(self, indices: np.ndarray) -> int:
+        return int(self.seq_lengths[np.asarray(indices, dtype=np.int64)].sum())
+
+    def batch_stats(self, per_rank: list[list[np.ndarray]]) -> dict:
+        real = [sum(self.tokens_in(mb) for mb in mbs) for mbs in per_rank]
+        padded = sum(len(mb) * int(self.seq_lengths[mb].max()) for mbs in per_rank for mb in mbs if len(mb))
+        return _balance_stats(real, 1.0 - sum(real) / padded if padded else 0.0)
+
+    def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        indices = np.asarray(indices, dtype=np.int64)
+        T = int(self.seq_lengths[indices].max())
+        x = np.full((len(indices), T), self.pad_id, dtype=np.int64)  # (B, T)
+        y = np.full((len(indices), T), -100, dtype=np.int64)  # (B, T)
+        for row, i in enumerate(indices):
+            piece = self.ids[self.starts[i] : self.starts[i] + self.lengths[i]].astype(np.int64)
+            x[row, : len(piece) - 1] = piece[:-1]
+            y[row, : len(piece) - 1] = piece[1:]
+        return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def load_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool, kind: str,
+                   ranks_file: str | None, cache_dir: str, block_size: int, val_fraction: float,
+                   tokenizer_state: dict | None = None) -> Corpus:
+    """Read, tokenize (cached), split by document, and cut into pieces of at most block_size+1."""
+    docs, source = read_documents(path, fmt, separator, text_field, fetch_default)
+    if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
+        tokenizer: Tokenizer = CharTokenizer(tokenizer_state["chars"], tokenizer_state.get("eot", False))
+    elif kind == "char":
+        tokenizer = CharTokenizer.from_text("".join(docs), eot=True)
+    else:
+        tokenizer = build_bpe(ranks_file)
+    if tokenizer.eot_id is None:
+        raise DataError("document data needs a tokenizer with an end-of-text token")
+    ids, offsets = document_cache(docs, tokenizer, cache_dir)
+    n_val = max(1, int(len(docs) * val_fraction))
+    if n_val >= len(docs):
+        raise DataError(f"{len(docs)} documents are too few for a validation split of {val_fraction}")
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    splits = []
+    for sl in (slice(0, len(docs) - n_val), slice(len(docs) - n_val, len(docs))):  # the last documents validate
+        p_starts, p_lengths = split_pieces(starts[sl], lengths[sl], block_size + 1)
+        splits.append(DocumentDataset(ids, p_starts, p_lengths, block_size, tokenizer.eot_id))
+    return Corpus(tokenizer, splits[0], splits[1], source)
 
 
 def write_json_atomic(path: Path, obj) -> None:

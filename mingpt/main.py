@@ -19,11 +19,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from mingpt import distributed as D
 from mingpt.config import ConfigError, RunConfig, from_dict
-from mingpt.data import Corpus, DataError, load_corpus, write_json_atomic
+from mingpt.data import Corpus, DataError, load_corpus, load_documents, write_json_atomic
 from mingpt.metrics import MetricsWriter
 from mingpt.model import GPT
 from mingpt.optim import build_optimizer
-from mingpt.sampler import StreamSampler
+from mingpt.sampler import LengthGroupedSampler, StreamSampler
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 from mingpt.tokenizer import TokenizerError
 from mingpt.trainer import Trainer
@@ -133,10 +133,17 @@ def assemble(cfg: RunConfig, info: D.DistInfo, preempt: D.PreemptionFlag | None 
     state, manifest = resumed if resumed else (None, None)
 
     d = cfg.data
-    corpus: Corpus = load_corpus(d.path, d.fetch_default, d.tokenizer.kind, d.tokenizer.ranks_file, d.cache_dir,
-                                 d.block_size, d.val_fraction, manifest["tokenizer"] if manifest else None)
-    log.info("corpus %s: %d train / %d val blocks of %d tokens, vocabulary %d (%s)", corpus.source,
-             len(corpus.train), len(corpus.val), d.block_size, corpus.tokenizer.vocab_size, d.tokenizer.kind)
+    tok_state = manifest["tokenizer"] if manifest else None
+    if d.kind == "documents":
+        corpus: Corpus = load_documents(d.path, d.format, d.separator, d.text_field, d.fetch_default,
+                                        d.tokenizer.kind, d.tokenizer.ranks_file, d.cache_dir, d.block_size,
+                                        d.val_fraction, tok_state)
+    else:
+        corpus = load_corpus(d.path, d.fetch_default, d.tokenizer.kind, d.tokenizer.ranks_file, d.cache_dir,
+                             d.block_size, d.val_fraction, tok_state)
+    log.info("corpus %s (%s): %d train / %d val %s of up to %d tokens, vocabulary %d (%s)", corpus.source, d.kind,
+             len(corpus.train), len(corpus.val), "pieces" if d.kind == "documents" else "blocks", d.block_size,
+             corpus.tokenizer.vocab_size, d.tokenizer.kind)
     model_cfg = replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size)
     cfg = replace(cfg, model=model_cfg)
     if manifest:
@@ -154,7 +161,15 @@ def assemble(cfg: RunConfig, info: D.DistInfo, preempt: D.PreemptionFlag | None 
             gradient_as_bucket_view=True)
     optimizer = build_optimizer(raw, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
     scaler = torch.amp.GradScaler(torch.device(info.device).type, enabled=tcfg.precision == "fp16")
-    sampler = StreamSampler(len(corpus.train), tcfg.batch_size, tcfg.seed)
+    if d.kind == "documents":
+        c = model_cfg.resolved()
+        attn_coeff = 12 * c.n_layer * c.n_embd / (6 * raw.num_params())  # attention's T^2 term vs 6N per token
+        sampler = LengthGroupedSampler(corpus.train.seq_lengths, d.token_budget, d.micro_batches_per_step, tcfg.seed,
+                                       d.batching, d.pool_size, attn_coeff)
+        log.info("%s batching: %d global steps per epoch of %d micro-batches <= %d padded tokens",
+                 d.batching, sampler.steps_per_epoch, d.micro_batches_per_step, d.token_budget)
+    else:
+        sampler = StreamSampler(len(corpus.train), tcfg.batch_size, tcfg.seed, tcfg.micro_batch_size)
     metrics = MetricsWriter(tcfg.run_dir, enabled=info.is_first, tensorboard=tcfg.tensorboard)
     run_meta = {"config": cfg.to_dict(), "model_shape": model_cfg.shape_dict(),
                 "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source}

@@ -40,13 +40,18 @@ def split_global_batch(n: int, world_size: int, micro_batch_size: int) -> list[l
 
 
 class StreamSampler:
-    """Global batches of sample indices over epochs; Stateful."""
+    """Global batches of fixed-length blocks over epochs; Stateful.
 
-    def __init__(self, num_samples: int, global_batch: int, seed: int):
+    Like every sampler here: `next_step()` gives the micro-batches of the next global step (the
+    same whatever the world size) and `shard(step, world_size, rank)` the part of one rank.
+    """
+
+    def __init__(self, num_samples: int, global_batch: int, seed: int, micro_batch_size: int | None = None):
         if num_samples <= 0:
             raise ValueError("the dataset has no samples")
         self.num_samples = num_samples
         self.global_batch = global_batch
+        self.micro_batch_size = micro_batch_size or global_batch
         self.seed = seed
         self.epoch = 0
         self.offset = 0  # samples of the current epoch already handed out (global units)
@@ -73,6 +78,18 @@ class StreamSampler:
         self.offset += len(batch)
         return batch
 
+    def next_step(self) -> list[np.ndarray]:
+        return [self.next_batch()]
+
+    def assign(self, step: list[np.ndarray], world_size: int) -> list[list[np.ndarray]]:
+        """Every rank's micro-batches of a global step."""
+        batch = np.concatenate(step)
+        plan = split_global_batch(len(batch), world_size, self.micro_batch_size)
+        return [[batch[a:b] for a, b in slices] for slices in plan]
+
+    def shard(self, step: list[np.ndarray], world_size: int, rank: int) -> list[np.ndarray]:
+        return self.assign(step, world_size)[rank]
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_samples": self.num_samples}
 
@@ -84,3 +101,119 @@ class StreamSampler:
             )
         self.epoch = int(state["epoch"])
         self.offset = int(state["offset"])
+
+
+def form_micro_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int) -> list[np.ndarray]:
+    """Cut `order` into consecutive micro-batches whose padded size B x T_max stays within the budget.
+
+    `lengths` are sequence lengths in tokens (inputs, i.e. piece length - 1). Sorted input gives
+    many short sequences to a batch and few long ones.
+    """
+    batches, start, t_max = [], 0, 0
+    for i, idx in enumerate(order):
+        t = int(lengths[idx])
+        if i > start and (i - start + 1) * max(t_max, t) > token_budget:
+            batches.append(order[start:i])
+            start, t_max = i, 0
+        t_max = max(t_max, t)
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+def balance(costs: list[float], world_size: int) -> list[list[int]]:
+    """Spread items over ranks: the same count on every rank (ceil), loads as equal as possible.
+
+    Longest-processing-time first, restricted to ranks that still have room.
+    """
+    per_rank = -(-len(costs) // world_size)
+    loads, assigned = [0.0] * world_size, [[] for _ in range(world_size)]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        r = min((r for r in range(world_size) if len(assigned[r]) < per_rank), key=lambda r: loads[r])
+        assigned[r].append(i)
+        loads[r] += costs[i]
+    return assigned
+
+
+class LengthGroupedSampler:
+    """Token-budget micro-batches of variable-length pieces, planned per epoch from (seed, epoch).
+
+    length_grouped: shuffle, sort by length within pools of `pool_size` pieces, cut micro-batches
+    under the token budget, group `micro_per_step` consecutive (similar) micro-batches into a global
+    step, shuffle the steps. random: the same without sorting (for comparison). The plan does not
+    depend on the world size; the position (epoch, steps done) is in global units. Stateful.
+    """
+
+    def __init__(self, lengths: np.ndarray, token_budget: int, micro_per_step: int, seed: int,
+                 mode: str = "length_grouped", pool_size: int = 4096, attn_coeff: float = 0.0):
+        if mode not in ("length_grouped", "random"):
+            raise ValueError(f"batching mode {mode!r}: use length_grouped or random")
+        if len(lengths) == 0:
+            raise ValueError("the dataset has no pieces")
+        if token_budget < int(lengths.max()):
+            raise ValueError(f"token budget {token_budget} is below the longest sequence ({int(lengths.max())})")
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.token_budget, self.micro_per_step, self.seed = token_budget, micro_per_step, seed
+        self.mode, self.pool_size, self.attn_coeff = mode, pool_size, attn_coeff
+        self.num_samples = len(lengths)
+        self.epoch, self.step_in_epoch = 0, 0
+        self._plan: list[list[np.ndarray]] | None = None
+        self._plan_epoch = -1
+
+    def plan(self, epoch: int) -> list[list[np.ndarray]]:
+        """The epoch's global steps, each a list of micro-batches of piece indices."""
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(self.num_samples)
+        if self.mode == "length_grouped":
+            pools = [order[i : i + self.pool_size] for i in range(0, len(order), self.pool_size)]
+            order = np.concatenate([p[np.argsort(-self.lengths[p], kind="stable")] for p in pools])
+        micro = form_micro_batches(order, self.lengths, self.token_budget)
+        steps = [micro[i : i + self.micro_per_step] for i in range(0, len(micro), self.micro_per_step)]
+        return [steps[i] for i in rng.permutation(len(steps))]
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self._current_plan())
+
+    def _current_plan(self) -> list[list[np.ndarray]]:
+        if self._plan_epoch != self.epoch:
+            self._plan, self._plan_epoch = self.plan(self.epoch), self.epoch
+        return self._plan
+
+    def next_step(self) -> list[np.ndarray]:
+        if self.step_in_epoch >= len(self._current_plan()):
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        step = self._current_plan()[self.step_in_epoch]
+        self.step_in_epoch += 1
+        return step
+
+    def cost(self, mb: np.ndarray) -> float:
+        """Estimated FLOPs of a micro-batch, in units of 6N per token: B*T*(1 + c*T) for attention."""
+        if len(mb) == 0:
+            return 0.0
+        t = float(self.lengths[mb].max())
+        return len(mb) * t * (1.0 + self.attn_coeff * t)
+
+    def assign(self, step: list[np.ndarray], world_size: int) -> list[list[np.ndarray]]:
+        """Every rank's micro-batches: the same number on each (empty ones fill up), loads balanced
+        by estimated FLOPs."""
+        per_rank = -(-len(step) // world_size)
+        out = []
+        for idx in balance([self.cost(mb) for mb in step], world_size):
+            mine = [step[i] for i in idx]
+            out.append(mine + [np.empty(0, dtype=np.int64)] * (per_rank - len(mine)))
+        return out
+
+    def shard(self, step: list[np.ndarray], world_size: int, rank: int) -> list[np.ndarray]:
+        return self.assign(step, world_size)[rank]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "offset": self.step_in_epoch, "seed": self.seed, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
+            raise ValueError(
+                f"the snapshot's data plan ({state['num_samples']} pieces, seed {state['seed']}) does not match "
+                f"this run's ({self.num_samples} pieces, seed {self.seed}): the corpus, block size or seed changed"
+            )
+        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["offset"])

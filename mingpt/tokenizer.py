@@ -43,19 +43,20 @@ class Tokenizer(Protocol):
 
 
 class CharTokenizer:
-    """One id per distinct character of the training text, in sorted order."""
+    """One id per distinct character of the training text, in sorted order; with `eot`, one more
+    id (the last) marks the end of a document."""
 
-    def __init__(self, chars: str):
+    def __init__(self, chars: str, eot: bool = False):
         if not chars:
             raise TokenizerError("the character vocabulary is empty: the corpus has no text")
         self.chars = chars
         self.stoi = {c: i for i, c in enumerate(chars)}
-        self.vocab_size = len(chars)
-        self.eot_id = None
+        self.eot_id = len(chars) if eot else None
+        self.vocab_size = len(chars) + (1 if eot else 0)
 
     @classmethod
-    def from_text(cls, text: str) -> "CharTokenizer":
-        return cls("".join(sorted(set(text))))
+    def from_text(cls, text: str, eot: bool = False) -> "CharTokenizer":
+        return cls("".join(sorted(set(text))), eot)
 
     def encode(self, text: str) -> list[int]:
         try:
@@ -66,13 +67,13 @@ class CharTokenizer:
             ) from None
 
     def decode(self, ids: list[int]) -> str:
-        return "".join(self.chars[i] for i in ids)
+        return "".join(self.chars[i] if i != self.eot_id else EOT for i in ids)
 
     def state_dict(self) -> dict:
-        return {"kind": "char", "chars": self.chars}
+        return {"kind": "char", "chars": self.chars, "eot": self.eot_id is not None}
 
     def fingerprint(self) -> str:
-        return "char-" + hashlib.sha256(self.chars.encode()).hexdigest()[:16]
+        return ("chareot-" if self.eot_id is not None else "char-") + hashlib.sha256(self.chars.encode()).hexdigest()[:16]
 
 
 class BPETokenizer:
@@ -172,7 +173,7 @@ def build_bpe(ranks_file: str | None) -> BPETokenizer:
 def from_state(state: dict, ranks_file: str | None = None) -> Tokenizer:
     """Rebuild the tokenizer a run was trained with, from its snapshot state."""
     if state["kind"] == "char":
-        return CharTokenizer(state["chars"])
+        return CharTokenizer(state["chars"], state.get("eot", False))
     if state["kind"] == "bpe":
         tok = build_bpe(ranks_file)
         if tok.ranks_sha256 != state["ranks_sha256"]:

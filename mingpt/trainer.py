@@ -93,9 +93,8 @@ class Trainer:
         if self.step >= cfg.max_steps:
             log.info("already at step %d of %d; nothing to train", self.step, cfg.max_steps)
             return True
-        log.info("training from step %d to %d: global batch %d x %d tokens, %d ranks, precision %s",
-                 self.step, cfg.max_steps, cfg.batch_size, self.train_data.block_size, self.dist.world_size,
-                 self.amp_dtype or "fp32")
+        log.info("training from step %d to %d on %d ranks, precision %s", self.step, cfg.max_steps,
+                 self.dist.world_size, self.amp_dtype or "fp32")
         bar = _progress(self.dist.is_first and cfg.progress, self.step, cfg.max_steps)
         self.watchdog.start()
         t_last, steps_since = time.perf_counter(), 0
@@ -151,9 +150,13 @@ class Trainer:
         """One optimizer step over the next global batch, split over ranks and micro-batches."""
         t0 = time.perf_counter()
         dist, data = self.dist, self.train_data
-        indices = self.sampler.next_batch()
-        global_tokens = data.tokens_in(indices)
-        micro = split_global_batch(len(indices), dist.world_size, self.cfg.micro_batch_size)[dist.rank]
+        step = self.sampler.next_step()  # the global step's micro-batches, the same for any world size
+        # The global count of real target tokens comes from the plan itself, which every rank
+        # knows: no collective is needed to normalise the loss exactly.
+        global_tokens = data.tokens_in(np.concatenate(step))
+        per_rank = self.sampler.assign(step, dist.world_size)
+        micro = per_rank[dist.rank]
+        self._batch_stats = data.batch_stats(per_rank)
         lr = lr_at(self.step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps,
                    self.cfg.max_steps)
         for group in self.optimizer.param_groups:
@@ -162,16 +165,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self._grads_ready_t = None
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for i, (start, end) in enumerate(micro):
+        for i, mb in enumerate(micro):
             # A rank with no samples in this micro-step still runs one (weight 0) so that every
             # rank joins the same gradient all-reduces.
-            weight = 1.0 if end > start else 0.0
-            x, y = data.batch(indices[start:end] if end > start else indices[:1])
+            weight = 1.0 if len(mb) else 0.0
+            x, y = data.batch(mb if len(mb) else step[0][:1])
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             if self.raw_model.config.dropout > 0:
-                # Dropout noise as a function of (seed, step, sample position): identical after a
+                # Dropout noise as a function of (seed, step, first sample): identical after a
                 # resume and independent of which rank draws the micro-batch.
-                torch.manual_seed(hash((self.cfg.seed, self.step, start)) & 0x7FFF_FFFF_FFFF)
+                torch.manual_seed(hash((self.cfg.seed, self.step, int(mb[0]) if len(mb) else -1)) & 0x7FFF_FFFF_FFFF)
             last = i == len(micro) - 1
             sync = contextlib.nullcontext() if last or not dist.distributed else self.model.no_sync()
             with sync:
@@ -260,7 +263,7 @@ class Trainer:
                             "grad_norm": stats.grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
                             "step_ms": 1000 * step_s, "tokens_seen": self.tokens_seen,
                             "epoch": self.sampler.epoch, "world_size": self.dist.world_size,
-                            "compute_ms": [round(1000 * c, 2) for c in compute],
+                            "compute_ms": [round(1000 * c, 2) for c in compute], **self._batch_stats,
                             "compute_max_median": ratio, "slowest": self.hosts[slowest]})
 
 

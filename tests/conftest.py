@@ -80,3 +80,17 @@ def store_url(request, tmp_path):
     bucket = f"bkt-{uuid.uuid4().hex[:10]}"
     s3fs.S3FileSystem().mkdir(bucket)
     return f"s3://{bucket}/run"
+
+
+def make_docs_corpus(directory: Path, n: int = 400) -> Path:
+    """Documents of very different lengths (a skewed distribution), separated by blank lines."""
+    import random
+
+    rng = random.Random(0)
+    docs = []
+    for i in range(n):
+        words = int(rng.lognormvariate(2.5, 1.0)) + 1
+        docs.append(" ".join(f"w{rng.randrange(30)}" for _ in range(words)) + f" end{i % 10}.")
+    p = directory / "docs.txt"
+    p.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return p

@@ -1,0 +1,140 @@
+import json
+
+import numpy as np
+import pytest
+
+from conftest import make_docs_corpus
+from mingpt.data import DataError, load_documents, read_documents, split_pieces
+from mingpt.sampler import LengthGroupedSampler, balance, form_micro_batches
+
+
+def skewed_lengths(n=3000, seed=0, block=256):
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(4.4, 1.0, n).astype(np.int64), 3, block)
+
+
+def all_pieces(sampler, world, steps):
+    seen = []
+    for _ in range(steps):
+        for mbs in sampler.assign(sampler.next_step(), world):
+            for mb in mbs:
+                seen.extend(mb.tolist())
+    return seen
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["length_grouped", "random"])
+def test_every_piece_exactly_once_per_epoch_and_equal_micro_batch_counts(world, mode):
+    lengths = skewed_lengths()
+    s = LengthGroupedSampler(lengths, token_budget=1024, micro_per_step=4, seed=3, mode=mode)
+    seen = []
+    for _ in range(s.steps_per_epoch):
+        per_rank = s.assign(s.next_step(), world)
+        assert len({len(mbs) for mbs in per_rank}) == 1  # the same number of micro-batches on every rank
+        for mbs in per_rank:
+            for mb in mbs:
+                assert len(mb) == 0 or len(mb) * lengths[mb].max() <= 1024  # the token budget
+                seen.extend(mb.tolist())
+    assert sorted(seen) == list(range(len(lengths)))
+
+
+def test_same_plan_for_same_seed_and_epoch_different_next_epoch():
+    lengths = skewed_lengths()
+    a = LengthGroupedSampler(lengths, 1024, 4, seed=1)
+    b = LengthGroupedSampler(lengths, 1024, 4, seed=1)
+    p0, p1 = a.plan(0), b.plan(0)
+    assert all(np.array_equal(x, y) for sa, sb in zip(p0, p1) for x, y in zip(sa, sb))
+    flat = lambda plan: np.concatenate([mb for step in plan for mb in step])  # noqa: E731
+    assert not np.array_equal(flat(p0), flat(a.plan(1)))
+
+
+def test_resume_mid_epoch_same_and_other_world_size():
+    lengths = skewed_lengths()
+    ref = LengthGroupedSampler(lengths, 1024, 6, seed=9)
+    run = LengthGroupedSampler(lengths, 1024, 6, seed=9)
+    first = all_pieces(run, world=2, steps=15)
+    all_pieces(ref, world=2, steps=15)
+    state = run.state_dict()
+    fresh = LengthGroupedSampler(lengths, 1024, 6, seed=9)
+    fresh.load_state_dict(state)
+    for _ in range(10):
+        a, b = ref.next_step(), fresh.next_step()
+        assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    # a different world size after the restart: the rest of the epoch, nothing repeated or skipped
+    other = LengthGroupedSampler(lengths, 1024, 6, seed=9)
+    other.load_state_dict(state)
+    rest = all_pieces(other, world=3, steps=other.steps_per_epoch - 15)
+    assert sorted(first + rest) == list(range(len(lengths)))
+
+
+def test_balance_on_a_skewed_distribution_and_padding():
+    lengths = skewed_lengths(6000)
+    grouped = LengthGroupedSampler(lengths, 2048, 8, seed=0, attn_coeff=0.001)
+    rnd = LengthGroupedSampler(lengths, 2048, 8, seed=0, mode="random", attn_coeff=0.001)
+
+    def figures(s):
+        ratios, padded, real = [], 0, 0
+        for _ in range(s.steps_per_epoch - 1):  # the last step of an epoch may be short
+            per_rank = s.assign(s.next_step(), 2)
+            work = [sum(s.cost(mb) for mb in mbs) for mbs in per_rank]
+            ratios.append(max(work) / (sum(work) / 2))
+            for mbs in per_rank:
+                for mb in mbs:
+                    if len(mb):
+                        padded += len(mb) * lengths[mb].max()
+                        real += lengths[mb].sum()
+        return float(np.mean(ratios)), 1 - real / padded
+
+    g_ratio, g_pad = figures(grouped)
+    r_ratio, r_pad = figures(rnd)
+    assert g_ratio <= 1.05 and g_pad < 0.05
+    assert r_pad > 0.3  # random batching pads far more
+
+
+def test_form_micro_batches_and_balance_helpers():
+    lengths = np.array([10, 10, 5, 5, 5, 20])
+    batches = form_micro_batches(np.arange(6), lengths, token_budget=20)
+    assert [b.tolist() for b in batches] == [[0, 1], [2, 3, 4], [5]]
+    assert balance([5, 4, 3, 3, 1, 0], 2) == [[0, 3, 5], [1, 2, 4]]
+
+
+def test_split_pieces():
+    starts, lengths = split_pieces(np.array([0, 10, 11]), np.array([10, 1, 25]), max_len=8)
+    assert lengths.tolist() == [8, 2, 8, 8, 8]  # the 1-token document and a 1-token tail are dropped
+    assert starts.tolist() == [0, 8, 11, 19, 27]
+
+
+def test_documents_from_text_jsonl_and_files(tmp_path):
+    (tmp_path / "a.txt").write_text("one\n\ntwo two\n\n\n\nthree")
+    docs, _ = read_documents(str(tmp_path / "a.txt"), "text", "\n\n", "text", False)
+    assert docs == ["one", "two two", "three"]
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate("xyz")))
+    assert read_documents(str(tmp_path / "b.jsonl"), "jsonl", "", "text", False)[0] == ["x", "y", "z"]
+    with pytest.raises(DataError, match="data.text_field"):
+        read_documents(str(tmp_path / "b.jsonl"), "jsonl", "", "body", False)
+    d = tmp_path / "dir"
+    d.mkdir()
+    for i in range(3):
+        (d / f"{i}.txt").write_text(f"file {i}")
+    assert read_documents(str(d), "files", "", "", False)[0] == ["file 0", "file 1", "file 2"]
+    assert read_documents(str(d / "*.txt"), "files", "", "", False)[0] == ["file 0", "file 1", "file 2"]
+
+
+def test_document_dataset_pieces_eot_padding_and_split(tmp_path):
+    corpus = make_docs_corpus(tmp_path, n=200)
+    c = load_documents(str(corpus), "text", "\n\n", "text", False, "char", None, str(tmp_path / "cache"),
+                       block_size=32, val_fraction=0.1)
+    eot = c.tokenizer.eot_id
+    assert eot == c.tokenizer.vocab_size - 1
+    assert c.train.lengths.max() <= 33 and c.train.lengths.min() >= 2
+    # the validation documents are the last 10%, disjoint from training
+    assert c.val.starts.min() > c.train.starts.max()
+    idx = np.array([int(np.argmin(c.train.lengths)), int(np.argmax(c.train.lengths))])
+    x, y = c.train.batch(idx)
+    short = int(c.train.seq_lengths[idx[0]])
+    assert x.shape == (2, 32) and (y[0, short:] == -100).all() and (y[0, :short] >= 0).all()
+    assert c.train.tokens_in(idx) == short + 32
+    first_doc = c.train.ids[: c.train.lengths[0]]
+    text = c.tokenizer.decode(c.train.ids[:200].tolist())
+    assert "<|endoftext|>" in text and eot in c.train.ids[:200]
+    assert first_doc[0] != eot
