@@ -4,7 +4,8 @@
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 -m mingpt.bench --steps 100 model=gpt-micro ...
 
 Arguments after the options are Hydra overrides of conf/config.yaml. Nothing is saved or resumed.
-`python -m mingpt.bench snapshot` measures snapshot save / load / recovery instead (bench_snapshot.py).
+`python -m mingpt.bench snapshot` measures snapshot save / load / recovery instead (bench_snapshot.py),
+`python -m mingpt.bench batching` length-grouped against random batching (bench_batching.py).
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ def main(argv: list[str] | None = None) -> None:
         from mingpt import bench_snapshot
 
         return bench_snapshot.main(argv[1:])
+    if argv and argv[0] == "batching":
+        from mingpt import bench_batching
+
+        return bench_batching.main(argv[1:])
     ap = argparse.ArgumentParser(prog="python -m mingpt.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=50, help="timed steps (default 50)")

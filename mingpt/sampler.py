@@ -140,8 +140,11 @@ class LengthGroupedSampler:
 
     length_grouped: shuffle, sort by length within pools of `pool_size` pieces, cut micro-batches
     under the token budget, group `micro_per_step` consecutive (similar) micro-batches into a global
-    step, shuffle the steps. random: the same without sorting (for comparison). The plan does not
-    depend on the world size; the position (epoch, steps done) is in global units. Stateful.
+    step, shuffle the steps, and give each rank micro-batches of equal estimated FLOPs.
+    random (the usual baseline, for comparison): a fixed number of random pieces per micro-batch,
+    chosen so that a micro-batch holds as many real tokens on average as the budget, handed to
+    ranks round-robin. The plan does not depend on the world size; the position (epoch, steps
+    done) is in global units. Stateful.
     """
 
     def __init__(self, lengths: np.ndarray, token_budget: int, micro_per_step: int, seed: int,
@@ -167,7 +170,11 @@ class LengthGroupedSampler:
         if self.mode == "length_grouped":
             pools = [order[i : i + self.pool_size] for i in range(0, len(order), self.pool_size)]
             order = np.concatenate([p[np.argsort(-self.lengths[p], kind="stable")] for p in pools])
-        micro = form_micro_batches(order, self.lengths, self.token_budget)
+        if self.mode == "length_grouped":
+            micro = form_micro_batches(order, self.lengths, self.token_budget)
+        else:
+            per_batch = max(1, self.token_budget // max(1, int(self.lengths.mean())))
+            micro = [order[i : i + per_batch] for i in range(0, len(order), per_batch)]
         steps = [micro[i : i + self.micro_per_step] for i in range(0, len(micro), self.micro_per_step)]
         return [steps[i] for i in rng.permutation(len(steps))]
 
@@ -198,8 +205,12 @@ class LengthGroupedSampler:
         """Every rank's micro-batches: the same number on each (empty ones fill up), loads balanced
         by estimated FLOPs."""
         per_rank = -(-len(step) // world_size)
+        if self.mode == "random":
+            groups = [list(range(r, len(step), world_size)) for r in range(world_size)]
+        else:
+            groups = balance([self.cost(mb) for mb in step], world_size)
         out = []
-        for idx in balance([self.cost(mb) for mb in step], world_size):
+        for idx in groups:
             mine = [step[i] for i in idx]
             out.append(mine + [np.empty(0, dtype=np.int64)] * (per_rank - len(mine)))
         return out
