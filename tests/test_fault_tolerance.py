@@ -22,9 +22,12 @@ CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "
        "trainer.eval_every=40", "trainer.progress=false", "optim.warmup_steps=10", f"trainer.max_steps={MAX_STEPS}"]
 
 
-def args(corpus, tmp_path, run_dir, every=10):
-    return [*CFG, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}",
-            f"snapshot.every_steps={every}"]
+DOCS = ["data=shakespeare_speeches", "data.block_size=64", "data.token_budget=256", "data.micro_batches_per_step=3"]
+
+
+def args(corpus, tmp_path, run_dir, every=10, docs=False):
+    return [*CFG, *(DOCS if docs else []), f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+            f"trainer.run_dir={run_dir}", f"snapshot.every_steps={every}"]
 
 
 def final_weights(run_dir: Path) -> dict:
@@ -72,8 +75,26 @@ def reference(tmp_path_factory):
 
 
 def test_sigkill_a_worker_torchrun_restarts_and_the_run_ends_bitwise_identical(reference, tmp_path):
+    check_sigkill_recovery(reference, tmp_path, docs=False)
+
+
+def test_documents_sigkill_recovery_is_exact_too(tmp_path):
+    """Length-grouped document batches (uneven micro-batches over ranks) keep exact resume."""
+    from conftest import make_docs_corpus
+
+    corpus = make_docs_corpus(tmp_path)
+    ref_dir = tmp_path / "ref"
+    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir, docs=True)), cwd=REPO,
+                          env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    reference = {"corpus": corpus, "weights": final_weights(ref_dir),
+                 "losses": {s: r["loss"] for s, r in read_metrics(ref_dir / "metrics.jsonl").items()}}
+    check_sigkill_recovery(reference, tmp_path / "faulty", docs=True)
+
+
+def check_sigkill_recovery(reference, tmp_path, docs):
     run_dir = tmp_path / "run"
-    agent = subprocess.Popen(torchrun_cmd(2, "mingpt/main.py", *args(reference["corpus"], tmp_path, run_dir),
+    agent = subprocess.Popen(torchrun_cmd(2, "mingpt/main.py", *args(reference["corpus"], tmp_path, run_dir, docs=docs),
                                           max_restarts=3),
                              cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed_at = wait_for_step(run_dir / "metrics.jsonl", 35, agent)
