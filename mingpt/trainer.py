@@ -120,7 +120,7 @@ class Trainer:
                 self.save_snapshot()
                 paused = True
             self.watchdog.beat(self.step)
-            if stop:
+            if stop and self.step < cfg.max_steps:  # at max_steps the final save below does it
                 self.watchdog.stop()
                 self.snapshotter.wait()
                 log.warning("preempted (signal %s on some rank): snapshot of step %d done, stopping",
