@@ -16,11 +16,11 @@ import torch.nn as nn
 
 from mingpt import distributed as D
 from mingpt.config import OptimConfig, TrainerConfig
-from mingpt.data import StreamDataset
+from mingpt.data import DocumentDataset, StreamDataset
 from mingpt.metrics import MetricsWriter
 from mingpt.model import GPT
 from mingpt.optim import lr_at
-from mingpt.sampler import StreamSampler, epoch_order, split_global_batch
+from mingpt.sampler import LengthGroupedSampler, StreamSampler, epoch_order
 from mingpt.snapshot import Snapshotter
 from mingpt.watchdog import Watchdog
 
@@ -54,8 +54,9 @@ class Trainer:
     """
 
     def __init__(self, cfg: TrainerConfig, optim_cfg: OptimConfig, model: nn.Module, raw_model: GPT,
-                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, train_data: StreamDataset,
-                 val_data: StreamDataset, sampler: StreamSampler, dist: D.DistInfo, metrics: MetricsWriter,
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                 train_data: StreamDataset | DocumentDataset, val_data: StreamDataset | DocumentDataset,
+                 sampler: StreamSampler | LengthGroupedSampler, dist: D.DistInfo, metrics: MetricsWriter,
                  snapshotter: Snapshotter, snapshot_every: int, snapshot_every_s: float,
                  preempt: D.PreemptionFlag, run_meta: dict, watchdog: Watchdog | None = None):
         self.cfg, self.optim_cfg = cfg, optim_cfg
