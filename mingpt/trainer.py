@@ -38,6 +38,7 @@ class StepStats:
     grad_norm: float
     lr: float
     compute_s: float
+    per_rank: list  # every rank's micro-batches; padding/balance figures are computed at log steps only
 
 
 class Trainer:
@@ -157,7 +158,6 @@ class Trainer:
         global_tokens = data.tokens_in(np.concatenate(step))
         per_rank = self.sampler.assign(step, dist.world_size)
         micro = per_rank[dist.rank]
-        self._batch_stats = data.batch_stats(per_rank)
         lr = lr_at(self.step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps,
                    self.cfg.max_steps)
         for group in self.optimizer.param_groups:
@@ -193,7 +193,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return StepStats(loss_sum, global_tokens, float(grad_norm), lr, compute_s)
+        return StepStats(loss_sum, global_tokens, float(grad_norm), lr, compute_s, per_rank)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -264,7 +264,7 @@ class Trainer:
                             "grad_norm": stats.grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
                             "step_ms": 1000 * step_s, "tokens_seen": self.tokens_seen,
                             "epoch": self.sampler.epoch, "world_size": self.dist.world_size,
-                            "compute_ms": [round(1000 * c, 2) for c in compute], **self._batch_stats,
+                            "compute_ms": [round(1000 * c, 2) for c in compute], **self.train_data.batch_stats(stats.per_rank),
                             "compute_max_median": ratio, "slowest": self.hosts[slowest]})
 
 
