@@ -17,26 +17,19 @@ import tempfile
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
 from mingpt import distributed as D
-from mingpt.config import from_dict
-from mingpt.main import assemble, config_dir, setup_logging
-
-
-def compose_config(overrides: list[str]):
-    with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
-        return from_dict(OmegaConf.to_container(compose("config", overrides=overrides), resolve=True))
+from mingpt.compose import compose
+from mingpt.main import assemble, setup_logging
 
 
 def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
     info = D.DistInfo.from_env()
     setup_logging(info)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose_config([f"trainer.run_dir={tmp}", "snapshot.resume=never", "trainer.progress=false",
+        cfg = compose([f"trainer.run_dir={tmp}", "snapshot.resume=never", "trainer.progress=false",
                               *overrides])
         D.init(info, cfg.dist.timeout_s)
+        run = None
         try:
             run = assemble(cfg, info)
             trainer = run.trainer
@@ -51,8 +44,9 @@ def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
             loss = D.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
             D.barrier()
             dt = (time.perf_counter() - t0) / steps
-            run.metrics.close()
         finally:
+            if run is not None:
+                run.close()
             D.shutdown()
     tok_s = cfg.trainer.batch_size * cfg.data.block_size / dt
     return {
@@ -86,14 +80,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-micro trainer.compile=true")
     args = ap.parse_args(argv)
     res = throughput(args.overrides, args.steps, args.warmup)
-    if not res.pop("is_first"):
-        return
-    if args.json:
-        print(json.dumps(res))
-    else:
-        print(f"{res['config']}\n  world size {res['world_size']} x {res['threads_per_process']} threads: "
-              f"{res['ms_per_step']:.1f} ms/step, {res['tokens_per_s']:,} tokens/s, MFU {100 * res['mfu']:.1f}%")
-    sys.stdout.flush()
+    if res.pop("is_first"):
+        if args.json:
+            print(json.dumps(res))
+        else:
+            print(f"{res['config']}\n  world size {res['world_size']} x {res['threads_per_process']} threads: "
+                  f"{res['ms_per_step']:.1f} ms/step, {res['tokens_per_s']:,} tokens/s, MFU {100 * res['mfu']:.1f}%")
+    D.exit_process(0, had_process_group=res["world_size"] > 1)
 
 
 if __name__ == "__main__":

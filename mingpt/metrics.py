@@ -36,6 +36,36 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and k not in ("step", "time"):
                     self._tb.add_scalar(k, v, record["step"])
 
+    @staticmethod
+    def existing(run_dir: str | Path, job_id: str | None) -> str | None:
+        """What an earlier run left in run_dir (a description), or None: nothing, or only records of
+        this same torchrun job (a restart before its first snapshot)."""
+        path = Path(run_dir) / "metrics.jsonl"
+        if not path.is_file() or path.stat().st_size == 0:
+            return None
+        last_job = "?"
+        with open(path) as fh:
+            for line in fh:
+                if '"start"' in line:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short by a kill
+                        continue
+                    if rec.get("kind") == "start":
+                        last_job = rec.get("job_id")
+        return None if job_id is not None and last_job == job_id else str(path)
+
+    @staticmethod
+    def move_aside(run_dir: str | Path, stamp: str) -> list[str]:
+        """Rename metrics.jsonl and tb/ to *.aside-<stamp>; returns the new paths."""
+        moved = []
+        for name, new in (("metrics.jsonl", f"metrics.aside-{stamp}.jsonl"), ("tb", f"tb.aside-{stamp}")):
+            src = Path(run_dir) / name
+            if src.exists():
+                src.rename(src.with_name(new))
+                moved.append(str(src.with_name(new)))
+        return moved
+
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()

@@ -46,8 +46,9 @@ class GPTConfig:
     """Attention heads per block; must divide n_embd. None takes the preset's."""
     n_embd: int | None = None
     """Width of the residual stream; None takes the preset's."""
-    block_size: int = 256
-    """Longest context the model can see (size of the position embedding)."""
+    block_size: int = 0
+    """Longest context the model can see (size of the position embedding). Set from the run's
+    data.block_size when the run is assembled, so training and sampling use the same context."""
     vocab_size: int = 0
     """Real vocabulary size; set from the tokenizer when the run is assembled."""
     dropout: float = 0.0
@@ -71,8 +72,8 @@ class GPTConfig:
                 f"model.n_embd={embd} is not divisible by model.n_head={head}; "
                 "choose n_embd as a multiple of n_head"
             )
-        if self.block_size <= 0:
-            raise ValueError(f"model.block_size must be positive, got {self.block_size}")
+        if self.block_size < 0:
+            raise ValueError(f"model.block_size must be >= 0, got {self.block_size}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.vocab_size < 0:
@@ -157,8 +158,9 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        if cfg.vocab_size <= 0:
-            raise ValueError("GPTConfig.vocab_size must be set (from the tokenizer) before building the model")
+        if cfg.vocab_size <= 0 or cfg.block_size <= 0:
+            raise ValueError("GPTConfig.vocab_size and block_size must be set (from the tokenizer and "
+                             "data.block_size) before building the model")
         cfg = cfg.resolved()
         self.config = cfg
         V = cfg.padded_vocab_size
@@ -182,6 +184,13 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def crop_block_size(self, block_size: int) -> None:
+        """Shrink the context to block_size positions (drop the position rows beyond it)."""
+        if not 0 < block_size <= self.config.block_size:
+            raise ValueError(f"cannot crop a context of {self.config.block_size} positions to {block_size}")
+        self.config = replace(self.config, block_size=block_size)
+        self.wpe.weight = nn.Parameter(self.wpe.weight[:block_size].detach().clone())  # (block_size, C)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; the position embedding is left out by default (it does no matmul)."""

@@ -73,7 +73,8 @@ class SnapshotStore:
 
     def __init__(self, url: str, storage_options: dict | None = None):
         self.url = url.rstrip("/")
-        self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.storage_options = dict(storage_options or {})
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
 
     def _path(self, *parts: str) -> str:
@@ -178,21 +179,47 @@ class SnapshotStore:
                 errors.append(f"{info.path}: {e}")
         if committed:
             raise SnapshotError(
-                f"no snapshot in {self.url} can be loaded ({'; '.join(errors)}). Move the store aside or set "
-                "snapshot.resume=never to start over"
+                f"no snapshot in {self.url} can be loaded ({'; '.join(errors)}). Pick one that loads with "
+                "snapshot.resume=PATH, or start over with snapshot.resume=never snapshot.move_aside=true "
+                "(which moves these snapshots aside, deleting nothing)"
             )
         return None
 
-    def prune(self, keep_last: int, keep_every: int = 0) -> list[str]:
+    def run_id_of(self, info: SnapshotInfo) -> str | None:
+        """The run a committed snapshot belongs to (None for snapshots older than run ids)."""
+        try:
+            return self.read_manifest(info.path).get("run_id")
+        except Exception:  # noqa: BLE001 - an unreadable manifest belongs to no known run
+            return None
+
+    def move_aside(self, snaps: list[SnapshotInfo], stamp: str) -> str:
+        """Move step folders into the sibling folder `<store>.aside-<stamp>`; returns its URL.
+
+        Nothing is deleted: a run that starts over keeps the earlier run's snapshots next to it.
+        """
+        dest = f"{self.root}.aside-{stamp}"
+        for info in snaps:
+            target = f"{dest}/{info.path.rstrip('/').rsplit('/', 1)[-1]}"
+            if self.local:
+                self.fs.makedirs(dest, exist_ok=True)
+                os.replace(info.path, target)
+            else:  # an object store has no rename: server-side copies, then deletes
+                self.fs.copy(info.path, target, recursive=True)
+                self.fs.rm(info.path, recursive=True)
+        return f"{self.url}.aside-{stamp}"
+
+    def prune(self, keep_last: int, keep_every: int = 0, protect: int | None = None) -> list[str]:
         """Delete committed snapshots beyond the newest keep_last (except every keep_every-th
-        step, kept forever), and uncommitted leftovers older than the kept ones."""
+        step, kept forever, and the step `protect`: the newest of the current run, whatever else
+        the store holds), and uncommitted leftovers older than the kept ones."""
         snaps = self.list()
         committed = [s for s in snaps if s.committed]
         if len(committed) <= keep_last:
             return []
         oldest_kept = committed[-keep_last].step
         doomed = [s.path for s in snaps
-                  if s.step < oldest_kept and not (s.committed and keep_every and s.step % keep_every == 0)]
+                  if s.step < oldest_kept and s.step != protect
+                  and not (s.committed and keep_every and s.step % keep_every == 0)]
         for path in doomed:
             self.fs.rm(path, recursive=True)
         return doomed
@@ -255,7 +282,7 @@ class Snapshotter:
         for attempt in range(self.retries + 1):
             try:
                 path = self.store.save(step, state, manifest)
-                pruned = self.store.prune(self.keep_last, self.keep_every)
+                pruned = self.store.prune(self.keep_last, self.keep_every, protect=step)
                 self.last_saved_step = step
                 log.info("snapshot step %d committed to %s in %.2fs (%.0f ms blocking)%s", step, path,
                          time.perf_counter() - t0, 1000 * self.blocking_s[-1],

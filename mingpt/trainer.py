@@ -68,11 +68,14 @@ class Trainer:
         self._last_save_t = time.monotonic()
         self.watchdog = watchdog or Watchdog(0, "")
         self.hosts = [f"{h}:{lr}" for h, lr in D.all_gather_objects((dist.hostname, dist.local_rank))]
-        # Compute time before the gradient all-reduce: DDP calls the comm hook when the first
-        # bucket of gradients is ready. (After the all-reduce every rank looks equally slow.)
-        self._grads_ready_t: float | None = None
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            model.register_comm_hook(self, _timed_allreduce)
+        # This rank's own compute time per step ends when its last gradient is accumulated:
+        # the gradient all-reduce that follows makes every rank look as slow as the slowest.
+        # A plain autograd hook, not a DDP comm hook: a Python comm hook leaves a Python callback
+        # on the process group's C++ threads, which abort the process if they drop it while the
+        # interpreter shuts down ("terminate called without an active exception").
+        self._grads_ready_t = 0.0
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._note_grad_ready)
+                            for p in raw_model.parameters() if p.requires_grad]
         self.device = torch.device(dist.device)
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
         # Counters that survive a restart (state_dict below).
@@ -97,8 +100,19 @@ class Trainer:
             return True
         log.info("training from step %d to %d on %d ranks, precision %s", self.step, cfg.max_steps,
                  self.dist.world_size, self.amp_dtype or "fp32")
-        bar = _progress(self.dist.is_first and cfg.progress, self.step, cfg.max_steps)
+        if self._agree_at_boundary()[0]:  # a stop requested during start-up: nothing new to save
+            if self.dist.is_first:
+                log.warning("%s before the first step", self.preempt.describe())
+            return False
         self.watchdog.start()
+        try:
+            with _progress(self.dist.is_first and cfg.progress, self.step, cfg.max_steps) as bar:
+                return self._loop(bar)
+        finally:
+            self.watchdog.stop()  # on every exit path, errors included
+
+    def _loop(self, bar) -> bool:
+        cfg = self.cfg
         t_last, steps_since = time.perf_counter(), 0
         while self.step < cfg.max_steps:
             stats = self.train_step()
@@ -125,13 +139,12 @@ class Trainer:
             if stop and self.step < cfg.max_steps:  # at max_steps the final save below does it
                 self.watchdog.stop()
                 self.snapshotter.wait()
-                log.warning("preempted (signal %s on some rank): snapshot of step %d done, stopping",
-                            self.preempt.signum, self.step)
+                if self.dist.is_first:  # every rank stops; one says so
+                    log.warning("%s: snapshot of step %d saved; the same command resumes from it",
+                                self.preempt.describe(), self.step)
                 return False
             if paused:  # keep evaluation and saving out of the step-time figures
                 t_last, steps_since = time.perf_counter(), 0
-        if bar is not None:
-            bar.close()
         self.watchdog.stop()
         self.save_snapshot()
         self.snapshotter.wait()
@@ -164,7 +177,6 @@ class Trainer:
             group["lr"] = lr
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        self._grads_ready_t = None
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for i, mb in enumerate(micro):
             # A rank with no samples in this micro-step still runs one (weight 0) so that every
@@ -186,7 +198,7 @@ class Trainer:
                 # however unevenly the samples were split.
                 self.scaler.scale(loss * (weight * dist.world_size / global_tokens)).backward()
             loss_sum += loss.detach().float() * weight
-        compute_s = (self._grads_ready_t or time.perf_counter()) - t0
+        compute_s = self._grads_ready_t - t0
         # nanoGPT's order: unscale before clipping, so the threshold applies to true gradients.
         self.scaler.unscale_(self.optimizer)
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else math.inf
@@ -217,6 +229,16 @@ class Trainer:
             log.info("step %d | val loss %.4f | best %.4f", self.step, val_loss, self.best_val_loss)
         self.metrics.write({"kind": "eval", "step": self.step, "val_loss": val_loss})
         return val_loss
+
+    def _note_grad_ready(self, param: torch.Tensor) -> None:  # noqa: ARG002 - hook signature
+        self._grads_ready_t = time.perf_counter()
+
+    def close(self) -> None:
+        """Stop the watchdog and remove the hooks: nothing of the trainer outlives it."""
+        self.watchdog.stop()
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict:
@@ -268,15 +290,6 @@ class Trainer:
                             "compute_max_median": ratio, "slowest": self.hosts[slowest]})
 
 
-def _timed_allreduce(trainer: "Trainer", bucket):
-    """DDP comm hook: note when the first gradient bucket is ready, then all-reduce as usual."""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    if trainer._grads_ready_t is None:
-        trainer._grads_ready_t = time.perf_counter()
-    return allreduce_hook(None, bucket)
-
-
 def _amp_dtype(precision: str, device_type: str) -> torch.dtype | None:
     if precision == "auto":
         return torch.bfloat16 if device_type == "cuda" else None
@@ -300,9 +313,15 @@ def _gpu_peak(configured: float, device: torch.device) -> float:
     return 312e12
 
 
+@contextlib.contextmanager
 def _progress(enabled: bool, start: int, total: int):
+    """A progress bar on a terminal (else None). While it is shown, log lines are written through
+    it, so that a line never lands in the middle of the bar."""
     if not (enabled and sys.stderr.isatty()):
-        return None
+        yield None
+        return
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
 
-    return tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
+    with logging_redirect_tqdm(), tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) as bar:
+        yield bar

@@ -2,10 +2,10 @@ from pathlib import Path
 
 import pytest
 
-from mingpt.bench import compose_config
+from mingpt.compose import compose
 from mingpt.config import ConfigError
 from mingpt.distributed import DistInfo, default_threads
-from mingpt.main import config_dir
+from mingpt.compose import config_dir
 
 GROUPS = sorted(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((Path(config_dir()) / g).glob("*.yaml"))]
@@ -17,27 +17,31 @@ def test_all_groups_present():
 
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_group_option_composes_into_typed_config(group, option):
-    cfg = compose_config([f"{group}={option}"])
-    assert cfg.data.block_size <= cfg.model.block_size
+    cfg = compose([f"{group}={option}"])
+    assert cfg.model.block_size == 0 and cfg.data.block_size > 0  # the context is set in one place
     if group == "model" and option != "custom":
         assert cfg.model.preset == option
 
 
 def test_command_line_overrides():
-    cfg = compose_config(["trainer.max_steps=200", "model=gpt-micro", "optim.betas=[0.9,0.95]"])
+    cfg = compose(["trainer.max_steps=200", "model=gpt-micro", "optim.betas=[0.9,0.95]"])
     assert cfg.trainer.max_steps == 200 and cfg.model.shape == (4, 4, 128) and cfg.optim.betas == (0.9, 0.95)
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.n_head=5"], "n_embd=192 is not divisible by model.n_head=5"),
-    (["data.block_size=512"], "data.block_size=512 exceeds model.block_size=256"),
+    (["+model.block_size=512"], "model.block_size=512 cannot be set on its own.*set data.block_size=512"),
+    (["snapshot.resume=yes"], "snapshot.resume='yes': use latest, never, or the path"),
     (["model.preset=gpt-5"], "not a known preset"),
     (["trainer.precision=fp8"], "trainer.precision='fp8'"),
-    (["+trainer.batchsize=3"], "unknown config key.*trainer.batchsize"),
+    (["+trainer.batchsize=3"], r"unknown config key\(s\) trainer.batchsize \(did you mean trainer.batch_size\?\)"),
+    (["trainer.max_step=5"], r"^unknown config key trainer.max_step \(did you mean trainer.max_steps\?\)"),
+    (["model=gpt3"], r"^model=gpt3 is not a config option of model; choose one of: custom, gopher-44m, gpt-micro"),
+    (["trainer.max_steps=[1"], r"check the spelling of the command-line overrides"),
 ])
 def test_invalid_values_stop_with_one_clear_message(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        compose_config(overrides)
+        compose(overrides)
 
 
 def test_dist_info_from_env_without_process_group():
@@ -48,5 +52,8 @@ def test_dist_info_from_env_without_process_group():
     gpu = DistInfo.from_env({"LOCAL_RANK": "1"}, cuda=True)
     assert gpu.device == "cuda:1" and gpu.backend == "nccl"
     plain = DistInfo.from_env({}, cuda=False)
-    assert plain.is_first and not plain.distributed
+    assert plain.is_first and not plain.distributed and plain.job_id is None
+    # the rendezvous id names the job across restarts; torchrun's default "none" names no job
+    assert DistInfo.from_env({"TORCHELASTIC_RUN_ID": "job7"}, cuda=False).job_id == "job7"
+    assert DistInfo.from_env({"TORCHELASTIC_RUN_ID": "none"}, cuda=False).job_id is None
     assert default_threads(2) >= 1 and default_threads(1) >= default_threads(2)

@@ -60,8 +60,8 @@ def test_install_steps_in_a_clean_virtualenv(tmp_path):
     subprocess.run([py, "-m", "pip", "install", "-q", *pip_args], cwd=ctx, check=True, timeout=600)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = ("from mingpt.main import config_dir; from mingpt.bench import compose_config; "
-            "print(config_dir()); print(compose_config(['model=gpt2', 'snapshot=s3']).snapshot.dir)")
+    code = ("from mingpt.compose import config_dir; from mingpt.compose import compose; "
+            "print(config_dir()); print(compose(['model=gpt2', 'snapshot=s3']).snapshot.dir)")
     out = subprocess.run([py, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     conf, snapdir = out.stdout.split()

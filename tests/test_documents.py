@@ -121,6 +121,22 @@ def test_documents_from_text_jsonl_and_files(tmp_path):
     assert read_documents(str(d / "*.txt"), "files", "", "", False)[0] == ["file 0", "file 1", "file 2"]
 
 
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "a", ', r"line 2 is not valid JSON \(Expecting property name enclosed in double quotes at column 15\); "
+                      "fix or remove that line"),
+    ('["a", "b"]', r"line 2 is a JSON list, not an object"),
+    ('{"body": "a", "id": 3}', r"line 2 has no field 'text' \(its fields: body, id\); set data.text_field"),
+    ('{"text": 7}', r"line 2: field 'text' is a int, not a string"),
+], ids=["malformed", "not-an-object", "missing-field", "not-a-string"])
+def test_each_bad_json_line_is_named_for_what_it_is(tmp_path, line, message):
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "fine"}\n' + line + "\n")
+    with pytest.raises(DataError, match=message) as e:
+        read_documents(str(path), "jsonl", "", "text", False)
+    if "no field" not in message:
+        assert "data.text_field" not in str(e.value)  # a broken line is not the field setting's fault
+
+
 def test_document_dataset_pieces_eot_padding_and_split(tmp_path):
     corpus = make_docs_corpus(tmp_path, n=200)
     c = load_documents(str(corpus), "text", "\n\n", "text", False, "char", None, str(tmp_path / "cache"),

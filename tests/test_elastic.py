@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,6 +101,13 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
         for p in (a, b, server) + ((victim,) if "victim" in locals() else ()):
             if p is not None and p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL) if p is not server else p.kill()
+    # what a person reads on each node: the survivor says in one line that it lost its peer (no
+    # traceback, no Hydra "Error executing job"); a node without rank 0 still says that it joined
+    survivor_log = (tmp_path / ("b.log" if store == "standalone" else "a.log")).read_text()
+    assert survivor_log.count("lost contact with a peer") == 1, survivor_log[-4000:]
+    assert "Error executing job" not in survivor_log and "Traceback" not in survivor_log, survivor_log[-4000:]
+    logs = "".join((tmp_path / f"{n}.log").read_text() for n in "abc")
+    assert re.search(r"\[rank 1/2\] INFO mingpt.node: \S+ joined", logs), logs[-3000:]
     sizes = [r["world_size"] for r in records(run_dir) if r["kind"] == "resume"]
     assert sizes == [1, 2]
     assert resumed_after < 30

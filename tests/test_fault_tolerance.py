@@ -124,7 +124,7 @@ def test_sigterm_to_the_agent_saves_at_the_current_step_and_resume_is_exact(refe
     agent.send_signal(signal.SIGTERM)
     out, _ = agent.communicate(timeout=120)
     assert agent.returncode != 0, "a preempted run must not look successful to the scheduler"
-    assert "preempted (signal 15 on some rank): snapshot of step" in out
+    assert "stopping on SIGTERM: snapshot of step" in out
     snaps = [s for s in SnapshotStore(str(run_dir / "snapshots")).list() if s.committed]
     assert len(snaps) == 1  # every_steps=0: this is the preemption snapshot
     stopped = snaps[0].step

@@ -8,7 +8,10 @@ import time
 import pytest
 import torch
 
-from mingpt.config import RunConfig
+import logging
+from dataclasses import replace
+
+from mingpt.config import DataConfig, OptimConfig, RunConfig, TokenizerConfig
 from mingpt.main import MismatchError, check_compatible
 from mingpt.model import GPTConfig
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
@@ -121,10 +124,32 @@ def test_only_the_first_rank_writes(tmp_path):
     assert written == [True, False]
 
 
-def test_snapshot_of_another_model_shape_is_refused():
+def test_snapshot_of_another_model_shape_or_tokenizer_is_refused():
+    def manifest_of(cfg: RunConfig, tokenizer: str = "char") -> dict:
+        shape = replace(cfg.model, block_size=cfg.data.block_size).shape_dict()
+        return {"config": cfg.to_dict(), "model_shape": shape, "tokenizer": {"kind": tokenizer}}
+
     cfg = RunConfig(model=GPTConfig(preset="gpt-micro", vocab_size=65))
-    manifest = {"config": cfg.to_dict(), "model_shape": GPTConfig(preset="gpt-mini", vocab_size=65).shape_dict()}
-    with pytest.raises(MismatchError, match=r"n_layer: snapshot 6 vs config 4.*n_embd: snapshot 192 vs config 128"):
-        check_compatible(cfg, manifest)
-    manifest["model_shape"] = cfg.model.shape_dict()
-    check_compatible(cfg, manifest)  # same shape: accepted
+    mini = RunConfig(model=GPTConfig(preset="gpt-mini", vocab_size=65))
+    with pytest.raises(MismatchError, match=r"model.n_layer: snapshot 6 vs config 4.*model.n_embd: snapshot 192 vs "
+                                            r"config 128.*trainer.run_dir=runs/NEW"):
+        check_compatible(cfg, manifest_of(mini))
+    # the context length is data.block_size, and the error names that key
+    longer = RunConfig(model=GPTConfig(preset="gpt-micro", vocab_size=65), data=DataConfig(block_size=256))
+    with pytest.raises(MismatchError, match=r"data.block_size: snapshot 256 vs config 128"):
+        check_compatible(cfg, manifest_of(longer))
+    # a char-level snapshot resumed with the BPE tokenizer is refused before any data is read
+    with pytest.raises(MismatchError, match=r"data.tokenizer.kind: snapshot 'char' vs config 'bpe'"):
+        check_compatible(replace(cfg, data=DataConfig(tokenizer=TokenizerConfig(kind="bpe"))), manifest_of(cfg))
+    check_compatible(cfg, manifest_of(cfg))  # same shape and tokenizer: accepted
+
+
+def test_config_changes_are_logged_only_when_real(caplog):
+    cfg = RunConfig(model=GPTConfig(preset="gpt-micro", vocab_size=65))
+    manifest = {"config": json.loads(json.dumps(cfg.to_dict())), "tokenizer": {"kind": "char"},
+                "model_shape": replace(cfg.model, block_size=cfg.data.block_size).shape_dict()}
+    with caplog.at_level(logging.INFO):
+        check_compatible(cfg, manifest)  # betas saved as a JSON list, configured as a tuple: no change
+        assert "config changed" not in caplog.text
+        check_compatible(replace(cfg, optim=OptimConfig(lr=3e-4)), manifest)
+    assert "config changed since the snapshot: optim.lr 0.001 -> 0.0003" in caplog.text

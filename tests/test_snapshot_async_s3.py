@@ -68,6 +68,14 @@ def test_unreachable_bucket_is_one_clear_error_without_credentials(s3_server):
         open_store("s3://bucket/x", "http://127.0.0.1:9")  # nothing listens on the discard port
 
 
+def test_a_snapshot_dir_that_is_a_file_says_so_without_cloud_hints(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    with pytest.raises(SnapshotError, match=r"cannot use snapshot store .*not-a-dir .*point snapshot.dir") as e:
+        open_store(str(f), None)
+    assert "AWS" not in str(e.value) and "endpoint" not in str(e.value)
+
+
 def test_snapshot_cli_list_show_verify(tmp_path, capsys):
     store = SnapshotStore(str(tmp_path))
     store.save(1, {"model": {"w": torch.ones(3)}}, {"world_size": 2})

@@ -54,6 +54,30 @@ def test_two_process_run_learns_snapshots_and_resumes(corpus_file, tmp_path):
     assert out.stdout.startswith("Speaker") and len(out.stdout.strip()) >= 30
 
 
+def test_a_finished_job_never_ends_in_sigabrt(corpus_file, tmp_path):
+    """The shortest 2-process job (one step, then exit), started again and again: before the fix, about
+    one launch in six died of SIGABRT at exit ("terminate called without an active exception")."""
+    args = [*TINY, *common(corpus_file, tmp_path), "trainer.batch_size=8", "trainer.micro_batch_size=4",
+            "snapshot.resume=never"]
+    for i in range(8):
+        out = run(torchrun_cmd(2, "tests/grad_worker.py", str(tmp_path / "g.pt"), *args,
+                               f"trainer.run_dir={tmp_path / str(i)}"), timeout=120)
+        assert "terminate called" not in out and "SIGABRT" not in out, out[-3000:]
+
+
+def test_an_error_under_torchrun_is_printed_once_and_is_torchruns_root_cause(corpus_file, tmp_path):
+    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *TINY, *common(corpus_file, tmp_path), "model.n_head=3",
+                                       f"trainer.run_dir={tmp_path / 'run'}"),
+                          cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    message = "model.n_embd=32 is not divisible by model.n_head=3; choose n_embd as a multiple of n_head"
+    assert len([line for line in out.splitlines() if line.endswith(message) and "ERROR" in line]) == 1, out
+    root_cause = out.split("Root Cause (first observed failure):", 1)[1]
+    assert f"traceback : {message}" in root_cause
+    assert "error_file: <N/A>" not in out and "Error executing job" not in out
+
+
 @pytest.mark.parametrize("batch, micro", [(8, 4), (5, 2)], ids=["even", "uneven"])
 def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, batch, micro):
     args = [*TINY, *common(corpus_file, tmp_path), f"trainer.batch_size={batch}", f"trainer.micro_batch_size={micro}",

@@ -1,0 +1,62 @@
+"""Sampling uses exactly the context a model was trained with: no untrained position is ever fed."""
+
+import subprocess
+import sys
+
+import torch
+
+from conftest import REPO
+from mingpt.compose import compose
+from mingpt.distributed import DistInfo
+from mingpt.generate import load_model
+from mingpt.main import assemble
+from mingpt.model import GPT, GPTConfig
+from mingpt.snapshot import SnapshotStore
+
+BLOCK = 16
+
+
+def positions_fed(model: GPT) -> list[int]:
+    """Record the sequence length of every forward call."""
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    return seen
+
+
+def test_a_model_trained_at_a_short_context_is_sampled_at_that_context(corpus_file, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = compose(["model=gpt-nano", f"data.block_size={BLOCK}", f"data.path={corpus_file}",
+                          f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.max_steps=30",
+                          "trainer.batch_size=8", "trainer.micro_batch_size=8", "trainer.eval_every=0",
+                          "trainer.progress=false"])
+    run = assemble(cfg, DistInfo())
+    run.trainer.train()
+    run.close()
+    model, manifest = load_model(str(run_dir / "snapshots"))
+    assert model.config.block_size == BLOCK and model.wpe.weight.shape[0] == BLOCK
+    seen = positions_fed(model)
+    out = model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=5 * BLOCK, temperature=1.0,
+                         generator=torch.Generator().manual_seed(0))
+    assert out.shape[1] == 1 + 5 * BLOCK  # several times the context was sampled...
+    assert max(seen) == BLOCK  # ...and never more positions than were trained
+
+    # the command line says the same
+    cli = subprocess.run([sys.executable, "-m", "mingpt.generate", str(run_dir / "snapshots"), "--prompt", "Speaker",
+                          "--max-new-tokens", str(5 * BLOCK)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert len(cli.stdout.rstrip("\n")) == len("Speaker") + 5 * BLOCK
+
+
+def test_an_older_snapshot_with_a_longer_position_table_is_sampled_at_its_trained_context(tmp_path):
+    """mingpt before one context length saved model.block_size=32 while training at data.block_size=16."""
+    shape = GPTConfig(preset="gpt-nano", vocab_size=20, block_size=32)
+    model = GPT(shape)
+    manifest = {"config": {"data": {"block_size": 16}}, "tokenizer": {"kind": "char", "chars": "abcdefghijklmnopqrst"},
+                "model_shape": shape.shape_dict()}
+    SnapshotStore(str(tmp_path)).save(1, {"model": model.state_dict()}, manifest)
+    loaded, _ = load_model(str(tmp_path))
+    assert loaded.config.block_size == 16
+    torch.testing.assert_close(loaded.wpe.weight, model.wpe.weight[:16])
+    seen = positions_fed(loaded)
+    loaded.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=40, temperature=0)
+    assert max(seen) == 16

@@ -1,0 +1,178 @@
+"""One store, one run: a new run never mixes with another run's snapshots or metrics, retention never
+deletes the current run's newest snapshot, and a restart of the same job always resumes."""
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, make_ranks_file
+from mingpt.compose import compose
+from mingpt.distributed import DistInfo
+from mingpt.main import MismatchError, assemble
+from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
+
+TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
+        "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "trainer.log_every=5",
+        "trainer.progress=false", "optim.warmup_steps=2", "snapshot.every_steps=10"]
+
+
+@pytest.fixture
+def job(corpus_file, tmp_path):
+    """train(run_dir, *overrides, steps=, job_id=) runs the real assembly and loop in this process."""
+
+    def train(run_dir: Path, *overrides: str, steps: int = 20, job_id: str | None = None):
+        cfg = compose([*TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}",
+                              f"trainer.run_dir={run_dir}", f"trainer.max_steps={steps}", *overrides])
+        run = assemble(cfg, DistInfo(job_id=job_id))
+        try:
+            run.trainer.train()
+        finally:
+            run.close()
+        return run.trainer
+
+    return train
+
+
+def snapshots(run_dir: Path) -> dict[int, str]:
+    """step -> run id of every committed snapshot in run_dir/snapshots."""
+    store = SnapshotStore(str(run_dir / "snapshots"))
+    return {s.step: store.read_manifest(s.path)["run_id"] for s in store.list() if s.committed}
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_new_run_where_another_run_saved_is_refused_and_nothing_is_touched(job, tmp_path):
+    run_dir = tmp_path / "run"
+    job(run_dir)
+    before = snapshots(run_dir)
+    assert sorted(before) == [10, 20] and len(set(before.values())) == 1
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+    with pytest.raises(SnapshotError) as err:
+        job(run_dir, "snapshot.resume=never")
+    message = str(err.value)
+    assert "holds snapshots of another run (2 snapshots, steps 10-20)" in message
+    assert "trainer.run_dir=runs/NEW" in message and "snapshot.move_aside=true" in message
+    assert "\n" not in message
+    assert snapshots(run_dir) == before and (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    # the first advice, followed, works: a run of its own
+    job(tmp_path / "new", "snapshot.resume=never")
+    assert sorted(snapshots(tmp_path / "new")) == [10, 20]
+
+
+def test_move_aside_starts_clean_and_keeps_the_earlier_run_whole(job, tmp_path):
+    run_dir = tmp_path / "run"
+    job(run_dir)
+    old = snapshots(run_dir)
+    trainer = job(run_dir, "snapshot.resume=never", "snapshot.move_aside=true", "snapshot.keep_last=1", steps=10)
+    assert trainer.step == 10
+    new = snapshots(run_dir)
+    # only the new run's snapshot: not pruned by the older run's higher steps, not overwriting one of them
+    assert list(new) == [10] and new[10] not in old.values()
+    (aside,) = [p for p in run_dir.iterdir() if p.name.startswith("snapshots.aside-")]
+    kept = SnapshotStore(str(aside))
+    assert {s.step: kept.read_manifest(s.path)["run_id"] for s in kept.list()} == old
+    assert kept.load_latest()[1]["step"] == 20  # loadable, checksums intact
+    starts = [r for r in records(run_dir / "metrics.jsonl") if r["kind"] == "start"]
+    assert [r["run_id"] for r in starts] == [new[10]]  # the new metrics hold the new run only
+    (old_metrics,) = run_dir.glob("metrics.aside-*.jsonl")
+    assert {r["run_id"] for r in records(old_metrics) if r["kind"] == "start"} == set(old.values())
+
+
+def test_retention_never_deletes_the_newest_snapshot_of_this_run(tmp_path):
+    store = SnapshotStore(str(tmp_path / "s"))
+    for step in (100, 200):  # higher steps that are not this run's (e.g. a broken newer lineage)
+        store.save(step, {"w": torch.zeros(1)}, {})
+    snap = Snapshotter(store, keep_last=1)
+    snap.save(5, {"w": torch.ones(1)}, {})
+    snap.close()
+    assert 5 in [s.step for s in store.list() if s.committed]
+
+
+def test_a_restart_of_the_same_job_resumes_whatever_resume_says(job, tmp_path):
+    """torchrun restarts workers with the same arguments: resume=never must not start over again."""
+    run_dir = tmp_path / "run"
+    job(run_dir, "snapshot.resume=never", steps=10, job_id="job-a")
+    trainer = job(run_dir, "snapshot.resume=never", steps=20, job_id="job-a")  # the restart
+    assert trainer.step == 20 and sorted(snapshots(run_dir)) == [10, 20]
+    assert len(set(snapshots(run_dir).values())) == 1  # one run
+    with pytest.raises(SnapshotError, match="holds snapshots of another run"):  # another job: a new run
+        job(run_dir, "snapshot.resume=never", steps=20, job_id="job-b")
+
+
+def test_resuming_an_earlier_snapshot_while_later_ones_exist_is_refused(job, tmp_path):
+    run_dir = tmp_path / "run"
+    job(run_dir, steps=30)
+    step10 = str(run_dir / "snapshots" / "step_000000010")
+    with pytest.raises(SnapshotError, match=r"steps 20-30.*resuming from .*step_000000010 \(step 10\)"):
+        job(run_dir, f"snapshot.resume={step10}", steps=30)
+    lineage = snapshots(run_dir)
+    trainer = job(run_dir, f"snapshot.resume={step10}", "snapshot.move_aside=true", steps=30)
+    assert trainer.step == 30
+    now = snapshots(run_dir)
+    assert sorted(now) == [10, 20, 30] and set(now.values()) == set(lineage.values())  # the same run, branched
+    (aside,) = [p for p in run_dir.iterdir() if p.name.startswith("snapshots.aside-")]
+    assert sorted(p.name for p in aside.iterdir()) == ["step_000000020", "step_000000030"]
+    # an explicit snapshot of another store starts an empty store without complaint
+    trainer = job(tmp_path / "branch", f"snapshot.resume={step10}", steps=15)
+    assert trainer.step == 15 and sorted(snapshots(tmp_path / "branch")) == [15]
+
+
+def test_metrics_of_an_earlier_run_without_snapshots_are_moved_aside(job, tmp_path, caplog):
+    run_dir = tmp_path / "run"
+    job(run_dir, "snapshot.every_steps=0", steps=5)  # the final save only...
+    for p in (run_dir / "snapshots").iterdir():  # ...and then its snapshots are gone
+        import shutil
+
+        shutil.rmtree(p)
+    job(run_dir, steps=10)
+    assert "moved an earlier run's files aside" in caplog.text
+    (aside,) = run_dir.glob("metrics.aside-*.jsonl")
+    assert len([r for r in records(run_dir / "metrics.jsonl") if r["kind"] == "start"]) == 1
+    assert [r["step"] for r in records(aside) if r["kind"] == "train"] == [5]
+
+
+def test_a_char_snapshot_resumed_with_bpe_is_refused_before_reading_data(job, tmp_path, caplog):
+    """The README's BPE example after its char-level quick start, in one run_dir."""
+    run_dir = tmp_path / "run"
+    job(run_dir, steps=10)
+    caplog.clear()
+    ranks = make_ranks_file(tmp_path / "tiny.tiktoken")
+    with pytest.raises(MismatchError, match=r"data.tokenizer.kind: snapshot 'char' vs config 'bpe'"):
+        job(run_dir, "data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={ranks}", steps=20)
+    assert "vocabulary" not in caplog.text  # refused before the corpus was tokenized
+
+
+def _readme_runs() -> list[list[str]]:
+    """The training commands of the README's shell blocks, as argument lists."""
+    text = (REPO / "README.md").read_text()
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0]
+            if re.search(r"mingpt/main\.py|-m mingpt\.main", line):
+                cmds.append(shlex.split(line))
+    return cmds
+
+
+def test_readme_training_examples_each_have_a_run_directory_of_their_own():
+    """Run in any order, the examples never resume (or refuse) each other's snapshots."""
+    dirs = []
+    for args in _readme_runs():
+        run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("trainer.run_dir=")), None)
+        preset = next((a.split("=", 1)[1] for a in args if a.startswith("trainer=")), "default")
+        if run_dir is None:
+            run_dir = compose([f"trainer={preset}"]).trainer.run_dir
+        snap = next((a.split("=", 1)[1] for a in args if a.startswith("snapshot.dir=")), f"{run_dir}/snapshots")
+        dirs.append((run_dir, snap, " ".join(args)))
+    assert len(dirs) >= 4
+    for field in (0, 1):
+        seen = {}
+        for d in dirs:
+            assert d[field] not in seen, f"{d[2]!r} shares {d[field]} with {seen[d[field]]!r}"
+            seen[d[field]] = d[2]
