@@ -57,7 +57,10 @@ def test_install_steps_in_a_clean_virtualenv(tmp_path):
     subprocess.run([py, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True, timeout=600)
     run = next(line for line in INSTRUCTIONS if line.startswith("RUN pip install"))
     pip_args = run.split("&&")[0].split()[3:]  # ["--no-cache-dir", "."]
-    subprocess.run([py, "-m", "pip", "install", "-q", *pip_args], cwd=ctx, check=True, timeout=600)
+    build = subprocess.run([py, "-m", "pip", "install", "-v", *pip_args], cwd=ctx, capture_output=True, text=True,
+                           timeout=600)
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    assert "DeprecationWarning" not in build.stdout + build.stderr  # e.g. project.license as a table
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     code = ("from mingpt.compose import config_dir; from mingpt.compose import compose; "
