@@ -1,17 +1,22 @@
 """Hydra composition in one place: conf/ plus command-line overrides -> the typed RunConfig.
 
-main.py, the benchmarks and the tests all compose through `compose`, so a config means the same
-everywhere; Hydra's errors become one `ConfigError` line that says what to type instead.
+Every default lives in the dataclasses of config.py, registered with Hydra's ConfigStore as the
+schema `mingpt` (so the YAML files in conf/ hold only what differs from the defaults, and an
+unknown key or a wrong type is refused when composing); the model presets are model.py's PRESETS
+table, registered as the options of the `model` group. main.py, the benchmarks and the tests all
+compose through `compose`; Hydra's errors become one `ConfigError` line that says what to type.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import re
 from pathlib import Path
 
-from mingpt.config import ConfigError, RunConfig, from_dict
+from mingpt.config import ConfigError, RunConfig, from_dict, suggest_key
+from mingpt.model import PRESETS, GPTConfig
+
+# model=custom: a shape of your own, e.g. model=custom model.n_layer=4 model.n_head=4 model.n_embd=128
+CUSTOM_MODEL = GPTConfig(preset=None, n_layer=4, n_head=4, n_embd=128)
 
 
 def config_dir() -> str:
@@ -23,6 +28,33 @@ def config_dir() -> str:
     raise FileNotFoundError("mingpt's conf/ directory is missing from this installation")
 
 
+def register() -> None:
+    """Put the schema and the model presets into Hydra's ConfigStore (idempotent)."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="mingpt", node=_writable(RunConfig))
+    for name in PRESETS:
+        store.store(group="model", name=name, node=_writable(GPTConfig(preset=name)))
+    store.store(group="model", name="custom", node=_writable(CUSTOM_MODEL))
+
+
+def _writable(obj):
+    """A typed OmegaConf node of a (frozen) dataclass that overrides may still change."""
+    from omegaconf import DictConfig, OmegaConf
+
+    def unfreeze(node):
+        OmegaConf.set_readonly(node, None)  # frozen dataclasses make every nested node read-only
+        for key in node.keys():
+            child = node._get_node(key)
+            if isinstance(child, DictConfig):
+                unfreeze(child)
+
+    node = OmegaConf.structured(obj)
+    unfreeze(node)
+    return node
+
+
 def compose(overrides: list[str]) -> RunConfig:
     """The run's config from conf/config.yaml and Hydra overrides such as `model=gpt2 trainer.max_steps=10`."""
     from hydra import compose as hydra_compose
@@ -31,6 +63,7 @@ def compose(overrides: list[str]) -> RunConfig:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    register()
     try:
         with initialize_config_dir(config_dir=config_dir(), version_base="1.3"):
             values = OmegaConf.to_container(hydra_compose("config", overrides=overrides), resolve=True)
@@ -39,33 +72,22 @@ def compose(overrides: list[str]) -> RunConfig:
     return from_dict(values)
 
 
-def _known_keys() -> list[str]:
-    keys = []
-
-    def walk(cls, prefix):
-        for f in dataclasses.fields(cls):
-            if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-                walk(f.default_factory, f"{prefix}{f.name}.")
-            else:
-                keys.append(prefix + f.name)
-
-    walk(RunConfig, "")
-    return keys
-
-
 def explain(e: Exception) -> str:
     """Hydra's multi-line error as one line, with the key the user probably meant."""
     text = str(e)
     m = re.search(r"Could not override '([^']+)'", text)
     if m and ("To append to your config" in text or "not in struct" in text):
         key = m.group(1)
-        close = difflib.get_close_matches(key, _known_keys(), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]}?)" if close else ""
+        close = suggest_key(key)
+        hint = f" (did you mean {close}?)" if close else ""
         return f"unknown config key {key}{hint}; `python -m mingpt.main --cfg job` lists every key"
     m = re.search(r"Could not find '([^/']+)/([^']+)'", text)
     if m:
         group, option = m.groups()
-        options = sorted(p.stem for p in (Path(config_dir()) / group).glob("*.yaml"))
+        # Hydra lists them one a line, then its search path
+        listed = text.split("Available options", 1)[-1].split("Config search path", 1)[0].splitlines()[1:]
+        options = sorted({line.strip() for line in listed if line.startswith(("\t", " ")) and line.strip()})
         return f"{group}={option} is not a config option of {group}; choose one of: {', '.join(options)}"
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return "; ".join(lines[:3]) + " (check the spelling of the command-line overrides)"
+    cause = str(e.__cause__).splitlines()[0] if e.__cause__ is not None and str(e.__cause__) else ""
+    lines = [line.strip() for line in text.splitlines() if line.strip()][:3] + ([cause] if cause else [])
+    return "; ".join(lines) + " (check the command-line overrides)"

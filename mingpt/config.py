@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 from mingpt.model import GPTConfig
 
-__all__ = ["GPTConfig", "TokenizerConfig", "DataConfig", "OptimConfig", "TrainerConfig", "SnapshotConfig",
+__all__ = ["GPTConfig", "TokenizerConfig", "DocumentsConfig", "DataConfig", "OptimConfig", "TrainerConfig", "SnapshotConfig",
            "DistConfig", "RunConfig", "ConfigError", "from_dict"]
 
 
@@ -37,6 +38,35 @@ class TokenizerConfig:
 
 
 @dataclass(frozen=True)
+class DocumentsConfig:
+    """How documents are read and batched (data.kind=documents): by length, under a token budget."""
+
+    format: str = "text"
+    """"text" (one file split on `separator`), "jsonl" (one object per line), or "files" (every
+    file of a directory or fsspec glob is one document)."""
+    separator: str = "\n\n"
+    """What separates documents in a text file (a blank line by default)."""
+    text_field: str = "text"
+    """The JSON field holding the text, for format=jsonl."""
+    batching: str = "length_grouped"
+    """"length_grouped" (similar lengths together, balanced ranks) or "random" (the baseline)."""
+    token_budget: int = 4096
+    """Padded tokens (B x T_max) per micro-batch at most."""
+    micro_batches_per_step: int = 4
+    """Micro-batches per global step (spread over ranks and accumulation steps)."""
+    pool_size: int = 4096
+    """Pieces sorted by length together (larger: less padding, less randomness)."""
+
+    def __post_init__(self) -> None:
+        _check(self.format in ("text", "jsonl", "files"),
+               f"data.documents.format={self.format!r}: use text, jsonl or files")
+        _check(self.batching in ("length_grouped", "random"),
+               f"data.documents.batching={self.batching!r}: use length_grouped or random")
+        _check(self.micro_batches_per_step > 0 and self.pool_size > 0 and self.token_budget > 0,
+               "data.documents.token_budget, micro_batches_per_step and pool_size must be positive")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     path: str = "data/input.txt"
     """Corpus: a local path, s3://bucket/key or https:// URL (read through fsspec)."""
@@ -47,39 +77,26 @@ class DataConfig:
     """Context length in tokens: what the model is trained with and sampled at (the model's
     position embedding has exactly this many rows). The one place this value is set."""
     val_fraction: float = 0.1
-    """The last fraction of the tokens held out for validation."""
+    """The last fraction of the tokens (stream) or of the documents held out for validation."""
     cache_dir: str = "~/.cache/mingpt"
     """Node-local directory for token caches (memory-mapped ids)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     kind: str = "stream"
-    """"stream": fixed blocks of one token stream (classic minGPT); "documents": variable-length
-    documents with an end-of-text token between them, batched by length."""
-    format: str = "text"
-    """Documents: "text" (one file split on `separator`), "jsonl" (one object per line), or
-    "files" (every file of a directory or fsspec glob is one document)."""
-    separator: str = "\n\n"
-    """Documents: what separates documents in a text file (a blank line by default)."""
-    text_field: str = "text"
-    """Documents: the JSON field holding the text, for format=jsonl."""
-    batching: str = "length_grouped"
-    """Documents: "length_grouped" (similar lengths together, balanced ranks) or "random"."""
-    token_budget: int = 4096
-    """Documents: padded tokens (B x T_max) per micro-batch at most."""
-    micro_batches_per_step: int = 4
-    """Documents: micro-batches per global step (spread over ranks and accumulation steps)."""
-    pool_size: int = 4096
-    """Documents: pieces sorted by length together (larger: less padding, less randomness)."""
+    """"stream": fixed blocks of one token stream (classic minGPT), batched by trainer.batch_size;
+    "documents": variable-length documents with an end-of-text token between them, batched by
+    length under data.documents."""
+    documents: DocumentsConfig = field(default_factory=DocumentsConfig)
+    """Reading and batching documents; only for kind=documents."""
 
     def __post_init__(self) -> None:
         _check(self.block_size > 0, f"data.block_size must be positive, got {self.block_size}")
         _check(self.kind in ("stream", "documents"), f"data.kind={self.kind!r}: use stream or documents")
-        _check(self.format in ("text", "jsonl", "files"), f"data.format={self.format!r}: use text, jsonl or files")
-        _check(self.batching in ("length_grouped", "random"),
-               f"data.batching={self.batching!r}: use length_grouped or random")
-        _check(self.token_budget >= self.block_size,
-               f"data.token_budget={self.token_budget} is below data.block_size={self.block_size}; raise it")
-        _check(self.micro_batches_per_step > 0 and self.pool_size > 0,
-               "data.micro_batches_per_step and data.pool_size must be positive")
+        _check(self.kind == "documents" or self.documents == DocumentsConfig(),
+               "data.documents.* settings apply to data.kind=documents only; set data.kind=documents (or "
+               "data=shakespeare_speeches), or leave them out")
+        _check(self.kind == "stream" or self.documents.token_budget >= self.block_size,
+               f"data.documents.token_budget={self.documents.token_budget} is below data.block_size="
+               f"{self.block_size}: a piece of a full block must fit in a micro-batch; raise it")
         _check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
 
 
@@ -110,14 +127,16 @@ class OptimConfig:
 class TrainerConfig:
     max_steps: int = 2000
     """Optimizer steps to train for (the LR schedule ends here)."""
-    batch_size: int = 32
-    """Global batch in sequences per optimizer step, whatever the world size."""
-    micro_batch_size: int = 32
-    """Sequences per forward pass on one rank; accumulation steps are derived from it."""
+    batch_size: int | None = None
+    """Fixed blocks (data.kind=stream): the global batch in sequences per optimizer step, whatever
+    the world size; unset = 32. Documents are batched by data.documents instead."""
+    micro_batch_size: int | None = None
+    """Fixed blocks: sequences per forward pass on one rank (accumulation steps follow from it);
+    unset = 32, or batch_size when smaller."""
     eval_every: int = 250
     """Evaluate on the validation split every N steps (and at the end); 0 disables."""
     eval_iters: int = 20
-    """Validation batches (of batch_size sequences) per evaluation."""
+    """Validation batches per evaluation (each the size of one global batch of training)."""
     log_every: int = 10
     """Log a line (and a metrics record) every N steps."""
     precision: str = "auto"
@@ -143,12 +162,26 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")
-        _check(self.batch_size > 0 and self.micro_batch_size > 0, "trainer.batch_size and micro_batch_size must be positive")
+        _check(self.global_batch > 0 and self.micro_batch > 0, "trainer.batch_size and micro_batch_size must be positive")
+        _check(self.global_batch >= self.micro_batch,
+               f"trainer.batch_size={self.global_batch} is smaller than one micro-batch "
+               f"(trainer.micro_batch_size={self.micro_batch}); lower micro_batch_size or raise batch_size")
         _check(self.precision in ("auto", "fp32", "bf16", "fp16"),
                f"trainer.precision={self.precision!r}: use auto, fp32, bf16 or fp16")
         _check(self.log_every > 0, f"trainer.log_every must be positive, got {self.log_every}")
         _check(self.eval_every >= 0 and self.eval_iters > 0, "trainer.eval_every must be >= 0 and eval_iters > 0")
         _check(self.threads >= 0, f"trainer.threads must be >= 0, got {self.threads}")
+
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step (fixed blocks)."""
+        return 32 if self.batch_size is None else self.batch_size
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences per forward pass (fixed blocks)."""
+        return min(32, self.global_batch) if self.micro_batch_size is None else self.micro_batch_size
 
 
 @dataclass(frozen=True)
@@ -209,6 +242,9 @@ class RunConfig:
                f"model.block_size={self.model.block_size} cannot be set on its own: the context length is "
                f"data.block_size (now {self.data.block_size}), used for training and sampling alike; "
                f"set data.block_size={self.model.block_size} instead")
+        _check(self.data.kind == "stream" or (self.trainer.batch_size, self.trainer.micro_batch_size) == (None, None),
+               "trainer.batch_size and trainer.micro_batch_size size batches of fixed blocks; documents are "
+               "batched by data.documents.token_budget and data.documents.micro_batches_per_step")
 
     def to_dict(self) -> dict:
         """Plain containers (no tensors), for manifests and snapshots."""
@@ -216,17 +252,17 @@ class RunConfig:
 
 
 def _build(cls, values: dict[str, Any], where: str):
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - set(known))
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    types = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        close = difflib.get_close_matches(unknown[0], known, n=1, cutoff=0.6)
+        close = suggest_key(where + unknown[0])
         raise ConfigError(f"unknown config key(s) {', '.join(where + k for k in unknown)}"
-                          + (f" (did you mean {where}{close[0]}?)" if close else ""))
+                          + (f" (did you mean {close}?)" if close else ""))
     kwargs = {}
     for name, value in values.items():
-        sub = _NESTED.get((cls, name))
-        if sub is not None:
-            value = _build(sub, dict(value or {}), f"{where}{name}.")
+        if dataclasses.is_dataclass(types[name]):  # a nested section: its own dataclass
+            value = _build(types[name], dict(value or {}), f"{where}{name}.")
         elif isinstance(value, list):
             value = tuple(value)
         kwargs[name] = value
@@ -240,15 +276,27 @@ def _build(cls, values: dict[str, Any], where: str):
         raise ConfigError(f"{where.rstrip('.') or 'config'}: {e}") from None
 
 
-_NESTED = {
-    (RunConfig, "model"): GPTConfig,
-    (RunConfig, "data"): DataConfig,
-    (RunConfig, "optim"): OptimConfig,
-    (RunConfig, "trainer"): TrainerConfig,
-    (RunConfig, "snapshot"): SnapshotConfig,
-    (RunConfig, "dist"): DistConfig,
-    (DataConfig, "tokenizer"): TokenizerConfig,
-}
+def known_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every settable key of the run's config, dotted (e.g. data.documents.token_budget)."""
+    cls = cls or RunConfig
+    types = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(types[f.name]):
+            keys += known_keys(types[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def suggest_key(key: str) -> str | None:
+    """The key a mistyped or moved one probably means: the same name elsewhere, else the closest."""
+    keys = known_keys()
+    moved = [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+    if len(moved) == 1:
+        return moved[0]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    return close[0] if close else None
 
 
 def from_dict(values: dict[str, Any]) -> RunConfig:

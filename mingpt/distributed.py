@@ -33,7 +33,6 @@ class DistInfo:
     local_rank: int = 0
     world_size: int = 1
     local_world_size: int = 1
-    node_rank: int = 0
     restart_count: int = 0
     hostname: str = "localhost"
     device: str = "cpu"
@@ -42,8 +41,8 @@ class DistInfo:
     restart can tell its own snapshots from another run's. None outside torchrun."""
 
     @property
-    def is_first(self) -> bool:
-        """The single writer and logger of the job: the current global rank 0."""
+    def is_rank0(self) -> bool:
+        """The current global rank 0: the job's single writer and logger, whichever node it is on."""
         return self.rank == 0
 
     @property
@@ -64,7 +63,6 @@ class DistInfo:
             local_rank=local_rank,
             world_size=int(env.get("WORLD_SIZE", 1)),
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
-            node_rank=int(env.get("GROUP_RANK", 0)),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
             hostname=socket.gethostname(),
             device=f"cuda:{local_rank}" if cuda else "cpu",
@@ -163,8 +161,8 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
-def on_first_rank(fn):
-    """Run fn on the first rank only and give every rank its result; an exception raised there is
+def on_rank0(fn):
+    """Run fn on rank 0 only and give every rank its result; an exception raised there is
     raised on every rank, so all of them stop together with the same message."""
     result, error = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -215,7 +213,7 @@ def report_error(info: DistInfo, message: str, code: int, detail: str | None = N
                 json.dump(record, fh)
         except OSError as e:
             log.warning("cannot write torchrun's error file %s: %s", path, e)
-    if info.is_first or (each_node and info.local_rank == 0):
+    if info.is_rank0 or (each_node and info.local_rank == 0):
         logging.getLogger("mingpt").log(level, "%s", detail.rstrip() if detail else message)
     return code
 

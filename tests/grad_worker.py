@@ -7,34 +7,34 @@ import sys
 
 import torch
 
-from mingpt import distributed as D
+from mingpt import distributed
 from mingpt.compose import compose
 from mingpt.main import assemble, setup_logging
 
 
 def main() -> None:
     out, overrides = sys.argv[1], sys.argv[2:]
-    info = D.DistInfo.from_env()
+    info = distributed.DistInfo.from_env()
     setup_logging(info)
     cfg = compose(overrides)
-    D.init(info, 60)
+    distributed.init(info, 60)
     run = None
     try:
         run = assemble(cfg, info)
-        run.trainer.train_step()
+        run.train_step()
         if info.distributed:
             # a Python DDP comm hook leaves Python callbacks on gloo's threads: they abort the process
             # (SIGABRT) when they let go of them during interpreter shutdown
-            hook = run.trainer.model._get_ddp_logging_data().get("comm_hook")
+            hook = run.model._get_ddp_logging_data().get("comm_hook")
             assert not hook, f"a Python DDP comm hook ({hook}) is registered"
-        if info.is_first:
-            grads = {n: p.grad.clone() for n, p in run.trainer.raw_model.named_parameters()}
+        if info.is_rank0:
+            grads = {n: p.grad.clone() for n, p in run.raw_model.named_parameters()}
             torch.save(grads, out)
     finally:
         if run is not None:
             run.close()
-        D.shutdown()
-    D.exit_process(0, had_process_group=info.distributed)
+        distributed.shutdown()
+    distributed.exit_process(0, had_process_group=info.distributed)
 
 
 if __name__ == "__main__":

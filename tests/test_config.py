@@ -3,22 +3,46 @@ from pathlib import Path
 import pytest
 
 from mingpt.compose import compose
-from mingpt.config import ConfigError
+import dataclasses
+
+import yaml
+
+from mingpt.config import ConfigError, from_dict
+from mingpt.model import PRESETS
 from mingpt.distributed import DistInfo, default_threads
 from mingpt.compose import config_dir
 
 GROUPS = sorted(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
-OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((Path(config_dir()) / g).glob("*.yaml"))]
+OPTIONS = ([(g, p.stem) for g in GROUPS for p in sorted((Path(config_dir()) / g).glob("*.yaml"))]
+           + [("model", name) for name in [*PRESETS, "custom"]])
 
 
-def test_all_groups_present():
-    assert GROUPS == ["data", "model", "optim", "snapshot", "trainer"]
+def test_config_files_hold_only_what_differs_from_the_defaults():
+    """Every default is defined once, in config.py; the model presets once, in model.PRESETS."""
+    assert GROUPS == ["data", "snapshot", "trainer"]
+    defaults = from_dict({})
+    for group, option in OPTIONS:
+        if group == "model":
+            continue
+        values = yaml.safe_load((Path(config_dir()) / group / f"{option}.yaml").read_text()) or {}
+        section = dataclasses.asdict(getattr(defaults, group))
+
+        def same(v, d, where):
+            for k, x in v.items():
+                if isinstance(x, dict):
+                    same(x, d[k], f"{where}{k}.")
+                else:
+                    assert x != d[k], f"{group}={option} repeats the default {where}{k}={x!r}"
+
+        same(values, section, f"{group}.")
+    assert compose(["model=gpt2"]).model.shape == PRESETS["gpt2"]
 
 
 @pytest.mark.parametrize("group, option", OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_every_group_option_composes_into_typed_config(group, option):
     cfg = compose([f"{group}={option}"])
     assert cfg.model.block_size == 0 and cfg.data.block_size > 0  # the context is set in one place
+    assert getattr(cfg, group) != getattr(from_dict({}), group) or option in ("shakespeare_char", "gpt-mini")
     if group == "model" and option != "custom":
         assert cfg.model.preset == option
 
@@ -30,14 +54,19 @@ def test_command_line_overrides():
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.n_head=5"], "n_embd=192 is not divisible by model.n_head=5"),
-    (["+model.block_size=512"], "model.block_size=512 cannot be set on its own.*set data.block_size=512"),
+    (["model.block_size=512"], "model.block_size=512 cannot be set on its own.*set data.block_size=512"),
+    (["trainer.max_steps=ten"], r"trainer.max_steps=ten; Value 'ten' of type 'str' could not be converted to Integer"),
+    (["data.token_budget=8"], r"unknown config key data.token_budget \(did you mean data.documents.token_budget\?\)"),
+    (["data.documents.token_budget=8"], r"data.documents.\* settings apply to data.kind=documents only"),
+    (["data=shakespeare_speeches", "trainer.batch_size=8"], "documents are batched by data.documents.token_budget"),
+    (["trainer.batch_size=4", "trainer.micro_batch_size=8"], "trainer.batch_size=4 is smaller than one micro-batch"),
     (["snapshot.resume=yes"], "snapshot.resume='yes': use latest, never, or the path"),
     (["model.preset=gpt-5"], "not a known preset"),
     (["trainer.precision=fp8"], "trainer.precision='fp8'"),
     (["+trainer.batchsize=3"], r"unknown config key\(s\) trainer.batchsize \(did you mean trainer.batch_size\?\)"),
     (["trainer.max_step=5"], r"^unknown config key trainer.max_step \(did you mean trainer.max_steps\?\)"),
     (["model=gpt3"], r"^model=gpt3 is not a config option of model; choose one of: custom, gopher-44m, gpt-micro"),
-    (["trainer.max_steps=[1"], r"check the spelling of the command-line overrides"),
+    (["trainer.max_steps=[1"], r"\(check the command-line overrides\)$"),
 ])
 def test_invalid_values_stop_with_one_clear_message(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -47,12 +76,12 @@ def test_invalid_values_stop_with_one_clear_message(overrides, message):
 def test_dist_info_from_env_without_process_group():
     info = DistInfo.from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
                               "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2"}, cuda=False)
-    assert (info.rank, info.local_rank, info.world_size, info.node_rank, info.restart_count) == (3, 1, 4, 1, 2)
-    assert info.device == "cpu" and info.backend == "gloo" and not info.is_first
+    assert (info.rank, info.local_rank, info.world_size, info.restart_count) == (3, 1, 4, 2)
+    assert info.device == "cpu" and info.backend == "gloo" and not info.is_rank0
     gpu = DistInfo.from_env({"LOCAL_RANK": "1"}, cuda=True)
     assert gpu.device == "cuda:1" and gpu.backend == "nccl"
     plain = DistInfo.from_env({}, cuda=False)
-    assert plain.is_first and not plain.distributed and plain.job_id is None
+    assert plain.is_rank0 and not plain.distributed and plain.job_id is None
     # the rendezvous id names the job across restarts; torchrun's default "none" names no job
     assert DistInfo.from_env({"TORCHELASTIC_RUN_ID": "job7"}, cuda=False).job_id == "job7"
     assert DistInfo.from_env({"TORCHELASTIC_RUN_ID": "none"}, cuda=False).job_id is None

@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 from conftest import make_docs_corpus
-from mingpt.data import DataError, load_documents, read_documents, split_pieces
-from mingpt.sampler import LengthGroupedSampler, balance, form_micro_batches
+from mingpt.data import DataError, load_documents
+from mingpt.data.datasets import split_pieces
+from mingpt.data.sources import read_documents
+from mingpt.data.samplers import LengthGroupedSampler, form_micro_batches, split_balanced
 
 
 def skewed_lengths(n=3000, seed=0, block=256):
@@ -16,7 +18,7 @@ def skewed_lengths(n=3000, seed=0, block=256):
 def all_pieces(sampler, world, steps):
     seen = []
     for _ in range(steps):
-        for mbs in sampler.assign(sampler.next_step(), world):
+        for mbs in sampler.split(sampler.next_step(), world):
             for mb in mbs:
                 seen.extend(mb.tolist())
     return seen
@@ -29,7 +31,7 @@ def test_every_piece_exactly_once_per_epoch_and_equal_micro_batch_counts(world, 
     s = LengthGroupedSampler(lengths, token_budget=1024, micro_per_step=4, seed=3, mode=mode)
     seen = []
     for _ in range(s.steps_per_epoch):
-        per_rank = s.assign(s.next_step(), world)
+        per_rank = s.split(s.next_step(), world)
         assert len({len(mbs) for mbs in per_rank}) == 1  # the same number of micro-batches on every rank
         for mbs in per_rank:
             for mb in mbs:
@@ -76,7 +78,7 @@ def test_balance_on_a_skewed_distribution_and_padding():
     def figures(s):
         ratios, padded, real = [], 0, 0
         for _ in range(s.steps_per_epoch - 1):  # the last step of an epoch may be short
-            per_rank = s.assign(s.next_step(), 2)
+            per_rank = s.split(s.next_step(), 2)
             work = [sum(s.cost(mb) for mb in mbs) for mbs in per_rank]
             ratios.append(max(work) / (sum(work) / 2))
             for mbs in per_rank:
@@ -96,7 +98,7 @@ def test_form_micro_batches_and_balance_helpers():
     lengths = np.array([10, 10, 5, 5, 5, 20])
     batches = form_micro_batches(np.arange(6), lengths, token_budget=20)
     assert [b.tolist() for b in batches] == [[0, 1], [2, 3, 4], [5]]
-    assert balance([5, 4, 3, 3, 1, 0], 2) == [[0, 3, 5], [1, 2, 4]]
+    assert split_balanced([5, 4, 3, 3, 1, 0], 2) == [[0, 3, 5], [1, 2, 4]]
 
 
 def test_split_pieces():

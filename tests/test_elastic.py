@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, free_port, make_corpus, torchrun_env
-from mingpt.metrics import read_metrics
+from mingpt.training.metrics import read_metrics
 from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow
@@ -70,7 +70,7 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
     run_dir, cache, port = tmp_path / "run", tmp_path / "cache", free_port()
     server, extra = None, ""
     if store == "standalone":
-        server = subprocess.Popen([sys.executable, "-m", "mingpt.rendezvous", "--host", "127.0.0.1",
+        server = subprocess.Popen([sys.executable, "-m", "mingpt.cli.rendezvous", "--host", "127.0.0.1",
                                    "--port", str(port)], cwd=REPO, stderr=subprocess.PIPE, text=True)
         assert "listening" in server.stderr.readline()
         extra = ",is_host=0"

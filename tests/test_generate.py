@@ -8,7 +8,7 @@ import torch
 from conftest import REPO
 from mingpt.compose import compose
 from mingpt.distributed import DistInfo
-from mingpt.generate import load_model
+from mingpt.cli.generate import load_model
 from mingpt.main import assemble
 from mingpt.model import GPT, GPTConfig
 from mingpt.snapshot import SnapshotStore
@@ -29,9 +29,9 @@ def test_a_model_trained_at_a_short_context_is_sampled_at_that_context(corpus_fi
                           f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.max_steps=30",
                           "trainer.batch_size=8", "trainer.micro_batch_size=8", "trainer.eval_every=0",
                           "trainer.progress=false"])
-    run = assemble(cfg, DistInfo())
-    run.trainer.train()
-    run.close()
+    trainer = assemble(cfg, DistInfo())
+    trainer.train()
+    trainer.close()
     model, manifest = load_model(str(run_dir / "snapshots"))
     assert model.config.block_size == BLOCK and model.wpe.weight.shape[0] == BLOCK
     seen = positions_fed(model)
@@ -41,7 +41,7 @@ def test_a_model_trained_at_a_short_context_is_sampled_at_that_context(corpus_fi
     assert max(seen) == BLOCK  # ...and never more positions than were trained
 
     # the command line says the same
-    cli = subprocess.run([sys.executable, "-m", "mingpt.generate", str(run_dir / "snapshots"), "--prompt", "Speaker",
+    cli = subprocess.run([sys.executable, "-m", "mingpt.cli.generate", str(run_dir / "snapshots"), "--prompt", "Speaker",
                           "--max-new-tokens", str(5 * BLOCK)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert len(cli.stdout.rstrip("\n")) == len("Speaker") + 5 * BLOCK

@@ -1,4 +1,4 @@
-from mingpt.metrics import MetricsWriter, read_metrics
+from mingpt.training.metrics import MetricsWriter, read_metrics
 
 
 def test_metrics_jsonl_last_record_wins_and_tensorboard(tmp_path):

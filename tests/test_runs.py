@@ -12,7 +12,8 @@ import torch
 from conftest import REPO, make_ranks_file
 from mingpt.compose import compose
 from mingpt.distributed import DistInfo
-from mingpt.main import MismatchError, assemble
+from mingpt.main import assemble
+from mingpt.snapshot.resume import MismatchError
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 
 TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
@@ -27,12 +28,12 @@ def job(corpus_file, tmp_path):
     def train(run_dir: Path, *overrides: str, steps: int = 20, job_id: str | None = None):
         cfg = compose([*TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}",
                               f"trainer.run_dir={run_dir}", f"trainer.max_steps={steps}", *overrides])
-        run = assemble(cfg, DistInfo(job_id=job_id))
+        trainer = assemble(cfg, DistInfo(job_id=job_id))
         try:
-            run.trainer.train()
+            trainer.train()
         finally:
-            run.close()
-        return run.trainer
+            trainer.close()
+        return trainer
 
     return train
 
@@ -165,9 +166,9 @@ def test_readme_training_examples_each_have_a_run_directory_of_their_own():
     dirs = []
     for args in _readme_runs():
         run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("trainer.run_dir=")), None)
-        preset = next((a.split("=", 1)[1] for a in args if a.startswith("trainer=")), "default")
+        preset = [a for a in args if a.startswith("trainer=")]
         if run_dir is None:
-            run_dir = compose([f"trainer={preset}"]).trainer.run_dir
+            run_dir = compose(preset).trainer.run_dir
         snap = next((a.split("=", 1)[1] for a in args if a.startswith("snapshot.dir=")), f"{run_dir}/snapshots")
         dirs.append((run_dir, snap, " ".join(args)))
     assert len(dirs) >= 4

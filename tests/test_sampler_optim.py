@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from mingpt.model import GPT, GPTConfig
-from mingpt.optim import lr_at, param_groups
-from mingpt.sampler import StreamSampler, split_global_batch
+from mingpt.training.optim import lr_at, param_groups
+from mingpt.data.samplers import StreamSampler, split_evenly
 
 
 def rank_shares(indices, world, micro):
-    plan = split_global_batch(len(indices), world, micro)
+    plan = split_evenly(len(indices), world, micro)
     return [[indices[s:e] for s, e in plan[r]] for r in range(world)]
 
 
@@ -56,7 +56,7 @@ def test_resume_mid_epoch_continues_identically():
 @pytest.mark.parametrize("n, world, micro, accum", [(12, 1, 12, 1), (24, 2, 6, 2), (7, 3, 2, 2), (5, 2, 4, 1),
                                                      (1, 3, 4, 1)])
 def test_split_gives_every_rank_the_same_number_of_micro_batches(n, world, micro, accum):
-    plan = split_global_batch(n, world, micro)
+    plan = split_evenly(n, world, micro)
     assert len(plan) == world
     assert all(len(p) == accum for p in plan)
     sizes = [e - s for p in plan for s, e in p]

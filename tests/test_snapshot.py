@@ -12,7 +12,7 @@ import logging
 from dataclasses import replace
 
 from mingpt.config import DataConfig, OptimConfig, RunConfig, TokenizerConfig
-from mingpt.main import MismatchError, check_compatible
+from mingpt.snapshot.resume import MismatchError, check_compatible
 from mingpt.model import GPTConfig
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 
@@ -108,16 +108,16 @@ def test_retention_keeps_last_k_after_commit(store_url):
 def test_only_the_first_rank_writes(tmp_path):
     """for rank in range(2), no process group: the Trainer's save is a no-op except on rank 0."""
     from mingpt.distributed import DistInfo
-    from mingpt.trainer import Trainer
+    from mingpt.training.trainer import Trainer
 
     written = []
     for rank in range(2):
         info = DistInfo(rank=rank, world_size=2)
         store = SnapshotStore(str(tmp_path / f"as_rank{rank}"))
         fake = Trainer.__new__(Trainer)  # only the parts save_snapshot uses
-        fake.dist, fake.snapshotter = info, Snapshotter(store, keep_last=3, enabled=info.is_first)
+        fake.dist, fake.snapshotter = info, Snapshotter(store, keep_last=3, enabled=info.is_rank0)
         fake.state_dict = lambda: state(1)
-        fake.step, fake.tokens_seen, fake.run_meta = 1, 0, {}
+        fake.step, fake.tokens_seen, fake.snapshot_meta = 1, 0, {}
         fake.save_snapshot()
         fake.snapshotter.close()
         written.append(bool(store.list()))

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from mingpt.main import open_store
-from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore, cli, weights_digest
+from mingpt.cli.snapshot import main as snapshot_cli
+from mingpt.cli.snapshot import weights_digest
+from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 
 
 def test_async_save_copies_state_before_training_goes_on(store_url):
@@ -81,15 +83,15 @@ def test_snapshot_cli_list_show_verify(tmp_path, capsys):
     store.save(1, {"model": {"w": torch.ones(3)}}, {"world_size": 2})
     p2 = store.save(2, {"model": {"w": torch.zeros(3)}}, {"world_size": 2})
     (tmp_path / "step_000000003").mkdir()
-    assert cli(["list", str(tmp_path)]) == 0
+    assert snapshot_cli(["list", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "committed" in out and "incomplete" in out
-    assert cli(["verify", str(tmp_path)]) == 0
+    assert snapshot_cli(["verify", str(tmp_path)]) == 0
     assert weights_digest({"w": torch.zeros(3)}) in capsys.readouterr().out
-    assert cli(["show", str(tmp_path), "--step", "1"]) == 0
+    assert snapshot_cli(["show", str(tmp_path), "--step", "1"]) == 0
     assert '"step": 1' in capsys.readouterr().out
     with open(f"{p2}/state.pt", "r+b") as fh:
         fh.seek(-4, 2)
         fh.write(b"oops")
-    assert cli(["verify", str(tmp_path), "--json"]) == 1
+    assert snapshot_cli(["verify", str(tmp_path), "--json"]) == 1
     assert "FAILED" in capsys.readouterr().out

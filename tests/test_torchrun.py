@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import REPO, make_docs_corpus, torchrun_cmd, torchrun_env
-from mingpt.metrics import read_metrics
+from mingpt.training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def test_two_process_run_learns_snapshots_and_resumes(corpus_file, tmp_path):
     train = read_metrics(run_dir / "metrics.jsonl")
     assert max(train) == 50 and 45 in train
 
-    out = subprocess.run([sys.executable, "-m", "mingpt.generate", str(run_dir / "snapshots"), "--prompt",
+    out = subprocess.run([sys.executable, "-m", "mingpt.cli.generate", str(run_dir / "snapshots"), "--prompt",
                           "Speaker", "--max-new-tokens", "30"], cwd=REPO, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("Speaker") and len(out.stdout.strip()) >= 30
@@ -96,7 +96,7 @@ def test_documents_two_processes_give_the_same_gradients_as_one(tmp_path):
     """Length-grouped document batches, 3 micro-batches per step over 2 ranks: uneven token counts."""
     corpus = make_docs_corpus(tmp_path)
     args = [*TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data=shakespeare_speeches",
-            "data.block_size=32", "data.token_budget=128", "data.micro_batches_per_step=3", "snapshot.resume=never"]
+            "data.block_size=32", "data.documents.token_budget=128", "data.documents.micro_batches_per_step=3", "snapshot.resume=never"]
     one, two = tmp_path / "g1.pt", tmp_path / "g2.pt"
     run([sys.executable, "tests/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
     log = run(torchrun_cmd(2, "tests/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))

@@ -1,7 +1,7 @@
 import threading
 import time
 
-from mingpt.watchdog import Watchdog
+from mingpt.training.watchdog import Watchdog
 
 
 def test_watchdog_fires_when_steps_stop_and_names_the_rank():

@@ -1,54 +1,49 @@
 """Training throughput: tokens/s, ms per step and MFU over a fixed number of steps after warm-up.
 
-    python -m mingpt.bench model=gpt-micro data.block_size=64 trainer.batch_size=12 trainer.micro_batch_size=12
+    python -m mingpt.bench throughput model=gpt-micro data.block_size=64 trainer.batch_size=12 trainer.micro_batch_size=12
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 -m mingpt.bench --steps 100 model=gpt-micro ...
 
 Arguments after the options are Hydra overrides of conf/config.yaml. Nothing is saved or resumed.
-`python -m mingpt.bench snapshot` measures snapshot save / load / recovery instead (bench_snapshot.py),
-`python -m mingpt.bench batching` length-grouped against random batching (bench_batching.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 
 import torch
-from mingpt import distributed as D
+from mingpt import distributed
 from mingpt.compose import compose
 from mingpt.main import assemble, setup_logging
 
 
 def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
-    info = D.DistInfo.from_env()
+    info = distributed.DistInfo.from_env()
     setup_logging(info)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = compose([f"trainer.run_dir={tmp}", "snapshot.resume=never", "trainer.progress=false",
-                              *overrides])
-        D.init(info, cfg.dist.timeout_s)
-        run = None
+        cfg = compose([f"trainer.run_dir={tmp}", "snapshot.resume=never", "trainer.progress=false", *overrides])
+        distributed.init(info, cfg.dist.timeout_s)
+        trainer = None
         try:
-            run = assemble(cfg, info)
-            trainer = run.trainer
+            trainer = assemble(cfg, info)
             for _ in range(warmup):
                 trainer.train_step()
                 trainer.step += 1
-            D.barrier()
+            distributed.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
                 stats = trainer.train_step()
                 trainer.step += 1
-            loss = D.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
-            D.barrier()
+            loss = distributed.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
+            distributed.barrier()
             dt = (time.perf_counter() - t0) / steps
         finally:
-            if run is not None:
-                run.close()
-            D.shutdown()
-    tok_s = cfg.trainer.batch_size * cfg.data.block_size / dt
+            if trainer is not None:
+                trainer.close()
+            distributed.shutdown()
+    tok_s = stats.tokens / dt  # target tokens of a global step (constant for fixed blocks)
     return {
         "config": " ".join(overrides) or "(defaults)",
         "world_size": info.world_size,
@@ -58,21 +53,12 @@ def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
         "tokens_per_s": round(tok_s),
         "mfu": round(tok_s * trainer.flops_per_token / trainer.peak_flops, 4),
         "last_loss": round(loss, 4),
-        "is_first": info.is_first,
+        "is_rank0": info.is_rank0,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "snapshot":
-        from mingpt import bench_snapshot
-
-        return bench_snapshot.main(argv[1:])
-    if argv and argv[0] == "batching":
-        from mingpt import bench_batching
-
-        return bench_batching.main(argv[1:])
-    ap = argparse.ArgumentParser(prog="python -m mingpt.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m mingpt.bench throughput", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=50, help="timed steps (default 50)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
@@ -80,14 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt-micro trainer.compile=true")
     args = ap.parse_args(argv)
     res = throughput(args.overrides, args.steps, args.warmup)
-    if res.pop("is_first"):
+    if res.pop("is_rank0"):
         if args.json:
             print(json.dumps(res))
         else:
             print(f"{res['config']}\n  world size {res['world_size']} x {res['threads_per_process']} threads: "
                   f"{res['ms_per_step']:.1f} ms/step, {res['tokens_per_s']:,} tokens/s, MFU {100 * res['mfu']:.1f}%")
-    D.exit_process(0, had_process_group=res["world_size"] > 1)
+    distributed.exit_process(0, had_process_group=res["world_size"] > 1)
 
-
-if __name__ == "__main__":
-    main()

@@ -15,7 +15,7 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch]).permutation(num_samples)
 
 
-def split_global_batch(n: int, world_size: int, micro_batch_size: int) -> list[list[tuple[int, int]]]:
+def split_evenly(n: int, world_size: int, micro_batch_size: int) -> list[list[tuple[int, int]]]:
     """How a global batch of n samples is spread over ranks and accumulation steps.
 
     Returns, for every rank, the (start, end) slices of its micro-batches in the global batch.
@@ -39,6 +39,22 @@ def split_global_batch(n: int, world_size: int, micro_batch_size: int) -> list[l
     return plan
 
 
+def validation_batches(sampler: "StreamSampler | LengthGroupedSampler", world_size: int,
+                       rank: int, eval_iters: int) -> list[np.ndarray]:
+    """This rank's micro-batches of the fixed validation subset: `eval_iters` global batches of
+    the validation split, planned like training batches, the same at every evaluation.
+
+    `sampler` is a sampler over the validation split (never advanced: only its plan is used).
+    """
+    if isinstance(sampler, StreamSampler):
+        n = min(sampler.num_samples, eval_iters * sampler.global_batch)
+        indices = np.sort(epoch_order(sampler.num_samples, sampler.seed, 0)[:n])
+        mine = np.array_split(indices, world_size)[rank]
+        return [mine[i : i + sampler.micro_batch_size] for i in range(0, len(mine), sampler.micro_batch_size)]
+    micro_batches = [mb for step in sampler.plan(0)[:eval_iters] for mb in step]
+    return [mb for mb in sampler.split(micro_batches, world_size)[rank] if len(mb)]
+
+
 def _check_same_plan(state: dict, num_samples: int, seed: int) -> None:
     """A saved position only means something for the same samples and seed."""
     if state["num_samples"] != num_samples or state["seed"] != seed:
@@ -52,7 +68,7 @@ class StreamSampler:
     """Global batches of fixed-length blocks over epochs; Stateful.
 
     Like every sampler here: `next_step()` gives the micro-batches of the next global step (the
-    same whatever the world size) and `shard(step, world_size, rank)` the part of one rank.
+    same whatever the world size) and `split(micro_batches, world_size)` every rank's part of it.
     """
 
     def __init__(self, num_samples: int, global_batch: int, seed: int, micro_batch_size: int | None = None):
@@ -90,14 +106,11 @@ class StreamSampler:
     def next_step(self) -> list[np.ndarray]:
         return [self.next_batch()]
 
-    def assign(self, step: list[np.ndarray], world_size: int) -> list[list[np.ndarray]]:
+    def split(self, micro_batches: list[np.ndarray], world_size: int) -> list[list[np.ndarray]]:
         """Every rank's micro-batches of a global step."""
-        batch = np.concatenate(step)
-        plan = split_global_batch(len(batch), world_size, self.micro_batch_size)
+        batch = np.concatenate(micro_batches)
+        plan = split_evenly(len(batch), world_size, self.micro_batch_size)
         return [[batch[a:b] for a, b in slices] for slices in plan]
-
-    def shard(self, step: list[np.ndarray], world_size: int, rank: int) -> list[np.ndarray]:
-        return self.assign(step, world_size)[rank]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_samples": self.num_samples}
@@ -126,7 +139,7 @@ def form_micro_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int
     return batches
 
 
-def balance(costs: list[float], world_size: int) -> list[list[int]]:
+def split_balanced(costs: list[float], world_size: int) -> list[list[int]]:
     """Spread items over ranks: the same count on every rank (ceil), loads as equal as possible.
 
     Longest-processing-time first, restricted to ranks that still have room.
@@ -206,22 +219,19 @@ class LengthGroupedSampler:
         t = float(self.lengths[mb].max())
         return len(mb) * t * (1.0 + self.attn_coeff * t)
 
-    def assign(self, step: list[np.ndarray], world_size: int) -> list[list[np.ndarray]]:
+    def split(self, micro_batches: list[np.ndarray], world_size: int) -> list[list[np.ndarray]]:
         """Every rank's micro-batches: the same number on each (empty ones fill up), loads balanced
         by estimated FLOPs."""
-        per_rank = -(-len(step) // world_size)
+        per_rank = -(-len(micro_batches) // world_size)
         if self.mode == "random":
-            groups = [list(range(r, len(step), world_size)) for r in range(world_size)]
+            groups = [list(range(r, len(micro_batches), world_size)) for r in range(world_size)]
         else:
-            groups = balance([self.cost(mb) for mb in step], world_size)
+            groups = split_balanced([self.cost(mb) for mb in micro_batches], world_size)
         out = []
         for idx in groups:
-            mine = [step[i] for i in idx]
+            mine = [micro_batches[i] for i in idx]
             out.append(mine + [np.empty(0, dtype=np.int64)] * (per_rank - len(mine)))
         return out
-
-    def shard(self, step: list[np.ndarray], world_size: int, rank: int) -> list[np.ndarray]:
-        return self.assign(step, world_size)[rank]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.step_in_epoch, "seed": self.seed, "num_samples": self.num_samples}

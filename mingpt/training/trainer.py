@@ -14,15 +14,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from mingpt import distributed as D
 from mingpt.config import OptimConfig, TrainerConfig
-from mingpt.data import DocumentDataset, StreamDataset
-from mingpt.metrics import MetricsWriter
+from mingpt.data.datasets import DocumentDataset, StreamDataset
+from mingpt.data.samplers import LengthGroupedSampler, StreamSampler
+from mingpt.distributed import DistInfo, PreemptionFlag, all_gather_floats, all_gather_objects, all_reduce_sum
 from mingpt.model import GPT
-from mingpt.optim import lr_at
-from mingpt.sampler import LengthGroupedSampler, StreamSampler, epoch_order
 from mingpt.snapshot import Snapshotter
-from mingpt.watchdog import Watchdog
+from mingpt.training.metrics import MetricsWriter
+from mingpt.training.optim import lr_at
+from mingpt.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class StepStats:
     grad_norm: float
     lr: float
     compute_s: float
-    per_rank: list  # every rank's micro-batches; padding/balance figures are computed at log steps only
+    split: list  # every rank's micro-batches; padding/balance figures are computed at log steps only
 
 
 class Trainer:
@@ -47,27 +47,28 @@ class Trainer:
     Args:
         model: what the loop calls (DDP and/or compiled wrapper around `raw_model`).
         raw_model: the plain GPT, whose state_dict has no wrapper prefixes.
-        snapshotter: saves snapshots (asynchronously, on the current rank 0 only).
+        val_batches: this rank's micro-batches of the fixed validation subset.
+        metrics, snapshotter: where records and snapshots go; the trainer closes them.
         snapshot_every, snapshot_every_s: save every N steps and/or every T seconds (0 = off).
         preempt: set by a signal; the ranks agree on it at a step boundary, save and stop.
-        run_meta: plain data recorded in every snapshot manifest (config, tokenizer).
+        snapshot_meta: plain data recorded in every snapshot manifest (config, tokenizer, run id).
         watchdog: notices a rank that stops making progress.
     """
 
     def __init__(self, cfg: TrainerConfig, optim_cfg: OptimConfig, model: nn.Module, raw_model: GPT,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                  train_data: StreamDataset | DocumentDataset, val_data: StreamDataset | DocumentDataset,
-                 sampler: StreamSampler | LengthGroupedSampler, dist: D.DistInfo, metrics: MetricsWriter,
-                 snapshotter: Snapshotter, snapshot_every: int, snapshot_every_s: float,
-                 preempt: D.PreemptionFlag, run_meta: dict, watchdog: Watchdog | None = None):
+                 sampler: StreamSampler | LengthGroupedSampler, val_batches: list[np.ndarray], dist: DistInfo,
+                 metrics: MetricsWriter, snapshotter: Snapshotter, snapshot_every: int, snapshot_every_s: float,
+                 preempt: PreemptionFlag, snapshot_meta: dict, watchdog: Watchdog | None = None):
         self.cfg, self.optim_cfg = cfg, optim_cfg
         self.model, self.raw_model, self.optimizer, self.scaler = model, raw_model, optimizer, scaler
-        self.train_data, self.val_data, self.sampler = train_data, val_data, sampler
+        self.train_data, self.val_data, self.sampler, self.val_batches = train_data, val_data, sampler, val_batches
         self.dist, self.metrics, self.snapshotter, self.preempt = dist, metrics, snapshotter, preempt
-        self.snapshot_every, self.snapshot_every_s, self.run_meta = snapshot_every, snapshot_every_s, run_meta
+        self.snapshot_every, self.snapshot_every_s, self.snapshot_meta = snapshot_every, snapshot_every_s, snapshot_meta
         self._last_save_t = time.monotonic()
         self.watchdog = watchdog or Watchdog(0, "")
-        self.hosts = [f"{h}:{lr}" for h, lr in D.all_gather_objects((dist.hostname, dist.local_rank))]
+        self.hosts = [f"{h}:{lr}" for h, lr in all_gather_objects((dist.hostname, dist.local_rank))]
         # This rank's own compute time per step ends when its last gradient is accumulated:
         # the gradient all-reduce that follows makes every rank look as slow as the slowest.
         # A plain autograd hook, not a DDP comm hook: a Python comm hook leaves a Python callback
@@ -87,9 +88,6 @@ class Trainer:
         nodes = max(1, dist.world_size // dist.local_world_size)
         self.peak_flops = (cfg.cpu_peak_flops * nodes if self.device.type == "cpu"
                            else _gpu_peak(cfg.gpu_peak_flops, self.device) * dist.world_size)
-        # A fixed validation subset: the same for every rank, every evaluation, every world size.
-        n_val = min(len(val_data), cfg.eval_iters * cfg.batch_size)
-        self.val_indices = np.sort(epoch_order(len(val_data), cfg.seed, 0)[:n_val])
 
     # ---------------------------------------------------------------- the loop
     def train(self) -> bool:
@@ -101,12 +99,12 @@ class Trainer:
         log.info("training from step %d to %d on %d ranks, precision %s", self.step, cfg.max_steps,
                  self.dist.world_size, self.amp_dtype or "fp32")
         if self._agree_at_boundary()[0]:  # a stop requested during start-up: nothing new to save
-            if self.dist.is_first:
+            if self.dist.is_rank0:
                 log.warning("%s before the first step", self.preempt.describe())
             return False
         self.watchdog.start()
         try:
-            with _progress(self.dist.is_first and cfg.progress, self.step, cfg.max_steps) as bar:
+            with _progress(self.dist.is_rank0 and cfg.progress, self.step, cfg.max_steps) as bar:
                 return self._loop(bar)
         finally:
             self.watchdog.stop()  # on every exit path, errors included
@@ -126,24 +124,24 @@ class Trainer:
                 now = time.perf_counter()
                 self._log_train(stats, (now - t_last) / steps_since)
                 t_last, steps_since = now, 0
-            paused = False
+            untimed = False
             if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):
                 self.evaluate()
-                paused = True
+                untimed = True
             stop, timed = self._agree_at_boundary()
             due = self.snapshot_every and self.step % self.snapshot_every == 0
             if (stop or timed or due) and self.step < cfg.max_steps:
                 self.save_snapshot()
-                paused = True
+                untimed = True
             self.watchdog.beat(self.step)
             if stop and self.step < cfg.max_steps:  # at max_steps the final save below does it
                 self.watchdog.stop()
                 self.snapshotter.wait()
-                if self.dist.is_first:  # every rank stops; one says so
+                if self.dist.is_rank0:  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
                                 self.preempt.describe(), self.step)
                 return False
-            if paused:  # keep evaluation and saving out of the step-time figures
+            if untimed:  # keep evaluation and saving out of the step-time figures
                 t_last, steps_since = time.perf_counter(), 0
         self.watchdog.stop()
         self.save_snapshot()
@@ -157,7 +155,7 @@ class Trainer:
         """
         timed = self.snapshot_every_s > 0 and time.monotonic() - self._last_save_t >= self.snapshot_every_s
         flags = torch.tensor([float(self.preempt.requested), float(timed)], device=self.device)
-        D.all_reduce_sum(flags)
+        all_reduce_sum(flags)
         stop, timed = (flags > 0).tolist()
         return stop, timed
 
@@ -165,12 +163,12 @@ class Trainer:
         """One optimizer step over the next global batch, split over ranks and micro-batches."""
         t0 = time.perf_counter()
         dist, data = self.dist, self.train_data
-        step = self.sampler.next_step()  # the global step's micro-batches, the same for any world size
+        micro_batches = self.sampler.next_step()  # the global step's, the same for any world size
         # The global count of real target tokens comes from the plan itself, which every rank
         # knows: no collective is needed to normalise the loss exactly.
-        global_tokens = data.tokens_in(np.concatenate(step))
-        per_rank = self.sampler.assign(step, dist.world_size)
-        micro = per_rank[dist.rank]
+        global_tokens = data.tokens_in(np.concatenate(micro_batches))
+        split = self.sampler.split(micro_batches, dist.world_size)
+        mine = split[dist.rank]
         lr = lr_at(self.step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps,
                    self.cfg.max_steps)
         for group in self.optimizer.param_groups:
@@ -178,17 +176,17 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for i, mb in enumerate(micro):
+        for i, mb in enumerate(mine):
             # A rank with no samples in this micro-step still runs one (weight 0) so that every
             # rank joins the same gradient all-reduces.
             weight = 1.0 if len(mb) else 0.0
-            x, y = data.batch(mb if len(mb) else step[0][:1])
+            x, y = data.batch(mb if len(mb) else micro_batches[0][:1])
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             if self.raw_model.config.dropout > 0:
                 # Dropout noise as a function of (seed, step, first sample): identical after a
                 # resume and independent of which rank draws the micro-batch.
                 torch.manual_seed(hash((self.cfg.seed, self.step, int(mb[0]) if len(mb) else -1)) & 0x7FFF_FFFF_FFFF)
-            last = i == len(micro) - 1
+            last = i == len(mine) - 1
             sync = contextlib.nullcontext() if last or not dist.distributed else self.model.no_sync()
             with sync:
                 with _autocast(self.device.type, self.amp_dtype):
@@ -205,7 +203,7 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return StepStats(loss_sum, global_tokens, float(grad_norm), lr, compute_s, per_rank)
+        return StepStats(loss_sum, global_tokens, float(grad_norm), lr, compute_s, split)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -213,19 +211,17 @@ class Trainer:
         model, dist = self.raw_model, self.dist
         model.eval()
         sums = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, tokens)
-        mine = np.array_split(self.val_indices, dist.world_size)[dist.rank]
-        for start in range(0, len(mine), self.cfg.micro_batch_size):
-            batch = mine[start : start + self.cfg.micro_batch_size]
+        for batch in self.val_batches:
             x, y = (t.to(self.device, non_blocking=True) for t in self.val_data.batch(batch))
             with _autocast(self.device.type, self.amp_dtype):
                 _, loss = model(x, y, reduction="sum")
             sums[0] += loss.double()
             sums[1] += self.val_data.tokens_in(batch)
-        D.all_reduce_sum(sums)
+        all_reduce_sum(sums)
         model.train()
         val_loss = (sums[0] / sums[1]).item()
         self.best_val_loss = min(self.best_val_loss, val_loss)
-        if dist.is_first:
+        if dist.is_rank0:
             log.info("step %d | val loss %.4f | best %.4f", self.step, val_loss, self.best_val_loss)
         self.metrics.write({"kind": "eval", "step": self.step, "val_loss": val_loss})
         return val_loss
@@ -234,8 +230,10 @@ class Trainer:
         self._grads_ready_t = time.perf_counter()
 
     def close(self) -> None:
-        """Stop the watchdog and remove the hooks: nothing of the trainer outlives it."""
+        """Stop the watchdog, wait for the last save, close the metrics, remove the hooks."""
         self.watchdog.stop()
+        self.snapshotter.close()
+        self.metrics.close()
         for h in self._grad_hooks:
             h.remove()
         self._grad_hooks = []
@@ -247,8 +245,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "sampler": self.sampler.state_dict(),
-            "trainer": {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss,
-                        "epoch": self.sampler.epoch, "seed": self.cfg.seed},
+            "trainer": {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,16 +260,16 @@ class Trainer:
     def save_snapshot(self) -> None:
         """Only the current global rank 0 writes: one writer per job, whichever node it is on."""
         self._last_save_t = time.monotonic()
-        if not self.dist.is_first:
+        if not self.dist.is_rank0:
             return
-        manifest = {**self.run_meta, "tokens_seen": self.tokens_seen, "world_size": self.dist.world_size}
+        manifest = {**self.snapshot_meta, "tokens_seen": self.tokens_seen, "world_size": self.dist.world_size}
         self.snapshotter.save(self.step, self.state_dict(), manifest)
 
     # ---------------------------------------------------------------- logging
     def _log_train(self, stats: StepStats, step_s: float) -> None:
-        loss = D.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
-        compute = [c[0] for c in D.all_gather_floats([stats.compute_s], self.dist.device)]
-        if not self.dist.is_first:
+        loss = all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
+        compute = [c[0] for c in all_gather_floats([stats.compute_s], self.dist.device)]
+        if not self.dist.is_rank0:
             return
         tok_s = stats.tokens / step_s
         mfu = tok_s * self.flops_per_token / self.peak_flops
@@ -286,7 +283,7 @@ class Trainer:
                             "grad_norm": stats.grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
                             "step_ms": 1000 * step_s, "tokens_seen": self.tokens_seen,
                             "epoch": self.sampler.epoch, "world_size": self.dist.world_size,
-                            "compute_ms": [round(1000 * c, 2) for c in compute], **self.train_data.batch_stats(stats.per_rank),
+                            "compute_ms": [round(1000 * c, 2) for c in compute], **self.train_data.batch_stats(stats.split),
                             "compute_max_median": ratio, "slowest": self.hosts[slowest]})
 
 

@@ -22,7 +22,7 @@ import numpy as np
 def run_mode(mode: str, steps: int, corpus: str, overrides: list[str], tmp: Path) -> dict:
     run_dir = tmp / mode
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "mingpt.main",
-           "data=shakespeare_speeches", f"data.path={corpus}", f"data.batching={mode}", "model=gpt-micro",
+           "data=shakespeare_speeches", f"data.path={corpus}", f"data.documents.batching={mode}", "model=gpt-micro",
            f"trainer.max_steps={steps}", "trainer.log_every=1", "trainer.eval_every=0", "snapshot.every_steps=0",
            "snapshot.resume=never", "trainer.progress=false", f"trainer.run_dir={run_dir}", *overrides]
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -59,6 +59,3 @@ def main(argv: list[str] | None = None) -> None:
     print(f"length_grouped vs random: waiting {r['wait_ms'] / max(g['wait_ms'], 1e-9):.1f}x lower, "
           f"real-token throughput {g['real_tokens_per_s'] / r['real_tokens_per_s']:.2f}x")
 
-
-if __name__ == "__main__":
-    main()

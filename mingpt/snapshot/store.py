@@ -20,7 +20,6 @@ import os
 import re
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import fsspec
@@ -225,164 +224,13 @@ class SnapshotStore:
         return doomed
 
 
-def cpu_copy(obj, into=None):
-    """A copy of a state tree with every tensor copied off the accelerator into CPU memory.
-
-    This is the only part of a save that blocks training: afterwards the live tensors may change.
-    `into`, a previous copy of the same structure, is reused where shapes match: writing into
-    memory that is already mapped (and pinned) is several times faster than allocating anew.
-    """
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if not (isinstance(into, torch.Tensor) and into.shape == t.shape and into.dtype == t.dtype):
-            into = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-        return into.copy_(t, non_blocking=t.device.type == "cuda")
-    if isinstance(obj, dict):
-        prev = into if isinstance(into, dict) else {}
-        return {k: cpu_copy(v, prev.get(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        prev = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
-        return type(obj)(cpu_copy(v, p) for v, p in zip(obj, prev))
-    return obj
-
-
-class Snapshotter:
-    """Asynchronous, retried snapshot saving for the job's single writer.
-
-    `save` blocks only while the state is copied to CPU; serialization, upload, retries and
-    retention run on one background thread, one snapshot at a time. A failed save is logged
-    and training goes on: the previous snapshot stays the latest committed one.
-    """
-
-    def __init__(self, store: SnapshotStore, keep_last: int, keep_every: int = 0, retries: int = 3,
-                 backoff_s: float = 1.0, enabled: bool = True):
-        self.store, self.keep_last, self.keep_every = store, keep_last, keep_every
-        self.retries, self.backoff_s, self.enabled = retries, backoff_s, enabled
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot") if enabled else None
-        self._pending: Future | None = None
-        self.last_saved_step: int | None = None
-        self._requested_step: int | None = None
-        self._buffers = None  # the last CPU copy, reused by the next save once it has been written
-        self.failures = 0
-        self.blocking_s: list[float] = []
-
-    def save(self, step: int, state: dict, manifest: dict) -> None:
-        if not self.enabled or step == self._requested_step:  # e.g. the final save right after a periodic one
-            return
-        self._requested_step = step
-        self.wait()  # one save at a time; usually long finished
-        t0 = time.perf_counter()
-        state = self._buffers = cpu_copy(state, self._buffers)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies are complete
-        self.blocking_s.append(time.perf_counter() - t0)
-        self._pending = self._pool.submit(self._write, step, state, manifest, t0)
-
-    def _write(self, step: int, state: dict, manifest: dict, t0: float) -> None:
-        for attempt in range(self.retries + 1):
-            try:
-                path = self.store.save(step, state, manifest)
-                pruned = self.store.prune(self.keep_last, self.keep_every, protect=step)
-                self.last_saved_step = step
-                log.info("snapshot step %d committed to %s in %.2fs (%.0f ms blocking)%s", step, path,
-                         time.perf_counter() - t0, 1000 * self.blocking_s[-1],
-                         f", pruned {len(pruned)}" if pruned else "")
-                return
-            except Exception as e:  # noqa: BLE001 - storage errors of any backend: retry, then report
-                if attempt == self.retries:
-                    self.failures += 1
-                    log.error("snapshot step %d failed after %d attempts (%s: %s); training goes on and the "
-                              "previous snapshot stays the latest", step, attempt + 1, e.__class__.__name__, e)
-                    return
-                delay = self.backoff_s * 2**attempt
-                log.warning("snapshot step %d: attempt %d failed (%s: %s); retrying in %.1fs", step, attempt + 1,
-                            e.__class__.__name__, e, delay)
-                time.sleep(delay)
-
-    def wait(self) -> None:
-        """Block until the save in flight (if any) has committed or failed."""
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self.wait()
-            self._pool.shutdown()
-            self._pool = None
-
-
-# ---------------------------------------------------------------- command line
-def weights_digest(model_state: dict) -> str:
-    """A short sha256 over the model tensors' names, shapes and bytes: equal digests, equal weights."""
-    h = hashlib.sha256()
-    for name in sorted(model_state):
-        t = model_state[name].detach().cpu().contiguous()
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()[:16]
-
-
-def _describe(store: SnapshotStore, info: SnapshotInfo, verify: bool) -> dict:
-    row = {"step": info.step, "path": info.path, "committed": info.committed}
-    if not info.committed:
-        return row
-    try:
-        m = store.read_manifest(info.path)
-        row.update(time=m["time"], size=m["files"][STATE_FILE]["size"], world_size=m.get("world_size"),
-                   tokens_seen=m.get("tokens_seen"))
-    except Exception as e:  # noqa: BLE001 - reported in the table
-        row["error"] = f"{e.__class__.__name__}: {e}"
-        return row
-    if verify:
-        try:
-            state, _ = store.load(info.path)
-            row["checksum"] = "ok"
-            row["weights"] = weights_digest(state["model"]) if "model" in state else None
-        except Exception as e:  # noqa: BLE001
-            row["checksum"] = f"FAILED ({e})"
-    return row
-
-
-def cli(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(prog="python -m mingpt.snapshot", description="Inspect a snapshot store.")
-    ap.add_argument("command", choices=["list", "show", "verify"],
-                    help="list: one row per snapshot; show: one manifest (newest by default); "
-                         "verify: checksums and weights digests")
-    ap.add_argument("store", help="local directory or s3://bucket/prefix")
-    ap.add_argument("--step", type=int, default=None, help="with show: which step")
-    ap.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint")
-    ap.add_argument("--json", action="store_true", help="machine-readable output")
-    args = ap.parse_args(argv)
-    store = SnapshotStore(args.store, {"endpoint_url": args.endpoint_url} if args.endpoint_url else None)
-    snaps = store.list()
-    if args.command == "show":
-        committed = [s for s in snaps if s.committed and (args.step is None or s.step == args.step)]
-        if not committed:
-            print(f"no committed snapshot{'' if args.step is None else f' at step {args.step}'} in {args.store}",
-                  file=sys.stderr)
-            return 1
-        print(json.dumps(store.read_manifest(committed[-1].path), indent=1))
-        return 0
-    rows = [_describe(store, s, verify=args.command == "verify") for s in snaps]
-    if args.json:
-        print(json.dumps(rows, indent=1))
-    else:
-        print(f"{'step':>10}  {'state':<11} {'size MB':>9} {'world':>5}  {'saved at':<19}  check")
-        for r in rows:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if "time" in r else "-"
-            state = "committed" if r["committed"] else "incomplete"
-            size = f"{r['size'] / 1e6:9.2f}" if "size" in r else f"{'-':>9}"
-            check = r.get("error") or r.get("checksum", "")
-            if r.get("weights"):
-                check += f"  weights {r['weights']}"
-            print(f"{r['step']:>10}  {state:<11} {size} {r.get('world_size') or '-':>5}  {when:<19}  {check}")
-    bad = any(r.get("error") or str(r.get("checksum", "ok")) != "ok" for r in rows if r["committed"])
-    return 1 if (args.command == "verify" and bad) else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(cli())
+def load_from(path: str, storage_options: dict | None = None) -> tuple[dict, dict]:
+    """(state, manifest) of a snapshot folder, or of the newest good snapshot of a store."""
+    parent, _, name = path.rstrip("/").rpartition("/")
+    if _STEP_RE.match(name):
+        store = SnapshotStore(parent or ".", storage_options)
+        return store.load(store._path(name))
+    found = SnapshotStore(path, storage_options).load_latest()
+    if found is None:
+        raise SnapshotError(f"no committed snapshot in {path}")
+    return found

@@ -4,7 +4,7 @@ torchrun's c10d rendezvous keeps its store inside the agent on the --rdzv_endpoi
 node dies, every other agent loses the rendezvous and the whole job ends. Run this on a small,
 stable machine (a login or head node) instead, and give every agent `is_host=0`:
 
-    python -m mingpt.rendezvous --host 0.0.0.0 --port 29400
+    mingpt-rendezvous --host 0.0.0.0 --port 29400
     torchrun --nnodes=1:4 --rdzv_backend=c10d --rdzv_endpoint=STORE_HOST:29400 \\
         --rdzv_conf=is_host=0,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10 ...
 
@@ -35,7 +35,7 @@ def serve(host: str, port: int, ready: threading.Event | None = None, stop: thre
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.rendezvous", description=__doc__,
+    ap = argparse.ArgumentParser(prog="mingpt-rendezvous", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--host", default="0.0.0.0", help="address to listen on (default all)")
     ap.add_argument("--port", type=int, default=29400)

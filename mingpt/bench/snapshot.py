@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from mingpt.model import GPT, GPTConfig
-from mingpt.optim import build_optimizer
+from mingpt.training.optim import build_optimizer
 from mingpt.snapshot import Snapshotter, SnapshotStore
 
 VOCAB = {"gpt-mini": 65, "gpt2": 50257}  # char-level Shakespeare and GPT-2 BPE
@@ -153,6 +153,3 @@ def _tensors(obj):
         for v in obj:
             yield from _tensors(v)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Sample text from a snapshot.
 
-    python -m mingpt.generate runs/default/snapshots --prompt "ROMEO:" --max-new-tokens 300
-    python -m mingpt.generate runs/default/snapshots/step_000002000 --temperature 0.8 --top-k 40
+    mingpt-generate runs/default/snapshots --prompt "ROMEO:" --max-new-tokens 300
+    mingpt-generate runs/default/snapshots/step_000002000 --temperature 0.8 --top-k 40
 
 The path is a snapshot store (the newest good snapshot is used) or one snapshot folder.
 """
@@ -14,22 +14,13 @@ import sys
 import torch
 
 from mingpt.model import GPT, GPTConfig
-from mingpt.snapshot import MANIFEST_FILE, SnapshotError, SnapshotStore
+from mingpt.snapshot.store import SnapshotError, load_from
 from mingpt.tokenizer import TokenizerError, from_state
 
 
 def load_model(path: str, storage_options: dict | None = None) -> tuple[GPT, dict]:
     """The raw GPT of a snapshot (or of a store's newest good snapshot) and its manifest."""
-    store = SnapshotStore(path, storage_options)
-    if store.fs.exists(f"{store.root}/{MANIFEST_FILE}"):
-        parent, _, name = path.rstrip("/").rpartition("/")
-        store = SnapshotStore(parent or ".", storage_options)
-        state, manifest = store.load(f"{store.root}/{name}")
-    else:
-        found = store.load_latest()
-        if found is None:
-            raise SnapshotError(f"no committed snapshot in {path}")
-        state, manifest = found
+    state, manifest = load_from(path, storage_options)
     shape = manifest["model_shape"]
     cfg = GPTConfig(preset=None, n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"],
                     block_size=shape["block_size"], vocab_size=shape["vocab_size"], bias=shape["bias"])
@@ -44,7 +35,7 @@ def load_model(path: str, storage_options: dict | None = None) -> tuple[GPT, dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.generate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="mingpt-generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("snapshot", help="snapshot store or snapshot folder (local path or s3://)")
     ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")

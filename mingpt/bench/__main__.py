@@ -1,0 +1,26 @@
+"""python -m mingpt.bench NAME [options]
+
+    throughput  training tokens/s, ms per step and MFU (the default when no NAME is given)
+    snapshot    snapshot blocking, save and load times per shape and store; SIGKILL recovery
+    batching    length-grouped against random batching of documents, 2 ranks
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = ("throughput", "snapshot", "batching")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help") and len(argv) == 1:
+        print(__doc__)
+        return
+    name, rest = (argv[0], argv[1:]) if argv and argv[0] in BENCHMARKS else ("throughput", argv)
+    importlib.import_module(f"mingpt.bench.{name}").main(rest)
+
+
+if __name__ == "__main__":
+    main()

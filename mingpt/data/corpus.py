@@ -1,0 +1,71 @@
+"""A corpus ready to train on: its tokenizer and both splits as datasets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mingpt.data.cache import document_cache, token_cache
+from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces, split_train_val
+from mingpt.data.sources import DataError, read_corpus, read_documents
+from mingpt.tokenizer import CharTokenizer, Tokenizer, build_bpe, from_state
+
+
+def build_tokenizer(kind: str, ranks_file: str | None, text: str) -> Tokenizer:
+    if kind == "char":
+        return CharTokenizer.from_text(text)
+    return build_bpe(ranks_file)
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What main.py assembles: the tokenizer and both splits as datasets."""
+
+    tokenizer: Tokenizer
+    train: StreamDataset
+    val: StreamDataset
+    source: str
+
+
+def load_corpus(path: str, fetch_default: bool, kind: str, ranks_file: str | None, cache_dir: str,
+                block_size: int, val_fraction: float, tokenizer_state: dict | None = None) -> Corpus:
+    """Read, tokenize (cached) and split a corpus.
+
+    Args:
+        tokenizer_state: the tokenizer of a snapshot being resumed; it wins over building a new one
+            so a resumed run encodes exactly as before.
+    """
+    text, source = read_corpus(path, fetch_default)
+    if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
+        tokenizer: Tokenizer = from_state(tokenizer_state)
+    else:
+        tokenizer = build_tokenizer(kind, ranks_file, text)
+    ids = token_cache(text, tokenizer, cache_dir)
+    train_ids, val_ids = split_train_val(ids, val_fraction)
+    return Corpus(tokenizer, StreamDataset(train_ids, block_size), StreamDataset(val_ids, block_size), source)
+
+
+def load_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool, kind: str,
+                   ranks_file: str | None, cache_dir: str, block_size: int, val_fraction: float,
+                   tokenizer_state: dict | None = None) -> Corpus:
+    """Read, tokenize (cached), split by document, and cut into pieces of at most block_size+1."""
+    docs, source = read_documents(path, fmt, separator, text_field, fetch_default)
+    if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
+        tokenizer: Tokenizer = from_state(tokenizer_state)
+    elif kind == "char":
+        tokenizer = CharTokenizer.from_text("".join(docs), eot=True)
+    else:
+        tokenizer = build_bpe(ranks_file)
+    if tokenizer.eot_id is None:
+        raise DataError("document data needs a tokenizer with an end-of-text token")
+    ids, offsets = document_cache(docs, tokenizer, cache_dir)
+    n_val = max(1, int(len(docs) * val_fraction))
+    if n_val >= len(docs):
+        raise DataError(f"{len(docs)} documents are too few for a validation split of {val_fraction}")
+    starts, lengths = offsets[:-1], np.diff(offsets)
+    splits = []
+    for sl in (slice(0, len(docs) - n_val), slice(len(docs) - n_val, len(docs))):  # the last documents validate
+        p_starts, p_lengths = split_pieces(starts[sl], lengths[sl], block_size + 1)
+        splits.append(DocumentDataset(ids, p_starts, p_lengths, block_size, tokenizer.eot_id))
+    return Corpus(tokenizer, splits[0], splits[1], source)
