@@ -242,6 +242,9 @@ class RunConfig:
                f"model.block_size={self.model.block_size} cannot be set on its own: the context length is "
                f"data.block_size (now {self.data.block_size}), used for training and sampling alike; "
                f"set data.block_size={self.model.block_size} instead")
+        _check(self.model.init_from is None or self.data.tokenizer.kind == "bpe",
+               f"model.init_from={self.model.init_from} starts from GPT-2's weights, which read GPT-2's BPE tokens: "
+               "set data.tokenizer.kind=bpe (e.g. data=shakespeare_bpe)")
         _check(self.data.kind == "stream" or (self.trainer.batch_size, self.trainer.micro_batch_size) == (None, None),
                "trainer.batch_size and trainer.micro_batch_size size batches of fixed blocks; documents are "
                "batched by data.documents.token_budget and data.documents.micro_batches_per_step")

@@ -24,6 +24,7 @@ from mingpt.data import Corpus, DataError, load_corpus, load_documents
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler, validation_batches
 from mingpt.distributed import DistInfo, PreemptionFlag
 from mingpt.model import GPT
+from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start, set_aside
 from mingpt.storage import write_json_atomic
@@ -35,7 +36,7 @@ from mingpt.training.watchdog import Watchdog
 
 log = logging.getLogger("mingpt")
 
-USER_ERRORS = (ConfigError, DataError, SnapshotError, TokenizerError)
+USER_ERRORS = (ConfigError, DataError, PretrainedError, SnapshotError, TokenizerError)
 
 
 def setup_logging(info: DistInfo) -> None:
@@ -94,6 +95,33 @@ def build_samplers(cfg: RunConfig, corpus: Corpus, model: GPT):
     return train, val
 
 
+def pretrained_checkpoint(name: str, info: DistInfo) -> Path:
+    """The checkpoint's directory: the first process of each node downloads it (once, into the hub's
+    cache); the others wait for it, then read the same files."""
+    path, error = None, None
+    if info.local_rank == 0:
+        try:
+            path = locate(name, download=True)
+        except PretrainedError as e:
+            error = e
+    distributed.barrier()
+    if error is not None:
+        raise error
+    return path if path is not None else locate(name, download=False)
+
+
+def with_pretrained_shape(cfg: RunConfig, directory: Path) -> RunConfig:
+    """The run's config with the model shape of a GPT-2 checkpoint."""
+    hf = read_config(directory)
+    if cfg.data.block_size > hf["n_positions"]:
+        raise ConfigError(f"data.block_size={cfg.data.block_size} is longer than the context of "
+                          f"{cfg.model.init_from} ({hf['n_positions']}); lower data.block_size")
+    log.info("model shape from %s: %d layers, %d heads, %d wide", cfg.model.init_from, hf["n_layer"], hf["n_head"],
+             hf["n_embd"])
+    return replace(cfg, model=replace(cfg.model, preset=None, n_layer=hf["n_layer"], n_head=hf["n_head"],
+                                      n_embd=hf["n_embd"], bias=True))
+
+
 def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None) -> Trainer:
     """Build every object of the run from the typed config; resume if a snapshot exists."""
     tcfg = cfg.trainer
@@ -105,6 +133,9 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     # Rank 0 decides; every rank gets the same start. Nothing is moved before the snapshot to
     # continue is known to fit this config.
     state, manifest, run_id, others = distributed.on_rank0(lambda: choose_start(store, cfg.snapshot, info.job_id))
+    pretrained = pretrained_checkpoint(cfg.model.init_from, info) if cfg.model.init_from else None
+    if pretrained is not None:
+        cfg = with_pretrained_shape(cfg, pretrained)
     if manifest:
         check_compatible(cfg, manifest)
     if info.is_rank0:
@@ -125,7 +156,14 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                             "start a new run in its own directory: trainer.run_dir=runs/NEW")
 
     torch.manual_seed(tcfg.seed)  # same initial weights on every rank
-    raw = GPT(model_cfg).to(info.device)
+    raw = GPT(model_cfg)
+    if pretrained is not None and state is None:  # a snapshot to resume wins over the starting weights
+        if read_config(pretrained)["vocab_size"] != model_cfg.vocab_size:
+            raise PretrainedError(f"{cfg.model.init_from} has a vocabulary of {read_config(pretrained)['vocab_size']}"
+                                  f" tokens, the tokenizer {model_cfg.vocab_size}: use GPT-2's BPE ranks")
+        load_into(raw, pretrained)
+        log.info("initialised from %s (%s)", cfg.model.init_from, pretrained)
+    raw = raw.to(info.device)
     log.info("model %s: %.2fM parameters, context %d", model_cfg.preset or "custom", raw.num_params() / 1e6,
              model_cfg.block_size)
     model: torch.nn.Module = raw

@@ -7,6 +7,7 @@ Its configuration dataclass sits beside it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -55,6 +56,10 @@ class GPTConfig:
     """Dropout on attention weights, residual branches and embeddings."""
     bias: bool = True
     """Biases in Linear and LayerNorm layers, as in GPT-2."""
+    init_from: str | None = None
+    """Start from GPT-2's weights: gpt2, gpt2-medium, gpt2-large, gpt2-xl (Hugging Face hub, through
+    its cache; HF_HUB_OFFLINE is respected) or a local Hugging Face GPT-2 directory (config.json and
+    model.safetensors). The shape comes from the weights; a snapshot in the store still wins."""
 
     def __post_init__(self) -> None:
         if self.preset is not None and self.preset not in PRESETS:
@@ -103,6 +108,27 @@ class GPTConfig:
         return {k: getattr(r, k) for k in SHAPE_FIELDS}
 
 
+class KVCache:
+    """Keys and values of the positions seen so far, per layer, for generating one token at a time.
+
+    Preallocated for the model's whole context: appending writes in place, nothing is copied.
+    """
+
+    def __init__(self, n_layer: int, batch: int, n_head: int, block_size: int, head_size: int,
+                 device: torch.device, dtype: torch.dtype):
+        shape = (n_layer, batch, n_head, block_size, head_size)  # (L, B, nh, block, hs)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.pos = 0  # positions filled (the same in every layer once a forward pass is done)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, nh, T, hs) after the cached positions; returns all keys and values so far."""
+        end = self.pos + k.size(2)
+        self.k[layer, :, :, self.pos : end] = k
+        self.v[layer, :, :, self.pos : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]  # (B, nh, end, hs)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -113,17 +139,23 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         hs = C // self.n_head
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        causal = True
+        if cache is not None:
+            # The cache holds every earlier position: one new query may see them all; a first pass
+            # over T > 1 positions starts from an empty cache, so its mask is the causal one.
+            causal = cache.pos == 0 and T > 1
+            k, v = cache.append(layer, k, v)  # 2 x (B, nh, pos + T, hs)
         # is_causal builds the mask inside the kernel (flash attention on GPU); a float mask
         # would be *added* to the scores, which is how other codebases leaked the future.
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
         )  # (B, nh, T, hs)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
         return self.resid_drop(self.c_proj(y))
@@ -150,8 +182,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -203,7 +235,8 @@ class GPT(nn.Module):
         return 6.0 * self.num_params() + 12.0 * c.n_layer * c.n_head * (c.n_embd // c.n_head) * seq_len
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean"
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, reduction: str = "mean",
+        cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits over the real vocabulary and, with targets, the cross-entropy loss.
 
@@ -211,14 +244,18 @@ class GPT(nn.Module):
             idx: token ids, (B, T) with T <= block_size.
             targets: next-token ids, (B, T); -100 marks positions that do not count (padding).
             reduction: "mean" over counted tokens, or "sum" (the trainer normalises globally).
+            cache: for generation: idx continues the positions held in the cache, which grows by T.
         """
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds the model's block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)  # (T,)
+        start = cache.pos if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence length {start + T} exceeds the model's block_size {self.config.block_size}")
+        pos = torch.arange(start, start + T, device=idx.device)  # (T,)
         x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
-        for block in self.blocks:
-            x = block(x)
+        for layer, block in enumerate(self.blocks):
+            x = block(x, cache, layer)
+        if cache is not None:
+            cache.pos += T
         x = self.ln_f(x)  # (B, T, C)
         # Slicing off the padded columns means padding ids can never be predicted or sampled.
         logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, V)
@@ -232,24 +269,65 @@ class GPT(nn.Module):
         )
         return logits, loss
 
+    def new_cache(self, batch: int) -> KVCache:
+        c = self.config
+        p = self.wte.weight
+        return KVCache(c.n_layer, batch, c.n_head, c.block_size, c.n_embd // c.n_head, p.device, p.dtype)
+
     @torch.no_grad()
-    def generate(
+    def stream(
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> torch.Tensor:
-        """Append max_new_tokens sampled tokens to idx (B, T); greedy when temperature == 0."""
+        top_p: float | None = None, stop_token: int | None = None, generator: torch.Generator | None = None,
+        use_cache: bool = True,
+    ) -> Iterator[torch.Tensor]:
+        """Yield the next token of every row, (B, 1), max_new_tokens times; greedy when temperature == 0.
+
+        The context is the last block_size tokens, as in training. With the cache each step feeds one
+        token; once the context is full and slides, positions shift, so the window is fed again
+        (the same arithmetic as without the cache). Stops early once every row has produced
+        stop_token.
+        """
+        block = self.config.block_size
+        cache, done = None, torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
         for _ in range(max_new_tokens):
-            ctx = idx[:, -self.config.block_size :]  # (B, <=block_size)
-            logits, _ = self(ctx)
-            logits = logits[:, -1, :]  # (B, V)
-            if temperature == 0:
-                nxt = logits.argmax(dim=-1, keepdim=True)  # (B, 1)
-            else:
-                logits = logits / temperature
-                if top_k is not None:
-                    kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
-                    logits = logits.masked_fill(logits < kth, -math.inf)
-                probs = F.softmax(logits, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator)  # (B, 1)
+            if not use_cache:
+                logits, _ = self(idx[:, -block:])
+            elif cache is not None and cache.pos < block:
+                logits, _ = self(idx[:, -1:], cache=cache)
+            else:  # a first pass, or the window moved on: (re)fill the cache with the whole context
+                cache = self.new_cache(idx.size(0))
+                logits, _ = self(idx[:, -block:], cache=cache)
+            nxt = sample(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B, 1)
             idx = torch.cat((idx, nxt), dim=1)  # (B, T+1)
-        return idx
+            yield nxt
+            if stop_token is not None:
+                done |= nxt[:, 0] == stop_token
+                if bool(done.all()):
+                    return
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 generator: torch.Generator | None = None, **kwargs) -> torch.Tensor:
+        """idx (B, T) followed by the generated tokens (see `stream` for the options)."""
+        out = [idx, *self.stream(idx, max_new_tokens, temperature, top_k, generator=generator, **kwargs)]
+        return torch.cat(out, dim=1)  # (B, T + new)
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None,
+           generator: torch.Generator | None = None) -> torch.Tensor:
+    """Next tokens (B, 1) from last-position logits (B, V): greedy at temperature 0, else sampled
+    from the top_k most likely and/or the smallest set whose probability reaches top_p (nucleus)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)  # (B, 1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)  # (B, V), (B, V)
+        probs = F.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens before it already reach top_p (the first one always stays)
+        drop = probs.cumsum(dim=-1) - probs >= top_p  # (B, V)
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)  # (B, 1)

@@ -36,6 +36,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
+    def token_bytes(self, token: int) -> bytes: ...
     def state_dict(self) -> dict: ...
     def fingerprint(self) -> str: ...
 
@@ -67,6 +68,9 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] if i != self.eot_id else EOT for i in ids)
 
+    def token_bytes(self, token: int) -> bytes:
+        return (self.chars[token] if token != self.eot_id else EOT).encode()
+
     def state_dict(self) -> dict:
         return {"kind": "char", "chars": self.chars, "eot": self.eot_id is not None}
 
@@ -77,8 +81,9 @@ class CharTokenizer:
 class BPETokenizer:
     """GPT-2 byte-level BPE through tiktoken."""
 
-    def __init__(self, encoding, ranks_sha256: str):
+    def __init__(self, encoding, ranks_sha256: str, ranks: dict[bytes, int] | None = None):
         self.enc = encoding
+        self.ranks = ranks if ranks is not None else encoding._mergeable_ranks
         self.ranks_sha256 = ranks_sha256
         self.vocab_size = encoding.n_vocab
         self.eot_id = encoding.eot_token
@@ -89,11 +94,57 @@ class BPETokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode(ids)
 
+    def token_bytes(self, token: int) -> bytes:
+        """A token's bytes: a multi-byte character may be split over tokens, so decode a stream of
+        them with an incremental UTF-8 decoder."""
+        return self.enc.decode_single_token_bytes(token)
+
+    def vocab_and_merges(self) -> tuple[dict[str, int], list[str]]:
+        """GPT-2's vocab.json and merges.txt (what Hugging Face's GPT-2 tokenizers read), rebuilt from
+        the ranks: each token's merge is the last step of byte-pair-encoding its own bytes."""
+        byte_char = _bytes_to_unicode()
+        vocab = {"".join(byte_char[b] for b in token): rank for token, rank in self.ranks.items()}
+        vocab[EOT] = self.eot_id
+        merges = []
+        for token, rank in sorted(self.ranks.items(), key=lambda kv: kv[1]):
+            if len(token) < 2:
+                continue
+            left, right = _last_merge(token, self.ranks, rank)
+            merges.append("".join(byte_char[b] for b in left) + " " + "".join(byte_char[b] for b in right))
+        return vocab, merges
+
     def state_dict(self) -> dict:
         return {"kind": "bpe", "ranks_sha256": self.ranks_sha256}
 
     def fingerprint(self) -> str:
         return "gpt2-" + self.ranks_sha256[:16]
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map of the 256 byte values to printable characters (vocab.json's alphabet)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def _last_merge(token: bytes, ranks: dict[bytes, int], rank: int) -> tuple[bytes, bytes]:
+    """The two parts whose merge makes `token`: BPE over its bytes with the merges ranked before it."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 2:
+        best = min((ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1))
+        if best[0] >= rank:
+            break
+        i = best[1]
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    if len(parts) != 2:
+        raise TokenizerError(f"the ranks file does not reach token {token!r} by merging two tokens")
+    return parts[0], parts[1]
 
 
 def _sha256(data: bytes) -> str:
@@ -118,7 +169,7 @@ def encoding_from_ranks(data: bytes, expected_sha256: str | None = GPT2_RANKS_SH
     enc = tiktoken.Encoding(
         name="gpt2-local", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: len(ranks)}
     )
-    return enc, digest
+    return enc, digest, ranks
 
 
 def _ranks_from_registry() -> bytes:
@@ -135,8 +186,8 @@ def build_bpe(ranks_file: str | None) -> BPETokenizer:
                 f"tokenizer ranks file {path} does not exist; point data.tokenizer.ranks_file at GPT-2's "
                 "r50k_base.tiktoken (sha256 " + GPT2_RANKS_SHA256 + ")"
             )
-        enc, digest = encoding_from_ranks(path.read_bytes(), source=str(path))
-        return BPETokenizer(enc, digest)
+        enc, digest, ranks = encoding_from_ranks(path.read_bytes(), source=str(path))
+        return BPETokenizer(enc, digest, ranks)
     errors = []
     try:
         import tiktoken
@@ -148,8 +199,8 @@ def build_bpe(ranks_file: str | None) -> BPETokenizer:
     try:
         log.info("tiktoken could not download GPT-2's ranks; taking them from %s on the package registry",
                  WHISPER_SDIST)
-        enc, digest = encoding_from_ranks(_ranks_from_registry(), source=WHISPER_SDIST)
-        return BPETokenizer(enc, digest)
+        enc, digest, ranks = encoding_from_ranks(_ranks_from_registry(), source=WHISPER_SDIST)
+        return BPETokenizer(enc, digest, ranks)
     except Exception as e:  # noqa: BLE001
         errors.append(f"package registry ({WHISPER_SDIST}): {e.__class__.__name__}: {e}")
     raise TokenizerError(

@@ -22,7 +22,7 @@ def test_char_round_trip_and_state():
 
 def test_bpe_round_trip_from_a_small_ranks_file(tmp_path):
     data = make_ranks_file(tmp_path / "small.tiktoken").read_bytes()
-    enc, digest = encoding_from_ranks(data, expected_sha256=None)
+    enc, digest, _ = encoding_from_ranks(data, expected_sha256=None)
     tok = BPETokenizer(enc, digest)
     text = "the row of the throw, ünïcode ✓"
     ids = tok.encode(text)

@@ -3,6 +3,7 @@
     throughput  training tokens/s, ms per step and MFU (the default when no NAME is given)
     snapshot    snapshot blocking, save and load times per shape and store; SIGKILL recovery
     batching    length-grouped against random batching of documents, 2 ranks
+    generate    generation tokens/s with and without the KV cache
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("throughput", "snapshot", "batching")
+BENCHMARKS = ("throughput", "snapshot", "batching", "generate")
 
 
 def main(argv: list[str] | None = None) -> None:

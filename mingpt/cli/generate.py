@@ -9,6 +9,7 @@ The path is a snapshot store (the newest good snapshot is used) or one snapshot 
 from __future__ import annotations
 
 import argparse
+import codecs
 import sys
 
 import torch
@@ -41,14 +42,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    ap.add_argument("--top-k", type=int, default=None)
+    ap.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens")
+    ap.add_argument("--top-p", type=float, default=None, help="nucleus sampling: the smallest set of tokens whose "
+                    "probability reaches p")
+    ap.add_argument("--stop-at-eot", action="store_true", help="stop a sample at the end-of-text token")
     ap.add_argument("--num-samples", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1337)
+    ap.add_argument("--no-cache", action="store_true", help="recompute the whole context at every token")
     ap.add_argument("--ranks-file", default=None, help="local GPT-2 ranks file, for BPE runs without internet")
+    ap.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint, for s3:// snapshots")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args(argv)
     try:
-        model, manifest = load_model(args.snapshot)
+        model, manifest = load_model(args.snapshot, {"endpoint_url": args.endpoint_url} if args.endpoint_url else None)
         tok = from_state(manifest["tokenizer"], args.ranks_file)
         ids = tok.encode(args.prompt)
     except (SnapshotError, TokenizerError) as e:
@@ -57,14 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     if not ids:
         print("error: the prompt encodes to no tokens; give a non-empty --prompt", file=sys.stderr)
         return 2
+    if args.stop_at_eot and tok.eot_id is None:
+        print("error: this run's tokenizer has no end-of-text token; leave out --stop-at-eot", file=sys.stderr)
+        return 2
     model.to(args.device)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
-    idx = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=args.device)
-    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, generator=gen)
-    for i, row in enumerate(out.tolist()):
+    for i in range(args.num_samples):
         if i:
-            print("-" * 40)
-        print(tok.decode(row))
+            print("\n" + "-" * 40)
+        # Tokens are printed as they come; a character split over tokens waits for its last byte.
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        sys.stdout.write(args.prompt)
+        idx = torch.tensor([ids], dtype=torch.long, device=args.device)
+        for nxt in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                                tok.eot_id if args.stop_at_eot else None, gen, use_cache=not args.no_cache):
+            token = int(nxt[0, 0])
+            if args.stop_at_eot and token == tok.eot_id:
+                break
+            sys.stdout.write(text.decode(tok.token_bytes(token)))
+            sys.stdout.flush()
+        sys.stdout.write(text.decode(b"", final=True) + "\n")
     return 0
 
 
