@@ -158,9 +158,10 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     torch.manual_seed(tcfg.seed)  # same initial weights on every rank
     raw = GPT(model_cfg)
     if pretrained is not None and state is None:  # a snapshot to resume wins over the starting weights
-        if read_config(pretrained)["vocab_size"] != model_cfg.vocab_size:
-            raise PretrainedError(f"{cfg.model.init_from} has a vocabulary of {read_config(pretrained)['vocab_size']}"
-                                  f" tokens, the tokenizer {model_cfg.vocab_size}: use GPT-2's BPE ranks")
+        checkpoint_vocab = read_config(pretrained)["vocab_size"]
+        if checkpoint_vocab != model_cfg.vocab_size:
+            raise PretrainedError(f"{cfg.model.init_from} has a vocabulary of {checkpoint_vocab} tokens, the "
+                                  f"tokenizer {model_cfg.vocab_size}: use GPT-2's BPE ranks")
         load_into(raw, pretrained)
         log.info("initialised from %s (%s)", cfg.model.init_from, pretrained)
     raw = raw.to(info.device)

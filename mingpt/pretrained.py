@@ -16,6 +16,10 @@ import torch
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+# The parameters of one transformer block, under the same names in both layouts (h.N / blocks.N).
+LAYER_PARAMS = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+                "attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight",
+                "mlp.c_proj.bias")
 # Hugging Face's Conv1D keeps weights as (in, out); nn.Linear as (out, in).
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -88,9 +92,7 @@ def to_ours(hf: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor
     out = {"wte.weight": hf["wte.weight"], "wpe.weight": hf["wpe.weight"],
            "ln_f.weight": hf["ln_f.weight"], "ln_f.bias": hf["ln_f.bias"]}
     for i in range(n_layer):
-        for name in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.weight", "attn.c_attn.bias",
-                     "attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                     "mlp.c_proj.weight", "mlp.c_proj.bias"):
+        for name in LAYER_PARAMS:
             t = hf[f"h.{i}.{name}"]
             out[f"blocks.{i}.{name}"] = t.t() if name in CONV1D else t
     return out
@@ -122,9 +124,7 @@ def write_gpt2(directory: Path, model_state: dict[str, torch.Tensor], shape: dic
                "transformer.wpe.weight": model_state["wpe.weight"],
                "transformer.ln_f.weight": model_state["ln_f.weight"], "transformer.ln_f.bias": model_state["ln_f.bias"]}
     for i in range(n_layer):
-        for name in ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.weight", "attn.c_attn.bias",
-                     "attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_fc.weight", "mlp.c_fc.bias",
-                     "mlp.c_proj.weight", "mlp.c_proj.bias"):
+        for name in LAYER_PARAMS:
             t = model_state[f"blocks.{i}.{name}"]
             tensors[f"transformer.h.{i}.{name}"] = t.t() if name in CONV1D else t
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
