@@ -74,8 +74,9 @@ def test_an_error_under_torchrun_is_printed_once_and_is_torchruns_root_cause(cor
     message = "model.n_embd=32 is not divisible by model.n_head=3; choose n_embd as a multiple of n_head"
     assert len([line for line in out.splitlines() if line.endswith(message) and "ERROR" in line]) == 1, out
     root_cause = out.split("Root Cause (first observed failure):", 1)[1]
-    assert f"traceback : {message}" in root_cause
-    assert "error_file: <N/A>" not in out and "Error executing job" not in out
+    assert f"traceback : {message}" in root_cause and "error_file: <N/A>" not in root_cause
+    # (the other rank may show as SIGTERMed: torchrun stops the rest of the workers after the first failure)
+    assert "Error executing job" not in out
 
 
 @pytest.mark.parametrize("batch, micro", [(8, 4), (5, 2)], ids=["even", "uneven"])
