@@ -64,10 +64,11 @@ def test_install_steps_in_a_clean_virtualenv(tmp_path):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     code = ("from mingpt.compose import config_dir; from mingpt.compose import compose; "
-            "print(config_dir()); print(compose(['model=gpt2', 'snapshot=s3']).snapshot.dir)")
+            "print(config_dir()); print(compose(['model=gpt2', 'snapshot=s3']).snapshot.dir); "
+            "print(compose(['experiment=finetune_shakespeare']).model.init_from)")
     out = subprocess.run([py, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    conf, snapdir = out.stdout.split()
-    assert "site-packages/mingpt/conf" in conf and snapdir.startswith("s3://")
+    conf, snapdir, init_from = out.stdout.split()
+    assert "site-packages/mingpt/conf" in conf and snapdir.startswith("s3://") and init_from == "gpt2"
     help_out = subprocess.run([str(env_dir / "bin" / "torchrun"), "--help"], capture_output=True, text=True)
     assert help_out.returncode == 0 and "--rdzv_endpoint" in help_out.stdout
