@@ -26,7 +26,9 @@ DOCS = ["data=shakespeare_speeches", "data.block_size=64", "data.documents.token
 
 
 def args(corpus, tmp_path, run_dir, every=10, docs=False):
-    return [*CFG, *(DOCS if docs else []), f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+    # documents are batched by data.documents.*: the block batch settings do not apply to them
+    cfg = [c for c in CFG if not (docs and c.startswith(("trainer.batch_size", "trainer.micro_batch_size")))]
+    return [*cfg, *(DOCS if docs else []), f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
             f"trainer.run_dir={run_dir}", f"snapshot.every_steps={every}"]
 
 

@@ -166,9 +166,9 @@ def test_readme_training_examples_each_have_a_run_directory_of_their_own():
     dirs = []
     for args in _readme_runs():
         run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("trainer.run_dir=")), None)
-        preset = [a for a in args if a.startswith("trainer=")]
+        options = [a for a in args if re.match(r"^(trainer|experiment)=", a)]  # options may set trainer.run_dir
         if run_dir is None:
-            run_dir = compose(preset).trainer.run_dir
+            run_dir = compose(options).trainer.run_dir
         snap = next((a.split("=", 1)[1] for a in args if a.startswith("snapshot.dir=")), f"{run_dir}/snapshots")
         dirs.append((run_dir, snap, " ".join(args)))
     assert len(dirs) >= 4
