@@ -34,6 +34,9 @@ class DistInfo:
     world_size: int = 1
     local_world_size: int = 1
     restart_count: int = 0
+    node: int = 0
+    """torchrun's node rank (GROUP_RANK) in this start: which processes share a node. Like RANK it
+    may change at every restart, so it is used within one start only."""
     hostname: str = "localhost"
     device: str = "cpu"
     job_id: str | None = None
@@ -64,6 +67,7 @@ class DistInfo:
             world_size=int(env.get("WORLD_SIZE", 1)),
             local_world_size=int(env.get("LOCAL_WORLD_SIZE", 1)),
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)),
+            node=int(env.get("GROUP_RANK", 0)),
             hostname=socket.gethostname(),
             device=f"cuda:{local_rank}" if cuda else "cpu",
             # torchrun's default id is the literal "none": it names no job in particular.
@@ -94,9 +98,21 @@ def init(info: DistInfo, timeout_s: float) -> None:
         torch.cuda.set_device(torch.device(info.device))
     if info.distributed and not dist.is_initialized():
         kwargs = {"device_id": torch.device(info.device)} if info.backend == "nccl" else {}
-        dist.init_process_group(
-            backend=info.backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs
-        )
+        try:
+            dist.init_process_group(backend=info.backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        except Exception as e:  # noqa: BLE001 - a connection that never forms, of any backend
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else e.__class__.__name__
+            ifname = "NCCL_SOCKET_IFNAME" if info.backend == "nccl" else "GLOO_SOCKET_IFNAME"
+            raise ProcessGroupError(
+                f"the {info.backend} process group of {info.world_size} ranks did not form within dist.timeout_s="
+                f"{timeout_s:g} ({first}): the ranks meet at MASTER_ADDR={os.environ.get('MASTER_ADDR')}:"
+                f"{os.environ.get('MASTER_PORT')} and then connect to each other; check that the nodes reach each "
+                f"other on the interface {ifname} names (or the default route's) and that no firewall is in between"
+            ) from None
+
+
+class ProcessGroupError(RuntimeError):
+    """The process group could not be formed; the message says what to check."""
 
 
 def shutdown() -> None:

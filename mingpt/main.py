@@ -24,10 +24,11 @@ from mingpt.data import Corpus, DataError, load_corpus, load_documents
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler, validation_batches
 from mingpt.distributed import DistInfo, PreemptionFlag
 from mingpt.model import GPT
+from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start, set_aside
-from mingpt.storage import write_json_atomic
+from mingpt.storage import is_local, write_json_atomic
 from mingpt.tokenizer import TokenizerError
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer
@@ -36,7 +37,8 @@ from mingpt.training.watchdog import Watchdog
 
 log = logging.getLogger("mingpt")
 
-USER_ERRORS = (ConfigError, DataError, PretrainedError, SnapshotError, TokenizerError)
+USER_ERRORS = (ConfigError, DataError, distributed.ProcessGroupError, PreflightError, PretrainedError, SnapshotError,
+               TokenizerError)
 
 
 def setup_logging(info: DistInfo) -> None:
@@ -199,6 +201,13 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     return trainer
 
 
+def preflight(cfg: RunConfig, info: DistInfo) -> None:
+    """The multi-node checks (code, versions, config, corpus, one snapshot store, devices), before any work."""
+    store = cfg.snapshot.dir or str(Path(cfg.trainer.run_dir) / "snapshots")
+    _, _, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, store if is_local(store) else None, store)
+    log.info("preflight checks passed on %d ranks in %.3f s", info.world_size, seconds)
+
+
 def train_process(dcfg: DictConfig) -> int:
     """The whole job of one process; returns its exit code. Every error ends here, as one line."""
     distributed.die_with_parent()
@@ -212,6 +221,7 @@ def train_process(dcfg: DictConfig) -> int:
         logging.getLogger("mingpt.node").info(
             "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",
             info.hostname, info.local_world_size, info.rank, info.world_size, info.restart_count)
+        preflight(cfg, info)
         trainer = assemble(cfg, info, preempt)
         if trainer.train():
             return 0

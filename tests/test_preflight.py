@@ -1,0 +1,189 @@
+"""Multi-node preflight: the comparison as a table (no process group), then real agents: a snapshot
+dir that is not shared (network namespaces with private mounts), two copies of the code, a corpus
+on one node only, the doctor's table, and an endpoint nobody listens on."""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, free_port, make_corpus, torchrun_env
+from mingpt.preflight import Report, code_fingerprint, compare
+from test_netns import ADDR_A, two_nodes  # noqa: F401 - the fixture
+
+TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
+        "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "trainer.progress=false",
+        "trainer.max_steps=4"]
+RDZV = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10"
+
+
+def node(n: int, **changes) -> Report:
+    base = Report(host=f"host{n}", node=n, local_rank=0, local_world_size=1, code={"mingpt/model.py": "aaa"},
+                  versions={"python": "3.11.7", "torch": "2.13.0", "nccl": "-"}, config="c1",
+                  data="100 bytes, abc", sees_probe=True)
+    return dataclasses.replace(base, **changes)
+
+
+@pytest.mark.parametrize("other, expected", [
+    ({}, None),
+    ({"code": {"mingpt/model.py": "bbb"}}, "mingpt's code differs between nodes: host1 (node 1) runs other files than "
+                                           "rank 0 on host0 (node 0) (mingpt/model.py); install the same version"),
+    ({"versions": {"python": "3.11.7", "torch": "2.12.0", "nccl": "-"}},
+     "torch versions differ between nodes (2.13.0 on host0 (node 0); 2.12.0 on host1 (node 1))"),
+    ({"config": "c2"}, "the resolved config differs between nodes: host1 (node 1) was started with other settings"),
+    ({"data": "missing"}, "data.path=corpus.txt is missing on host1 (node 1) but present on the other nodes"),
+    ({"data": "99 bytes, abd"}, "data.path=corpus.txt differs between nodes (100 bytes, abc on host0 (node 0); "
+                                "99 bytes, abd on host1 (node 1))"),
+    ({"sees_probe": False}, "snapshot.dir=runs/x/snapshots is not shared between nodes: host1 (node 1) cannot see "
+                            "what rank 0 on host0 (node 0) writes there"),
+    ({"device": "cuda", "gpus": ["H100"] * 4, "local_world_size": 8},
+     "host1 (node 1) has 4 GPUs for 8 processes; lower --nproc_per_node to 4 there"),
+], ids=["same", "code", "torch", "config", "corpus-missing", "corpus-differs", "store", "gpus"])
+def test_each_difference_is_one_line_naming_the_node(other, expected):
+    problems, _ = compare([node(0), node(1, **other)], data_path="corpus.txt", store_url="runs/x/snapshots")
+    if expected is None:
+        assert problems == []
+    else:
+        assert len(problems) == 1 and problems[0].startswith(expected), problems
+        assert "\n" not in problems[0]
+
+
+def test_mixed_gpu_models_are_a_warning_not_a_failure():
+    problems, warnings = compare([node(0, device="cuda", gpus=["NVIDIA H100"]),
+                                  node(1, device="cuda", gpus=["NVIDIA A100"])])
+    assert problems == [] and "different GPU models (NVIDIA A100, NVIDIA H100)" in warnings[0]
+
+
+def test_the_code_fingerprint_covers_sources_and_configs():
+    fp = code_fingerprint()
+    assert "mingpt/model.py" in fp and "mingpt/preflight.py" in fp and "conf/config.yaml" in fp
+
+
+def agent(port: int, *args: str, cwd=REPO, extra_env=None, script="mingpt/main.py"):
+    """One torchrun agent of a 2-node job on loopback."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d",
+           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=preflight-test", f"--rdzv_conf={RDZV}", "--max-restarts=0",
+           script, *args]
+    return subprocess.Popen(cmd, cwd=cwd, env=torchrun_env(**(extra_env or {})), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def both(a, b, timeout=180):
+    out = []
+    for p in (a, b):
+        try:
+            out.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            out.append(p.communicate()[0])
+    return (a.returncode, b.returncode), out
+
+
+@pytest.mark.slow
+def test_two_copies_of_the_code_that_differ_in_one_file_are_refused(tmp_path):
+    corpus = make_corpus(tmp_path)
+    copies = []
+    for name in ("a", "b"):
+        shutil.copytree(REPO / "mingpt", tmp_path / name / "mingpt", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / "conf", tmp_path / name / "conf")
+        copies.append(tmp_path / name)
+    with open(copies[1] / "mingpt" / "model.py", "a") as fh:
+        fh.write("\n# a local edit on one node\n")
+    port = free_port()
+    common = [*TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}"]
+    procs = [agent(port, *common, cwd=c, extra_env={"PYTHONPATH": str(c)}, script=str(c / "mingpt" / "main.py"))
+             for c in copies]
+    codes, out = both(*procs)
+    assert codes[0] != 0 and codes[1] != 0
+    text = "".join(out)
+    assert "mingpt's code differs between nodes" in text and "(mingpt/model.py)" in text, text[-3000:]
+    assert "runs other files than rank 0" in text
+
+
+@pytest.mark.slow
+def test_a_corpus_missing_on_one_node_is_named(tmp_path):
+    port = free_port()
+    homes = [tmp_path / "node-a", tmp_path / "node-b"]
+    for h in homes:
+        h.mkdir()
+    make_corpus(homes[0])  # corpus.txt on node a only
+    common = [*TINY, "data.path=corpus.txt", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}"]
+    procs = [agent(port, *common, cwd=h, extra_env={"PYTHONPATH": str(REPO)}, script=str(REPO / "mingpt" / "main.py"))
+             for h in homes]
+    codes, out = both(*procs)
+    text = "".join(out)
+    assert codes[0] != 0 and codes[1] != 0
+    assert "data.path=corpus.txt is missing on" in text and "but present on the other nodes" in text, text[-3000:]
+
+
+def netns_agents(two_nodes, tmp_path, run_dir: Path, private: bool):  # noqa: F811 - the fixture
+    corpus = make_corpus(tmp_path)
+    port, procs = free_port(), []
+    for name in ("a", "b"):
+        ns, veth, addr = two_nodes[name]
+        inner = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                 "--rdzv_backend=c10d", f"--rdzv_endpoint={ADDR_A}:{port}", "--rdzv_id=netns-preflight",
+                 f"--rdzv_conf={RDZV},is_host={int(name == 'a')}", f"--local-addr={addr}", "--max-restarts=0",
+                 "mingpt/main.py", *TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
+                 f"trainer.run_dir={run_dir}"]
+        # each "node" sees its own run directory when private: a tmpfs mounted over it in its own mount namespace
+        script = (f"mount -t tmpfs tmpfs {run_dir} && " if private else "") + "exec " + " ".join(inner)
+        cmd = ["ip", "netns", "exec", ns, "unshare", "--mount", "--propagation", "private", "sh", "-c", script]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(GLOO_SOCKET_IFNAME=veth), stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        time.sleep(0.5)
+    return both(*procs)
+
+
+@pytest.mark.slow
+def test_a_local_snapshot_dir_not_shared_between_nodes_is_refused(two_nodes, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    codes, out = netns_agents(two_nodes, tmp_path, run_dir, private=True)
+    text = "".join(out)
+    assert codes[0] != 0 and codes[1] != 0, text[-3000:]
+    assert f"snapshot.dir={run_dir}/snapshots is not shared between nodes" in text, text[-3000:]
+
+
+@pytest.mark.slow
+def test_the_same_with_one_shared_directory_passes(two_nodes, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    codes, out = netns_agents(two_nodes, tmp_path, run_dir, private=False)
+    assert codes == (0, 0), "".join(out)[-3000:]
+    assert "preflight checks passed on 2 ranks" in "".join(out)
+
+
+@pytest.mark.slow
+def test_the_doctor_prints_its_table_on_two_agents(tmp_path):
+    corpus = make_corpus(tmp_path)
+    port = free_port()
+    args = [*TINY, f"data.path={corpus}", f"trainer.run_dir={tmp_path / 'run'}"]
+    procs = [agent(port, *args, script="mingpt/cli/doctor.py", extra_env={"PYTHONPATH": str(REPO)}) for _ in "ab"]
+    codes, out = both(*procs)
+    text = "".join(out)
+    assert codes == (0, 0), text[-3000:]
+    for expected in ("world size 2 on 2 node(s)", "network:", "  node 0 ", "  node 1 ", "all-reduce:", "all ranks",
+                     "snapshot store", "same bytes", "ok: the job would start"):
+        assert expected in text, (expected, text[-3000:])
+
+
+@pytest.mark.slow
+def test_an_endpoint_nobody_listens_on_fails_with_one_clear_line_in_bounded_time(tmp_path):
+    port = free_port()  # nothing listens there
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "mingpt.cli.launch", "--nnodes=1:2", "--nproc_per_node=1",
+                           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=dead",
+                           "--rdzv_conf=is_host=0,read_timeout=3", "mingpt/main.py"],
+                          cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
+    elapsed = time.time() - t0
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"mingpt-torchrun: cannot reach the rendezvous store at 127.0.0.1:{port} within "
+                           "read_timeout=3 s") and "firewalls" in last
+    assert elapsed < 4 * 3 + 10  # about twice read_timeout, plus start-up
