@@ -156,7 +156,9 @@ def test_the_same_with_one_shared_directory_passes(two_nodes, tmp_path):  # noqa
     run_dir.mkdir()
     codes, out = netns_agents(two_nodes, tmp_path, run_dir, private=False)
     assert codes == (0, 0), "".join(out)[-3000:]
-    assert "preflight checks passed on 2 ranks" in "".join(out)
+    passed = [line for line in "".join(out).splitlines() if "preflight checks passed on 2 ranks" in line]
+    assert passed
+    print("\n[netns] " + passed[0])
 
 
 @pytest.mark.slow
