@@ -6,11 +6,13 @@ Everything else receives rank, world size and device as arguments (see `DistInfo
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import signal
 import socket
 import sys
+import time
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -207,21 +209,25 @@ def is_peer_failure(e: BaseException) -> bool:
                             "Broken pipe", "NCCL error", "ProcessGroupNCCL"))
 
 
+# An error every rank meets (a bad setting, a missing file) is printed by rank 0; the other ranks
+# wait this long before exiting, since torchrun stops the rest of the job at the first exit it sees.
+LET_RANK0_REPORT_S = 2.0
+
+
 def report_error(info: DistInfo, message: str, code: int, detail: str | None = None,
-                 each_node: bool = False, level: int = logging.ERROR) -> int:
+                 each_node: bool = False, level: int = logging.ERROR, let_rank0_report: bool = False) -> int:
     """Report a failure once and hand it to torchrun; returns the exit code.
 
     The message goes to torchrun's error file (TORCHELASTIC_ERROR_FILE, the one `@record` writes),
     so the summary torchrun prints names it as the root cause instead of "error_file: <N/A>".
     It is logged by the first rank only (every rank usually meets the same error), or with
     `each_node` also by the first process of every node (a lost peer: rank 0 may be the one gone).
-    `detail` (a traceback) goes to the error file and the log in place of the message.
+    `detail` (a traceback) goes to the error file and the log in place of the message. With
+    `let_rank0_report`, other ranks wait a moment first, so that rank 0 prints it before torchrun
+    stops the job.
     """
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        import json
-        import time
-
         record = {"message": {"message": message, "extraInfo": {"py_callstack": detail or message,
                                                                 "timestamp": str(int(time.time()))}}}
         try:
@@ -231,6 +237,8 @@ def report_error(info: DistInfo, message: str, code: int, detail: str | None = N
             log.warning("cannot write torchrun's error file %s: %s", path, e)
     if info.is_rank0 or (each_node and info.local_rank == 0):
         logging.getLogger("mingpt").log(level, "%s", detail.rstrip() if detail else message)
+    elif let_rank0_report and info.distributed:
+        time.sleep(LET_RANK0_REPORT_S)
     return code
 
 

@@ -227,7 +227,7 @@ def train_process(dcfg: DictConfig) -> int:
             return 0
         return distributed.EXIT_INTERRUPTED if preempt.interrupted else distributed.EXIT_PREEMPTED
     except USER_ERRORS as e:
-        return distributed.report_error(info, str(e), code=2)
+        return distributed.report_error(info, str(e), code=2, let_rank0_report=True)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit
         if distributed.is_peer_failure(e):
             first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
@@ -255,7 +255,7 @@ def main() -> None:
         except ConfigError as e:
             info = DistInfo.from_env(cuda=False)
             setup_logging(info)
-            sys.exit(distributed.report_error(info, str(e), code=2))
+            sys.exit(distributed.report_error(info, str(e), code=2, let_rank0_report=True))
 
     @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
     def _hydra_entry(dcfg: DictConfig) -> None:

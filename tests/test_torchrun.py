@@ -66,6 +66,8 @@ def test_a_finished_job_never_ends_in_sigabrt(corpus_file, tmp_path):
 
 
 def test_an_error_under_torchrun_is_printed_once_and_is_torchruns_root_cause(corpus_file, tmp_path):
+    """Every rank meets the error; rank 0 prints it (the others wait for it, since torchrun stops the
+    job at the first exit: before, rank 1 sometimes exited first and the line was never printed)."""
     proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *TINY, *common(corpus_file, tmp_path), "model.n_head=3",
                                        f"trainer.run_dir={tmp_path / 'run'}"),
                           cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
