@@ -143,7 +143,15 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     if info.is_rank0:
         set_aside(store, others, run_dir, info.job_id, fresh=state is None)
 
-    corpus = load_data(cfg, manifest["tokenizer"] if manifest else None)
+    try:
+        corpus = load_data(cfg, manifest["tokenizer"] if manifest else None)
+    except TokenizerError as e:
+        if not manifest:
+            raise
+        # the resumed snapshot's characters cannot spell this corpus: the corpus is another one
+        raise MismatchError(f"this corpus does not fit the snapshot to resume ({e}): the snapshot was trained on "
+                            f"{manifest.get('corpus', 'another corpus')}. Resume with that corpus (data.path=...), or "
+                            "start a new run in its own directory: trainer.run_dir=runs/NEW") from None
     log.info("corpus %s (%s): %d train / %d val %s of up to %d tokens, vocabulary %d (%s)", corpus.source,
              cfg.data.kind, len(corpus.train), len(corpus.val), "pieces" if cfg.data.kind == "documents" else "blocks",
              cfg.data.block_size, corpus.tokenizer.vocab_size, cfg.data.tokenizer.kind)

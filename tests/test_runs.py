@@ -149,6 +149,18 @@ def test_a_char_snapshot_resumed_with_bpe_is_refused_before_reading_data(job, tm
     assert "vocabulary" not in caplog.text  # refused before the corpus was tokenized
 
 
+def test_another_corpus_under_a_resumed_run_is_named_not_a_missing_character(job, tmp_path, corpus_file):
+    """Offline, the quick start falls back to another corpus; copying tiny Shakespeare in afterwards and
+    starting again must say that the corpus changed under the resumed run."""
+    run_dir = tmp_path / "run"
+    job(run_dir, steps=10)
+    other = tmp_path / "other.txt"
+    other.write_text(corpus_file.read_text() + "$ a character the snapshot never saw\n")
+    with pytest.raises(MismatchError, match=rf"this corpus does not fit the snapshot to resume \(character '\$' .*"
+                                            rf"trained on {corpus_file}.*trainer.run_dir=runs/NEW"):
+        job(run_dir, f"data.path={other}", steps=20)
+
+
 def _readme_runs() -> list[list[str]]:
     """The training commands of the README's shell blocks, as argument lists."""
     text = (REPO / "README.md").read_text()

@@ -6,6 +6,7 @@ import torch
 
 from mingpt.model import GPT, GPTConfig
 from mingpt.training.optim import lr_at, param_groups
+from mingpt.data import DataError
 from mingpt.data.samplers import StreamSampler, split_evenly
 
 
@@ -49,7 +50,7 @@ def test_resume_mid_epoch_continues_identically():
     fresh.load_state_dict(state)
     for _ in range(80):  # crosses into the next epoch
         assert np.array_equal(ref.next_batch(), fresh.next_batch())
-    with pytest.raises(ValueError, match="corpus, block size or seed changed"):
+    with pytest.raises(DataError, match="corpus, block size or seed changed since the snapshot.*trainer.run_dir"):
         StreamSampler(999, 16, 7).load_state_dict(state)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mingpt.data.sources import DataError
+
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     """The sample order of one epoch, a function of (seed, epoch) only."""
@@ -58,9 +60,11 @@ def validation_batches(sampler: "StreamSampler | LengthGroupedSampler", world_si
 def _check_same_plan(state: dict, num_samples: int, seed: int) -> None:
     """A saved position only means something for the same samples and seed."""
     if state["num_samples"] != num_samples or state["seed"] != seed:
-        raise ValueError(
+        raise DataError(
             f"the snapshot's data plan ({state['num_samples']} samples, seed {state['seed']}) does not match "
-            f"this run's ({num_samples} samples, seed {seed}): the corpus, block size or seed changed"
+            f"this run's ({num_samples} samples, seed {seed}): the corpus, block size or seed changed since the "
+            "snapshot. Resume with the snapshot's data settings, or start a new run in its own directory: "
+            "trainer.run_dir=runs/NEW"
         )
 
 
