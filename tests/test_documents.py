@@ -7,7 +7,7 @@ from conftest import make_docs_corpus
 from mingpt.data import DataError, load_documents
 from mingpt.data.datasets import split_pieces
 from mingpt.data.sources import read_documents
-from mingpt.data.samplers import LengthGroupedSampler, form_micro_batches, split_balanced
+from mingpt.data.samplers import LengthGroupedSampler, micro_batch_bounds, split_balanced
 
 
 def skewed_lengths(n=3000, seed=0, block=256):
@@ -94,11 +94,56 @@ def test_balance_on_a_skewed_distribution_and_padding():
     assert r_pad > 0.3  # random batching pads far more
 
 
-def test_form_micro_batches_and_balance_helpers():
+def greedy_micro_batches(order, lengths, token_budget):
+    """The specification, one piece at a time: a piece joins the batch unless (pieces + 1) x the
+    longest would exceed the budget."""
+    batches, start, t_max = [], 0, 0
+    for i, idx in enumerate(order):
+        t = int(lengths[idx])
+        if i > start and (i - start + 1) * max(t_max, t) > token_budget:
+            batches.append(order[start:i])
+            start, t_max = i, 0
+        t_max = max(t_max, t)
+    if start < len(order):
+        batches.append(order[start:])
+    return batches
+
+
+def test_micro_batch_bounds_and_balance_helpers():
     lengths = np.array([10, 10, 5, 5, 5, 20])
-    batches = form_micro_batches(np.arange(6), lengths, token_budget=20)
-    assert [b.tolist() for b in batches] == [[0, 1], [2, 3, 4], [5]]
+    assert micro_batch_bounds(np.arange(6), lengths, token_budget=20).tolist() == [0, 2, 5, 6]
+    assert micro_batch_bounds(np.arange(0), lengths, token_budget=20).tolist() == [0]
     assert split_balanced([5, 4, 3, 3, 1, 0], 2) == [[0, 3, 5], [1, 2, 4]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_micro_batch_bounds_equal_the_piece_by_piece_greedy(seed):
+    rng = np.random.default_rng(seed)
+    lengths = skewed_lengths(2000, seed=seed)
+    budget = int(rng.integers(256, 2048))
+    pooled = rng.permutation(2000)
+    pool = np.arange(2000) // 97
+    pooled = pooled[np.lexsort((-lengths[pooled], pool))]  # sorted pools, as the sampler plans
+    for order in (pooled, rng.permutation(2000), np.sort(pooled)):  # and any order at all
+        bounds = micro_batch_bounds(order, lengths, budget)
+        expected = greedy_micro_batches(order, lengths, budget)
+        assert [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:])] == [b.tolist() for b in expected]
+
+
+def test_the_plan_is_the_one_earlier_versions_made():
+    """Snapshots of earlier versions store a position in this plan: it must not change."""
+    lengths = skewed_lengths(5000, seed=4)
+    s = LengthGroupedSampler(lengths, token_budget=1024, micro_per_step=3, seed=7, pool_size=300)
+    rng = np.random.default_rng([7, 2])
+    order = rng.permutation(5000)
+    pools = [order[i : i + 300] for i in range(0, 5000, 300)]
+    order = np.concatenate([p[np.argsort(-lengths[p], kind="stable")] for p in pools])
+    micro = greedy_micro_batches(order, lengths, 1024)
+    steps = [micro[i : i + 3] for i in range(0, len(micro), 3)]
+    expected = [steps[i] for i in rng.permutation(len(steps))]
+    plan = s.plan(2)
+    assert len(plan) == len(expected)
+    assert all([mb.tolist() for mb in a] == [mb.tolist() for mb in b] for a, b in zip(plan, expected))
 
 
 def test_split_pieces():

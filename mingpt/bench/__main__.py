@@ -4,6 +4,7 @@
     snapshot    snapshot blocking, save and load times per shape and store; SIGKILL recovery
     batching    length-grouped against random batching of documents, 2 ranks
     generate    generation tokens/s with and without the KV cache
+    plan        epoch planning time and memory of the samplers at 10^7 pieces and 10^9 tokens
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("throughput", "snapshot", "batching", "generate")
+BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -53,7 +53,8 @@ def validation_batches(sampler: "StreamSampler | LengthGroupedSampler", world_si
         indices = np.sort(epoch_order(sampler.num_samples, sampler.seed, 0)[:n])
         mine = np.array_split(indices, world_size)[rank]
         return [mine[i : i + sampler.micro_batch_size] for i in range(0, len(mine), sampler.micro_batch_size)]
-    micro_batches = [mb for step in sampler.plan(0)[:eval_iters] for mb in step]
+    plan = sampler.plan(0)
+    micro_batches = [mb for i in range(min(eval_iters, len(plan))) for mb in plan[i]]
     return [mb for mb in sampler.split(micro_batches, world_size)[rank] if len(mb)]
 
 
@@ -125,22 +126,88 @@ class StreamSampler:
         self.offset = int(state["offset"])
 
 
-def form_micro_batches(order: np.ndarray, lengths: np.ndarray, token_budget: int) -> list[np.ndarray]:
+def micro_batch_bounds(order: np.ndarray, lengths: np.ndarray, token_budget: int) -> np.ndarray:
     """Cut `order` into consecutive micro-batches whose padded size B x T_max stays within the budget.
 
-    `lengths` are sequence lengths in tokens (inputs, i.e. piece length - 1). Sorted input gives
-    many short sequences to a batch and few long ones.
+    Greedy: a piece joins the current micro-batch unless (pieces + 1) x the longest would exceed the
+    budget. Returns the M+1 boundaries in `order` of the M micro-batches. `lengths` are sequence
+    lengths in tokens (inputs, i.e. piece length - 1).
+
+    One Python iteration per micro-batch, not per piece: inside a non-increasing run of lengths the
+    first piece of a batch is its longest, so the batch's end is known at once; only a run boundary
+    (the start of the next length-sorted pool) can raise the maximum.
     """
-    batches, start, t_max = [], 0, 0
-    for i, idx in enumerate(order):
-        t = int(lengths[idx])
-        if i > start and (i - start + 1) * max(t_max, t) > token_budget:
-            batches.append(order[start:i])
-            start, t_max = i, 0
-        t_max = max(t_max, t)
-    if start < len(order):
-        batches.append(order[start:])
-    return batches
+    n = len(order)
+    if n == 0:
+        return np.zeros(1, dtype=np.int64)
+    t = lengths[order]
+    rises = _compact(np.flatnonzero(t[1:] > t[:-1]) + 1)  # where a non-increasing run starts (after the first)
+    is_rise = np.zeros(n, dtype=bool)
+    is_rise[rises] = True
+    run_end = np.append(rises, n)[np.cumsum(is_rise, dtype=rises.dtype)]  # the end of the run each position is in
+    del is_rise
+    bounds, start = [0], 0
+    while start < n:
+        t_max, pos = int(t[start]), start
+        while True:
+            end = min(start + max(1, token_budget // t_max), int(run_end[pos]))
+            if end == n or end < run_end[pos]:
+                break  # the budget (or the data) ends the batch inside this run
+            t_next = int(t[end])  # the first piece of the next run may be longer
+            if (end - start + 1) * max(t_max, t_next) > token_budget:
+                break
+            t_max, pos = max(t_max, t_next), end
+        bounds.append(end)
+        start = end
+    return np.asarray(bounds, dtype=np.int64)
+
+
+def _compact(indices: np.ndarray) -> np.ndarray:
+    """Indices in 32 bits where they fit: half the memory of numpy's default."""
+    return indices.astype(np.int32) if len(indices) < 2**31 else indices
+
+
+def _small_uint(values: np.ndarray) -> np.ndarray:
+    """Non-negative ints in 16 bits where they fit: numpy sorts those stably by radix, in O(n)."""
+    return values.astype(np.uint16) if values.max(initial=0) < 2**16 else values
+
+
+def longest_first_within_pools(order: np.ndarray, lengths: np.ndarray, pool_size: int) -> np.ndarray:
+    """Sort each pool of `pool_size` consecutive entries of `order` by length, longest first, ties
+    in their order. Two stable sorts (by length, then by pool) instead of one per pool."""
+    t = lengths[order]
+    key = _small_uint(t.max(initial=0) - t)
+    del t  # temporaries go as soon as they are used: this runs on 10^7 pieces
+    by_length = _compact(np.argsort(key, kind="stable"))
+    del key
+    pool = _small_uint(by_length // pool_size)
+    by_pool = np.argsort(pool, kind="stable")
+    del pool
+    by_length = by_length[by_pool]
+    del by_pool
+    return order[by_length]
+
+
+class EpochPlan:
+    """One epoch of global steps in three compact arrays: the piece order, the micro-batch
+    boundaries in it, and the (shuffled) order of the steps, each `micro_per_step` consecutive
+    micro-batches. A step's micro-batches are views, made when asked for."""
+
+    def __init__(self, order: np.ndarray, bounds: np.ndarray, step_order: np.ndarray, micro_per_step: int):
+        self.order, self.bounds, self.step_order, self.micro_per_step = order, bounds, step_order, micro_per_step
+
+    def __len__(self) -> int:
+        return len(self.step_order)
+
+    def __getitem__(self, i: int) -> list[np.ndarray]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        first = int(self.step_order[i]) * self.micro_per_step
+        last = min(first + self.micro_per_step, len(self.bounds) - 1)
+        return [self.order[self.bounds[j] : self.bounds[j + 1]] for j in range(first, last)]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def split_balanced(costs: list[float], world_size: int) -> list[list[int]]:
@@ -177,34 +244,34 @@ class LengthGroupedSampler:
             raise ValueError("the dataset has no pieces")
         if token_budget < int(lengths.max()):
             raise ValueError(f"token budget {token_budget} is below the longest sequence ({int(lengths.max())})")
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        lengths = np.asarray(lengths)
+        self.lengths = lengths.astype(np.int32 if lengths.max() < 2**31 else np.int64, copy=False)
         self.token_budget, self.micro_per_step, self.seed = token_budget, micro_per_step, seed
         self.mode, self.pool_size, self.attn_coeff = mode, pool_size, attn_coeff
         self.num_samples = len(lengths)
         self.epoch, self.step_in_epoch = 0, 0
-        self._plan: list[list[np.ndarray]] | None = None
+        self._plan: EpochPlan | None = None
         self._plan_epoch = -1
 
-    def plan(self, epoch: int) -> list[list[np.ndarray]]:
-        """The epoch's global steps, each a list of micro-batches of piece indices."""
+    def plan(self, epoch: int) -> EpochPlan:
+        """The epoch's global steps, each a list of micro-batches of piece indices. Vectorised but
+        for one loop per micro-batch: seconds for 10^7 pieces."""
         rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(self.num_samples)
+        order = _compact(rng.permutation(self.num_samples))  # 40 MB per 10^7 pieces
         if self.mode == "length_grouped":
-            pools = [order[i : i + self.pool_size] for i in range(0, len(order), self.pool_size)]
-            order = np.concatenate([p[np.argsort(-self.lengths[p], kind="stable")] for p in pools])
-        if self.mode == "length_grouped":
-            micro = form_micro_batches(order, self.lengths, self.token_budget)
+            order = longest_first_within_pools(order, self.lengths, self.pool_size)
+            bounds = micro_batch_bounds(order, self.lengths, self.token_budget)
         else:
             per_batch = max(1, self.token_budget // max(1, int(self.lengths.mean())))
-            micro = [order[i : i + per_batch] for i in range(0, len(order), per_batch)]
-        steps = [micro[i : i + self.micro_per_step] for i in range(0, len(micro), self.micro_per_step)]
-        return [steps[i] for i in rng.permutation(len(steps))]
+            bounds = np.append(np.arange(0, self.num_samples, per_batch), self.num_samples)
+        num_steps = -(-(len(bounds) - 1) // self.micro_per_step)
+        return EpochPlan(order, bounds, rng.permutation(num_steps), self.micro_per_step)
 
     @property
     def steps_per_epoch(self) -> int:
         return len(self._current_plan())
 
-    def _current_plan(self) -> list[list[np.ndarray]]:
+    def _current_plan(self) -> EpochPlan:
         if self._plan_epoch != self.epoch:
             self._plan, self._plan_epoch = self.plan(self.epoch), self.epoch
         return self._plan
