@@ -213,7 +213,8 @@ def preflight(cfg: RunConfig, info: DistInfo) -> None:
     """The multi-node checks (code, versions, config, corpus, one snapshot store, devices), before any work."""
     store = cfg.snapshot.dir or str(Path(cfg.trainer.run_dir) / "snapshots")
     _, _, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, store if is_local(store) else None, store)
-    log.info("preflight checks passed on %d ranks in %.3f s", info.world_size, seconds)
+    log.info("preflight checks passed on %d rank%s in %.3f s", info.world_size,
+             "" if info.world_size == 1 else "s", seconds)
 
 
 def train_process(dcfg: DictConfig) -> int:

@@ -96,8 +96,8 @@ class Trainer:
         if self.step >= cfg.max_steps:
             log.info("already at step %d of %d; nothing to train", self.step, cfg.max_steps)
             return True
-        log.info("training from step %d to %d on %d ranks, precision %s", self.step, cfg.max_steps,
-                 self.dist.world_size, self.amp_dtype or "fp32")
+        log.info("training from step %d to %d on %d rank%s, precision %s", self.step, cfg.max_steps,
+                 self.dist.world_size, "" if self.dist.world_size == 1 else "s", self.amp_dtype or "fp32")
         if self._agree_at_boundary()[0]:  # a stop requested during start-up: nothing new to save
             if self.dist.is_rank0:
                 log.warning("%s before the first step", self.preempt.describe())
