@@ -50,7 +50,8 @@ def locate(name_or_dir: str, download: bool = True) -> Path:
                                       local_files_only=not download))
     except Exception as e:  # noqa: BLE001 - offline, unknown repo, no permission: one message for all
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-        why = "HF_HUB_OFFLINE is set" if offline else f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}"
+        first = (str(e).splitlines() or [""])[0].split(". ")[0][:200]  # its first sentence, not half of one
+        why = "HF_HUB_OFFLINE is set" if offline else f"{e.__class__.__name__}: {first}"
         raise PretrainedError(
             f"cannot get {name_or_dir!r} from the Hugging Face hub ({why}). On a machine with internet run "
             f"`huggingface-cli download {name_or_dir} config.json model.safetensors --local-dir DIR`, copy DIR "
