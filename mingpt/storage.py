@@ -29,11 +29,18 @@ def file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+# The process's umask, read once at import (reading it means setting it, which threads must not race).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary name in the same directory, fsync, rename: never a half file."""
+    """Write to a temporary name in the same directory, fsync, rename: never a half file. The file
+    gets the usual permissions (0666 less the umask), not the temporary file's private 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()

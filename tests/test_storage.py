@@ -1,0 +1,25 @@
+import os
+import stat
+
+import pytest
+
+from mingpt.storage import atomic_write_bytes
+
+
+def test_atomic_write_is_readable_like_any_file_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "sub" / "model.safetensors"
+    atomic_write_bytes(path, b"weights")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert path.read_bytes() == b"weights"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask  # not mkstemp's private 0600
+    assert os.listdir(path.parent) == ["model.safetensors"]
+
+
+def test_a_failed_write_keeps_the_previous_file(tmp_path):
+    path = tmp_path / "manifest.json"
+    atomic_write_bytes(path, b"old")
+    with pytest.raises(TypeError):
+        atomic_write_bytes(path, "not bytes")  # fails inside the write
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["manifest.json"]
