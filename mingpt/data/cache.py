@@ -4,34 +4,92 @@ RANK) and memory-mapped by every process after that."""
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
 
+import fsspec
 import numpy as np
 
-from mingpt.storage import atomic_write_bytes, file_lock
+from mingpt.storage import atomic_write_bytes, file_lock, is_local, write_json_atomic
 from mingpt.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-def token_cache(text: str, tokenizer: Tokenizer, cache_dir: str) -> np.ndarray:
-    """Token ids of text, memory-mapped from a node-local cache keyed by content and tokenizer.
+def _dtype(tokenizer: Tokenizer) -> type:
+    return np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
 
-    The first process on each node to take the lock tokenizes; the others wait, then map the file.
+
+def token_cache(text: str, tokenizer: Tokenizer, cache_dir: str) -> Path:
+    """The node-local file of text's token ids, keyed by content and tokenizer (made when missing).
+
+    The first process on each node to take the lock tokenizes; the others wait, then find it.
     """
     key = hashlib.sha256(text.encode("utf-8")).hexdigest()[:20] + "-" + tokenizer.fingerprint()
     root = Path(os.path.expanduser(cache_dir))
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
-    path = root / f"tokens-{key}.{np.dtype(dtype).name}"
+    path = root / f"tokens-{key}.{np.dtype(_dtype(tokenizer)).name}"
     if not path.exists():
         with file_lock(root / f".tokens-{key}.lock"):
             if not path.exists():
                 log.info("tokenizing %d characters into %s", len(text), path)
-                ids = np.asarray(tokenizer.encode(text), dtype=dtype)
+                ids = np.asarray(tokenizer.encode(text), dtype=_dtype(tokenizer))
                 atomic_write_bytes(path, ids.tobytes())
-    return np.memmap(path, dtype=dtype, mode="r")
+    return path
+
+
+def map_tokens(path: Path, tokenizer: Tokenizer) -> np.ndarray:
+    return np.memmap(path, dtype=_dtype(tokenizer), mode="r")
+
+
+def source_identity(path: str) -> str | None:
+    """What changes when a corpus file changes, found without reading it: its real path, size,
+    modification time (ns) and inode, or on an object store its size and ETag. None where the
+    file system tells neither (then the text is read and hashed, as before)."""
+    try:
+        if is_local(path):
+            local = path.removeprefix("file://")
+            st = os.stat(local)
+            parts = [os.path.realpath(local), st.st_size, st.st_mtime_ns, st.st_ino]
+        else:
+            fs, key = fsspec.core.url_to_fs(path)
+            info = fs.info(key)
+            tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
+            if tag is None:
+                return None
+            parts = [path, info.get("size"), str(tag)]
+    except Exception:  # noqa: BLE001 - no cheap identity: fall back to reading the corpus
+        return None
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+
+
+def _record_path(cache_dir: str, identity: str, tokenizer: Tokenizer | None) -> Path:
+    which = tokenizer.fingerprint() if tokenizer is not None else "char-from-text"
+    return Path(os.path.expanduser(cache_dir)) / f"source-{identity}-{which}.json"
+
+
+def find_tokens(path: str, tokenizer: Tokenizer | None, cache_dir: str) -> tuple[dict, Path] | None:
+    """A corpus tokenized before, found by its cheap identity: (the tokenizer's state, the token
+    file), or None. `tokenizer` is None for a char vocabulary that would come from the text."""
+    identity = source_identity(path)
+    if identity is None:
+        return None
+    record = _record_path(cache_dir, identity, tokenizer)
+    try:
+        known = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return None
+    tokens = record.parent / known["tokens"]
+    return (known["tokenizer"], tokens) if tokens.exists() else None
+
+
+def remember_tokens(path: str, tokenizer: Tokenizer | None, used: Tokenizer, tokens: Path, cache_dir: str) -> None:
+    """Record that `path` (as it is now) tokenized by `used` is in `tokens`, for the next start."""
+    identity = source_identity(path)
+    if identity is not None:
+        write_json_atomic(_record_path(cache_dir, identity, tokenizer),
+                          {"source": path, "tokens": tokens.name, "tokenizer": used.state_dict()})
 
 
 def document_cache(docs: list[str], tokenizer: Tokenizer, cache_dir: str) -> tuple[np.ndarray, np.ndarray]:

@@ -73,13 +73,24 @@ def ensure_default_corpus(path: str) -> str:
 
 
 def read_corpus(path: str, fetch_default: bool) -> tuple[str, str]:
-    """The corpus text and a short description of where it came from."""
+    """The corpus text and where it came from (the path read)."""
+    path = locate_corpus(path, fetch_default)
+    return read_text(path), path
+
+
+def locate_corpus(path: str, fetch_default: bool) -> str:
+    """The path to read: `path` itself, or the default corpus, fetched when it is missing."""
     if is_local(path) and not Path(path).exists():
         # Only the default corpus is fetched: a missing file of the user's own is an error.
         if not (fetch_default and Path(path) == Path(DEFAULT_CORPUS)):
             raise DataError(f"corpus file {path} does not exist; set data.path to a UTF-8 text file "
                             f"(see data/README.md), or leave data.path={DEFAULT_CORPUS} to fetch tiny Shakespeare")
         path = ensure_default_corpus(path)
+    return path
+
+
+def read_text(path: str) -> str:
+    """One UTF-8 text file (local or any fsspec URL), or one clear error."""
     try:
         with fsspec.open(path, "rb") as fh:
             raw = fh.read()
@@ -96,7 +107,7 @@ def read_corpus(path: str, fetch_default: bool) -> tuple[str, str]:
         ) from None
     if not text:
         raise DataError(f"corpus {path} is empty")
-    return text, path
+    return text
 
 
 def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool) -> tuple[list[str], str]:
