@@ -202,3 +202,37 @@ def test_document_dataset_pieces_eot_padding_and_split(tmp_path):
     text = c.tokenizer.decode(c.train.ids[:200].tolist())
     assert "<|endoftext|>" in text and eot in c.train.ids[:200]
     assert first_doc[0] != eot
+
+
+@pytest.mark.parametrize("fmt", ["text", "jsonl", "files"])
+def test_a_document_corpus_tokenized_before_is_found_without_reading_it(tmp_path, monkeypatch, fmt):
+    docs = [f"document {i} " + "word " * (i % 17) for i in range(60)]
+    if fmt == "text":
+        path = tmp_path / "docs.txt"
+        path.write_text("\n\n".join(docs))
+    elif fmt == "jsonl":
+        path = tmp_path / "docs.jsonl"
+        path.write_text("\n".join(json.dumps({"text": d}) for d in docs))
+    else:
+        path = tmp_path / "dir"
+        path.mkdir()
+        for i, d in enumerate(docs):
+            (path / f"{i:03d}.txt").write_text(d)
+    cache = str(tmp_path / "cache")
+
+    def load():
+        return load_documents(str(path), fmt, "\n\n", "text", False, "char", None, cache, 16, 0.1)
+
+    first = load()
+    monkeypatch.setattr("mingpt.data.corpus.read_documents", lambda *a, **k: pytest.fail("read again"))
+    again = load()
+    assert again.tokenizer.state_dict() == first.tokenizer.state_dict()
+    assert np.array_equal(again.train.starts, first.train.starts)
+    assert np.array_equal(again.val.lengths, first.val.lengths)
+    monkeypatch.undo()
+    # a changed document (here: the last one grows) is read and tokenized again
+    changed = path / "059.txt" if fmt == "files" else path
+    with open(changed, "a") as fh:
+        fh.write(" appended" if fmt != "jsonl" else "\n" + json.dumps({"text": "one more document"}))
+    total = lambda c: int(c.train.lengths.sum() + c.val.lengths.sum())  # noqa: E731
+    assert total(load()) > total(first)

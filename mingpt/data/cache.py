@@ -43,25 +43,29 @@ def map_tokens(path: Path, tokenizer: Tokenizer) -> np.ndarray:
     return np.memmap(path, dtype=_dtype(tokenizer), mode="r")
 
 
-def source_identity(path: str) -> str | None:
-    """What changes when a corpus file changes, found without reading it: its real path, size,
-    modification time (ns) and inode, or on an object store its size and ETag. None where the
-    file system tells neither (then the text is read and hashed, as before)."""
+def _file_identity(path: str) -> list | None:
+    if is_local(path):
+        local = path.removeprefix("file://")
+        st = os.stat(local)
+        return [os.path.realpath(local), st.st_size, st.st_mtime_ns, st.st_ino]
+    fs, key = fsspec.core.url_to_fs(path)
+    info = fs.info(key)
+    tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
+    return None if tag is None else [path, info.get("size"), str(tag)]
+
+
+def source_identity(paths: list[str], settings: tuple = ()) -> str | None:
+    """What changes when a corpus changes, found without reading it: each file's real path, size,
+    modification time (ns) and inode, or on an object store its size and ETag; and the settings
+    that shape the tokens (document format, separator, field). None where a file system tells
+    neither (then the corpus is read and hashed, as before)."""
     try:
-        if is_local(path):
-            local = path.removeprefix("file://")
-            st = os.stat(local)
-            parts = [os.path.realpath(local), st.st_size, st.st_mtime_ns, st.st_ino]
-        else:
-            fs, key = fsspec.core.url_to_fs(path)
-            info = fs.info(key)
-            tag = info.get("ETag") or info.get("etag") or info.get("LastModified") or info.get("mtime")
-            if tag is None:
-                return None
-            parts = [path, info.get("size"), str(tag)]
+        parts = [_file_identity(p) for p in paths]
     except Exception:  # noqa: BLE001 - no cheap identity: fall back to reading the corpus
         return None
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:20]
+    if any(p is None for p in parts):
+        return None
+    return hashlib.sha256(json.dumps([parts, list(settings)]).encode()).hexdigest()[:20]
 
 
 def _record_path(cache_dir: str, identity: str, tokenizer: Tokenizer | None) -> Path:
@@ -69,10 +73,11 @@ def _record_path(cache_dir: str, identity: str, tokenizer: Tokenizer | None) -> 
     return Path(os.path.expanduser(cache_dir)) / f"source-{identity}-{which}.json"
 
 
-def find_tokens(path: str, tokenizer: Tokenizer | None, cache_dir: str) -> tuple[dict, Path] | None:
-    """A corpus tokenized before, found by its cheap identity: (the tokenizer's state, the token
-    file), or None. `tokenizer` is None for a char vocabulary that would come from the text."""
-    identity = source_identity(path)
+def find_tokens(paths: list[str], tokenizer: Tokenizer | None, cache_dir: str,
+                settings: tuple = ()) -> tuple[dict, list[Path]] | None:
+    """A corpus tokenized before, found by its cheap identity: (the tokenizer's state, the cache
+    files), or None. `tokenizer` is None for a char vocabulary that would come from the text."""
+    identity = source_identity(paths, settings)
     if identity is None:
         return None
     record = _record_path(cache_dir, identity, tokenizer)
@@ -80,27 +85,28 @@ def find_tokens(path: str, tokenizer: Tokenizer | None, cache_dir: str) -> tuple
         known = json.loads(record.read_text())
     except (OSError, ValueError):
         return None
-    tokens = record.parent / known["tokens"]
-    return (known["tokenizer"], tokens) if tokens.exists() else None
+    files = [record.parent / name for name in known["files"]]
+    return (known["tokenizer"], files) if all(f.exists() for f in files) else None
 
 
-def remember_tokens(path: str, tokenizer: Tokenizer | None, used: Tokenizer, tokens: Path, cache_dir: str) -> None:
-    """Record that `path` (as it is now) tokenized by `used` is in `tokens`, for the next start."""
-    identity = source_identity(path)
+def remember_tokens(paths: list[str], tokenizer: Tokenizer | None, used: Tokenizer, files: list[Path],
+                    cache_dir: str, settings: tuple = ()) -> None:
+    """Record that the corpus at `paths` (as it is now), tokenized by `used`, is in `files`."""
+    identity = source_identity(paths, settings)
     if identity is not None:
         write_json_atomic(_record_path(cache_dir, identity, tokenizer),
-                          {"source": path, "tokens": tokens.name, "tokenizer": used.state_dict()})
+                          {"sources": paths, "files": [f.name for f in files], "tokenizer": used.state_dict()})
 
 
-def document_cache(docs: list[str], tokenizer: Tokenizer, cache_dir: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, offsets): every document's tokens followed by end-of-text, memory-mapped from a
-    node-local cache keyed by content and tokenizer; document d is ids[offsets[d]:offsets[d+1]]."""
+def document_cache(docs: list[str], tokenizer: Tokenizer, cache_dir: str) -> tuple[Path, Path]:
+    """The node-local files (ids, offsets) of every document's tokens followed by end-of-text,
+    keyed by content and tokenizer (made when missing); see `map_documents`."""
     h = hashlib.sha256()
     for d in docs:
         h.update(hashlib.sha256(d.encode("utf-8")).digest())
     key = h.hexdigest()[:20] + "-" + tokenizer.fingerprint()
     root = Path(os.path.expanduser(cache_dir))
-    dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+    dtype = _dtype(tokenizer)
     ids_path, off_path = root / f"docs-{key}.{np.dtype(dtype).name}", root / f"docs-{key}.offsets.int64"
     if not off_path.exists():
         with file_lock(root / f".docs-{key}.lock"):
@@ -112,4 +118,9 @@ def document_cache(docs: list[str], tokenizer: Tokenizer, cache_dir: str) -> tup
                 atomic_write_bytes(ids_path, np.fromiter((t for e in encoded for t in e), dtype=dtype,
                                                          count=int(offsets[-1])).tobytes())
                 atomic_write_bytes(off_path, offsets.tobytes())  # written last: marks the cache complete
-    return np.memmap(ids_path, dtype=dtype, mode="r"), np.fromfile(off_path, dtype=np.int64)
+    return ids_path, off_path
+
+
+def map_documents(ids_path: Path, off_path: Path, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, offsets): document d is ids[offsets[d]:offsets[d+1]], the ids memory-mapped."""
+    return map_tokens(ids_path, tokenizer), np.fromfile(off_path, dtype=np.int64)

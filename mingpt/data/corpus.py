@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mingpt.data.cache import document_cache, find_tokens, map_tokens, remember_tokens, token_cache
+from mingpt.data.cache import (document_cache, find_tokens, map_documents, map_tokens, remember_tokens,
+                               token_cache)
 from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces, split_train_val
-from mingpt.data.sources import DataError, locate_corpus, read_documents, read_text
+from mingpt.data.sources import DataError, document_files, locate_corpus, read_documents, read_text
 from mingpt.tokenizer import CharTokenizer, Tokenizer, build_bpe, from_state
 
 
@@ -38,15 +39,15 @@ def load_corpus(path: str, fetch_default: bool, kind: str, ranks_file: str | Non
         known: Tokenizer | None = from_state(tokenizer_state)
     else:
         known = build_bpe(ranks_file) if kind != "char" else None  # None: the vocabulary comes from the text
-    found = find_tokens(source, known, cache_dir)
+    found = find_tokens([source], known, cache_dir)
     if found is not None:
-        state, tokens = found
+        state, (tokens,) = found
         tokenizer = known or from_state(state)
     else:
         text = read_text(source)
         tokenizer = known or CharTokenizer.from_text(text)
         tokens = token_cache(text, tokenizer, cache_dir)
-        remember_tokens(source, known, tokenizer, tokens, cache_dir)
+        remember_tokens([source], known, tokenizer, [tokens], cache_dir)
     train_ids, val_ids = split_train_val(map_tokens(tokens, tokenizer), val_fraction)
     return Corpus(tokenizer, StreamDataset(train_ids, block_size), StreamDataset(val_ids, block_size), source)
 
@@ -54,23 +55,34 @@ def load_corpus(path: str, fetch_default: bool, kind: str, ranks_file: str | Non
 def load_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool, kind: str,
                    ranks_file: str | None, cache_dir: str, block_size: int, val_fraction: float,
                    tokenizer_state: dict | None = None) -> Corpus:
-    """Read, tokenize (cached), split by document, and cut into pieces of at most block_size+1."""
-    docs, source = read_documents(path, fmt, separator, text_field, fetch_default)
+    """Read, tokenize (cached), split by document, and cut into pieces of at most block_size+1.
+    Like `load_corpus`, a corpus tokenized before on this node is found without reading it."""
+    files = document_files(path, fmt, fetch_default)
+    settings = ("documents", fmt, separator if fmt == "text" else None, text_field if fmt == "jsonl" else None)
     if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
-        tokenizer: Tokenizer = from_state(tokenizer_state)
-    elif kind == "char":
-        tokenizer = CharTokenizer.from_text("".join(docs), eot=True)
+        known: Tokenizer | None = from_state(tokenizer_state)
     else:
-        tokenizer = build_bpe(ranks_file)
-    if tokenizer.eot_id is None:
-        raise DataError("document data needs a tokenizer with an end-of-text token")
-    ids, offsets = document_cache(docs, tokenizer, cache_dir)
-    n_val = max(1, int(len(docs) * val_fraction))
-    if n_val >= len(docs):
-        raise DataError(f"{len(docs)} documents are too few for a validation split of {val_fraction}")
+        known = build_bpe(ranks_file) if kind != "char" else None  # None: the vocabulary comes from the text
+    found = find_tokens(files, known, cache_dir, settings)
+    if found is not None:
+        state, cached = found
+        tokenizer = known or from_state(state)
+        source = files[0] if fmt != "files" else path
+    else:
+        docs, source = read_documents(path, fmt, separator, text_field, fetch_default, files)
+        tokenizer = known or CharTokenizer.from_text("".join(docs), eot=True)
+        if tokenizer.eot_id is None:
+            raise DataError("document data needs a tokenizer with an end-of-text token")
+        cached = document_cache(docs, tokenizer, cache_dir)
+        remember_tokens(files, known, tokenizer, list(cached), cache_dir, settings)
+    ids, offsets = map_documents(*cached, tokenizer)
+    num_docs = len(offsets) - 1
+    n_val = max(1, int(num_docs * val_fraction))
+    if n_val >= num_docs:
+        raise DataError(f"{num_docs} documents are too few for a validation split of {val_fraction}")
     starts, lengths = offsets[:-1], np.diff(offsets)
     splits = []
-    for sl in (slice(0, len(docs) - n_val), slice(len(docs) - n_val, len(docs))):  # the last documents validate
+    for sl in (slice(0, num_docs - n_val), slice(num_docs - n_val, num_docs)):  # the last documents validate
         p_starts, p_lengths = split_pieces(starts[sl], lengths[sl], block_size + 1)
         splits.append(DocumentDataset(ids, p_starts, p_lengths, block_size, tokenizer.eot_id))
     return Corpus(tokenizer, splits[0], splits[1], source)

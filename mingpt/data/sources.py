@@ -110,13 +110,34 @@ def read_text(path: str) -> str:
     return text
 
 
-def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool) -> tuple[list[str], str]:
-    """Documents from a text file split on `separator`, a JSON-lines file, or a directory / glob of files."""
+def document_files(path: str, fmt: str, fetch_default: bool) -> list[str]:
+    """The files a document corpus is read from: one text or JSON-lines file, or those of a
+    directory / glob (sorted)."""
     if fmt == "text":
-        text, source = read_corpus(path, fetch_default)
+        return [locate_corpus(path, fetch_default)]
+    if fmt == "jsonl":
+        return [locate_corpus(path, False)]
+    if fmt != "files":
+        raise DataError(f"data.format={fmt!r}: use text, jsonl or files")
+    fs, root = fsspec.core.url_to_fs(path)
+    pattern = root if any(c in root for c in "*?[") else root.rstrip("/") + "/**"
+    files = sorted(f for f in fs.glob(pattern) if fs.isfile(f))
+    if not files:
+        raise DataError(f"no files match {path}; point data.path at a directory or glob of UTF-8 text files")
+    proto = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
+    return [f if proto == "file" else f"{proto}://{f}" for f in files]
+
+
+def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool,
+                   files: list[str] | None = None) -> tuple[list[str], str]:
+    """Documents from a text file split on `separator`, a JSON-lines file, or a directory / glob of
+    files (`files`: those already listed by `document_files`)."""
+    files = document_files(path, fmt, fetch_default) if files is None else files
+    if fmt == "text":
+        text, source = read_text(files[0]), files[0]
         docs = [d for d in text.split(separator) if d.strip()]
     elif fmt == "jsonl":
-        text, source = read_corpus(path, False)
+        text, source = read_text(files[0]), files[0]
         docs = []
         for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
@@ -124,20 +145,8 @@ def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_d
             doc = _jsonl_text(line, text_field, path, n)
             if doc.strip():
                 docs.append(doc)
-    elif fmt == "files":
-        fs, root = fsspec.core.url_to_fs(path)
-        pattern = root if any(c in root for c in "*?[") else root.rstrip("/") + "/**"
-        files = sorted(f for f in fs.glob(pattern) if fs.isfile(f))
-        if not files:
-            raise DataError(f"no files match {path}; point data.path at a directory or glob of UTF-8 text files")
-        docs, source = [], path
-        for f in files:
-            proto = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
-            text, _ = read_corpus(f if proto == "file" else f"{proto}://{f}", False)
-            if text.strip():
-                docs.append(text)
     else:
-        raise DataError(f"data.format={fmt!r}: use text, jsonl or files")
+        docs, source = [text for text in map(read_text, files) if text.strip()], path
     if not docs:
         raise DataError(f"{path} holds no non-empty documents")
     return docs, source
