@@ -13,6 +13,15 @@ from mingpt.data.sources import DataError, document_files, locate_corpus, read_d
 from mingpt.tokenizer import CharTokenizer, Tokenizer, build_bpe, from_state
 
 
+def _known_tokenizer(kind: str, ranks_file: str | None, tokenizer_state: dict | None) -> Tokenizer | None:
+    """The tokenizer known before reading the corpus: a resumed snapshot's char vocabulary wins (so
+    the run encodes exactly as before), BPE needs only its ranks; None for a char vocabulary that
+    will come from the text."""
+    if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
+        return from_state(tokenizer_state)
+    return build_bpe(ranks_file) if kind != "char" else None
+
+
 @dataclass(frozen=True)
 class Corpus:
     """What main.py assembles: the tokenizer and both splits as datasets."""
@@ -28,24 +37,20 @@ def load_corpus(path: str, fetch_default: bool, kind: str, ranks_file: str | Non
     """Read, tokenize (cached) and split a corpus.
 
     A corpus tokenized before on this node is found by its size and modification time (or ETag),
-    without reading it: a start costs the same for 1 MB and for 10 GB.
+    without reading it.
 
     Args:
-        tokenizer_state: the tokenizer of a snapshot being resumed; it wins over building a new one
-            so a resumed run encodes exactly as before.
+        tokenizer_state: the tokenizer of a snapshot being resumed (see `_known_tokenizer`).
     """
     source = locate_corpus(path, fetch_default)
-    if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
-        known: Tokenizer | None = from_state(tokenizer_state)
-    else:
-        known = build_bpe(ranks_file) if kind != "char" else None  # None: the vocabulary comes from the text
+    known = _known_tokenizer(kind, ranks_file, tokenizer_state)
     found = find_tokens([source], known, cache_dir)
     if found is not None:
         state, (tokens,) = found
-        tokenizer = known or from_state(state)
+        tokenizer = known if known is not None else from_state(state)
     else:
         text = read_text(source)
-        tokenizer = known or CharTokenizer.from_text(text)
+        tokenizer = known if known is not None else CharTokenizer.from_text(text)
         tokens = token_cache(text, tokenizer, cache_dir)
         remember_tokens([source], known, tokenizer, [tokens], cache_dir)
     train_ids, val_ids = split_train_val(map_tokens(tokens, tokenizer), val_fraction)
@@ -59,18 +64,15 @@ def load_documents(path: str, fmt: str, separator: str, text_field: str, fetch_d
     Like `load_corpus`, a corpus tokenized before on this node is found without reading it."""
     files = document_files(path, fmt, fetch_default)
     settings = ("documents", fmt, separator if fmt == "text" else None, text_field if fmt == "jsonl" else None)
-    if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
-        known: Tokenizer | None = from_state(tokenizer_state)
-    else:
-        known = build_bpe(ranks_file) if kind != "char" else None  # None: the vocabulary comes from the text
+    known = _known_tokenizer(kind, ranks_file, tokenizer_state)
     found = find_tokens(files, known, cache_dir, settings)
     if found is not None:
         state, cached = found
-        tokenizer = known or from_state(state)
+        tokenizer = known if known is not None else from_state(state)
         source = files[0] if fmt != "files" else path
     else:
         docs, source = read_documents(path, fmt, separator, text_field, fetch_default, files)
-        tokenizer = known or CharTokenizer.from_text("".join(docs), eot=True)
+        tokenizer = known if known is not None else CharTokenizer.from_text("".join(docs), eot=True)
         if tokenizer.eot_id is None:
             raise DataError("document data needs a tokenizer with an end-of-text token")
         cached = document_cache(docs, tokenizer, cache_dir)
