@@ -3,7 +3,7 @@ import pytest
 
 from conftest import SHARED_DATA, make_ranks_file
 from mingpt.data import DataError, load_corpus
-from mingpt.data.cache import map_tokens, token_cache
+from mingpt.data.cache import encode_array, map_tokens, safe_cuts, token_cache
 from mingpt.data.datasets import StreamDataset, split_train_val
 from mingpt.data.sources import read_corpus
 from mingpt.tokenizer import (GPT2_RANKS_SHA256, BPETokenizer, CharTokenizer, TokenizerError, build_bpe,
@@ -160,3 +160,19 @@ def test_a_changed_corpus_is_tokenized_again(corpus_file, tmp_path):
     assert second.tokenizer.vocab_size > first.tokenizer.vocab_size
     assert len(second.train.ids) + len(second.val.ids) > len(first.train.ids) + len(first.val.ids)
     assert second.tokenizer.decode(list(second.val.ids[-10:])).endswith("\u00a7~^\n")
+
+
+@pytest.mark.parametrize("kind", ["bpe", "char"])
+def test_chunked_encoding_gives_the_tokens_of_one_encode(kind):
+    """The chunks are cut only where GPT-2's pre-tokenizer cannot join across: tricky whitespace
+    (runs of newlines and spaces, tabs, a space before a newline, contractions at a line start)."""
+    rng = np.random.default_rng(0)
+    pieces = ["word", " word", "\n", "\n\n", "  \n", " \n", "\t", "'s", "'ll", "42", " 7", "é", "中文", "!", "  ",
+              "\r\n", " \n\n"]
+    text = "".join(pieces[i] for i in rng.integers(0, len(pieces), 20000))
+    tok = build_bpe(str(SHARED_DATA / "r50k_base.tiktoken")) if kind == "bpe" else CharTokenizer.from_text(text)
+    cuts = safe_cuts(text, chunk_chars=50)
+    assert len(cuts) > 100  # many chunks, so that many cuts are exercised
+    for a in cuts[1:-1]:
+        assert text[a - 1] == "\n" and not text[a - 2].isspace() and not text[a].isspace()
+    assert encode_array(text, tok, chunk_chars=50).tolist() == tok.encode(text)

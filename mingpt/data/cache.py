@@ -34,9 +34,46 @@ def token_cache(text: str, tokenizer: Tokenizer, cache_dir: str) -> Path:
         with file_lock(root / f".tokens-{key}.lock"):
             if not path.exists():
                 log.info("tokenizing %d characters into %s", len(text), path)
-                ids = np.asarray(tokenizer.encode(text), dtype=_dtype(tokenizer))
-                atomic_write_bytes(path, ids.tobytes())
+                atomic_write_bytes(path, encode_array(text, tokenizer).tobytes())
     return path
+
+
+def safe_cuts(text: str, chunk_chars: int) -> list[int]:
+    """Chunk boundaries, about chunk_chars apart, where encoding the pieces gives the same tokens
+    as encoding the whole: right after a newline that has a non-space before it and a non-space
+    after it. GPT-2's pre-tokenizer never joins anything across such a point (a lone newline is a
+    piece of its own, and only a space, not a newline, attaches to the word after it)."""
+    def safe(i: int) -> bool:  # i: a newline's position
+        return 0 < i < len(text) - 1 and not text[i - 1].isspace() and not text[i + 1].isspace()
+
+    cuts, pos = [0], chunk_chars
+    while pos < len(text):
+        i = text.find("\n", pos)
+        while i != -1 and not safe(i):
+            i = text.find("\n", i + 1)
+        if i == -1:
+            break
+        cuts.append(i + 1)
+        pos = i + 1 + chunk_chars
+    return cuts + [len(text)]
+
+
+def encode_array(text: str, tokenizer: Tokenizer, chunk_chars: int = 1 << 22) -> np.ndarray:
+    """text's token ids as one array, encoded chunk by chunk: memory for one batch of chunks' Python
+    lists instead of the whole corpus's (about 30 bytes a token). BPE batches go to tiktoken's
+    threads, one per core (on 2 cores that is no faster overall: building the lists holds the GIL)."""
+    cuts = safe_cuts(text, chunk_chars)
+    chunks = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    arrays = []
+    for start in range(0, len(chunks), threads):
+        batch = chunks[start : start + threads]
+        if hasattr(tokenizer, "encode_batch"):
+            encoded = tokenizer.encode_batch(batch, threads)
+        else:
+            encoded = [tokenizer.encode(c) for c in batch]
+        arrays.extend(np.asarray(e, dtype=_dtype(tokenizer)) for e in encoded)
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=_dtype(tokenizer))
 
 
 def map_tokens(path: Path, tokenizer: Tokenizer) -> np.ndarray:
