@@ -110,11 +110,9 @@ def _record_path(cache_dir: str, identity: str, tokenizer: Tokenizer | None) -> 
     return Path(os.path.expanduser(cache_dir)) / f"source-{identity}-{which}.json"
 
 
-def find_tokens(paths: list[str], tokenizer: Tokenizer | None, cache_dir: str,
-                settings: tuple = ()) -> tuple[dict, list[Path]] | None:
-    """A corpus tokenized before, found by its cheap identity: (the tokenizer's state, the cache
+def find_tokens(identity: str | None, tokenizer: Tokenizer | None, cache_dir: str) -> tuple[dict, list[Path]] | None:
+    """A corpus tokenized before, found by its `source_identity`: (the tokenizer's state, the cache
     files), or None. `tokenizer` is None for a char vocabulary that would come from the text."""
-    identity = source_identity(paths, settings)
     if identity is None:
         return None
     record = _record_path(cache_dir, identity, tokenizer)
@@ -126,13 +124,13 @@ def find_tokens(paths: list[str], tokenizer: Tokenizer | None, cache_dir: str,
     return (known["tokenizer"], files) if all(f.exists() for f in files) else None
 
 
-def remember_tokens(paths: list[str], tokenizer: Tokenizer | None, used: Tokenizer, files: list[Path],
-                    cache_dir: str, settings: tuple = ()) -> None:
-    """Record that the corpus at `paths` (as it is now), tokenized by `used`, is in `files`."""
-    identity = source_identity(paths, settings)
+def remember_tokens(identity: str | None, tokenizer: Tokenizer | None, used: Tokenizer, files: list[Path],
+                    cache_dir: str) -> None:
+    """Record that the corpus of `identity`, tokenized by `used`, is in `files`. The identity is the
+    one taken before the corpus was read: a file changed meanwhile is read again at the next start."""
     if identity is not None:
         write_json_atomic(_record_path(cache_dir, identity, tokenizer),
-                          {"sources": paths, "files": [f.name for f in files], "tokenizer": used.state_dict()})
+                          {"files": [f.name for f in files], "tokenizer": used.state_dict()})
 
 
 def document_cache(docs: list[str], tokenizer: Tokenizer, cache_dir: str) -> tuple[Path, Path]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mingpt.data.cache import (document_cache, find_tokens, map_documents, map_tokens, remember_tokens,
-                               token_cache)
+                               source_identity, token_cache)
 from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces, split_train_val
 from mingpt.data.sources import DataError, document_files, locate_corpus, read_documents, read_text
 from mingpt.tokenizer import CharTokenizer, Tokenizer, build_bpe, from_state
@@ -44,7 +44,8 @@ def load_corpus(path: str, fetch_default: bool, kind: str, ranks_file: str | Non
     """
     source = locate_corpus(path, fetch_default)
     known = _known_tokenizer(kind, ranks_file, tokenizer_state)
-    found = find_tokens([source], known, cache_dir)
+    identity = source_identity([source])
+    found = find_tokens(identity, known, cache_dir)
     if found is not None:
         state, (tokens,) = found
         tokenizer = known if known is not None else from_state(state)
@@ -52,7 +53,7 @@ def load_corpus(path: str, fetch_default: bool, kind: str, ranks_file: str | Non
         text = read_text(source)
         tokenizer = known if known is not None else CharTokenizer.from_text(text)
         tokens = token_cache(text, tokenizer, cache_dir)
-        remember_tokens([source], known, tokenizer, [tokens], cache_dir)
+        remember_tokens(identity, known, tokenizer, [tokens], cache_dir)
     train_ids, val_ids = split_train_val(map_tokens(tokens, tokenizer), val_fraction)
     return Corpus(tokenizer, StreamDataset(train_ids, block_size), StreamDataset(val_ids, block_size), source)
 
@@ -65,7 +66,8 @@ def load_documents(path: str, fmt: str, separator: str, text_field: str, fetch_d
     files = document_files(path, fmt, fetch_default)
     settings = ("documents", fmt, separator if fmt == "text" else None, text_field if fmt == "jsonl" else None)
     known = _known_tokenizer(kind, ranks_file, tokenizer_state)
-    found = find_tokens(files, known, cache_dir, settings)
+    identity = source_identity(files, settings)
+    found = find_tokens(identity, known, cache_dir)
     if found is not None:
         state, cached = found
         tokenizer = known if known is not None else from_state(state)
@@ -76,7 +78,7 @@ def load_documents(path: str, fmt: str, separator: str, text_field: str, fetch_d
         if tokenizer.eot_id is None:
             raise DataError("document data needs a tokenizer with an end-of-text token")
         cached = document_cache(docs, tokenizer, cache_dir)
-        remember_tokens(files, known, tokenizer, list(cached), cache_dir, settings)
+        remember_tokens(identity, known, tokenizer, list(cached), cache_dir)
     ids, offsets = map_documents(*cached, tokenizer)
     num_docs = len(offsets) - 1
     n_val = max(1, int(num_docs * val_fraction))
