@@ -35,6 +35,7 @@ class Tokenizer(Protocol):
     eot_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
+    def encode_batch(self, texts: list[str], threads: int) -> list[list[int]]: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, token: int) -> bytes: ...
     def state_dict(self) -> dict: ...
@@ -64,6 +65,9 @@ class CharTokenizer:
             raise TokenizerError(
                 f"character {e.args[0]!r} is not in this run's vocabulary of {self.vocab_size} characters"
             ) from None
+
+    def encode_batch(self, texts: list[str], threads: int) -> list[list[int]]:
+        return [self.encode(t) for t in texts]  # a dictionary lookup per character: threads would not help
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] if i != self.eot_id else EOT for i in ids)

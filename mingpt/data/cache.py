@@ -65,15 +65,11 @@ def encode_array(text: str, tokenizer: Tokenizer, chunk_chars: int = 1 << 22) ->
     cuts = safe_cuts(text, chunk_chars)
     chunks = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    arrays = []
+    dtype, arrays = _dtype(tokenizer), []
     for start in range(0, len(chunks), threads):
-        batch = chunks[start : start + threads]
-        if hasattr(tokenizer, "encode_batch"):
-            encoded = tokenizer.encode_batch(batch, threads)
-        else:
-            encoded = [tokenizer.encode(c) for c in batch]
-        arrays.extend(np.asarray(e, dtype=_dtype(tokenizer)) for e in encoded)
-    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=_dtype(tokenizer))
+        encoded = tokenizer.encode_batch(chunks[start : start + threads], threads)
+        arrays.extend(np.asarray(e, dtype=dtype) for e in encoded)
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
 
 
 def map_tokens(path: Path, tokenizer: Tokenizer) -> np.ndarray:
