@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -252,6 +253,11 @@ class RunConfig:
     def to_dict(self) -> dict:
         """Plain containers (no tensors), for manifests and snapshots."""
         return dataclasses.asdict(self)
+
+    @property
+    def snapshot_store(self) -> str:
+        """Where snapshots go: snapshot.dir, or run_dir/snapshots."""
+        return self.snapshot.dir or os.path.join(self.trainer.run_dir, "snapshots")
 
 
 def _build(cls, values: dict[str, Any], where: str):

@@ -131,7 +131,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     run_dir = Path(tcfg.run_dir)
-    store = open_store(cfg.snapshot.dir or str(run_dir / "snapshots"), cfg.snapshot.endpoint_url)
+    store = open_store(cfg.snapshot_store, cfg.snapshot.endpoint_url)
     # Rank 0 decides; every rank gets the same start. Nothing is moved before the snapshot to
     # continue is known to fit this config.
     state, manifest, run_id, others = distributed.on_rank0(lambda: choose_start(store, cfg.snapshot, info.job_id))
@@ -211,7 +211,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
 
 def preflight(cfg: RunConfig, info: DistInfo) -> None:
     """The multi-node checks (code, versions, config, corpus, one snapshot store, devices), before any work."""
-    store = cfg.snapshot.dir or str(Path(cfg.trainer.run_dir) / "snapshots")
+    store = cfg.snapshot_store
     _, _, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, store if is_local(store) else None, store)
     log.info("preflight checks passed on %d rank%s in %.3f s", info.world_size,
              "" if info.world_size == 1 else "s", seconds)

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return distributed.report_error(info, str(e), code=2)
     distributed.init(info, cfg.dist.timeout_s)
-    store_url = cfg.snapshot.dir or os.path.join(cfg.trainer.run_dir, "snapshots")
+    store_url = cfg.snapshot_store
     problems, warnings, seconds = run_checks(info, cfg.to_dict(), cfg.data.path,
                                              store_url if is_local(store_url) else None, store_url,
                                              raise_on_problem=False)
