@@ -103,7 +103,7 @@ def init(info: DistInfo, timeout_s: float) -> None:
         try:
             dist.init_process_group(backend=info.backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
         except Exception as e:  # noqa: BLE001 - a connection that never forms, of any backend
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else e.__class__.__name__
+            first = first_line(e)[:200]
             ifname = "NCCL_SOCKET_IFNAME" if info.backend == "nccl" else "GLOO_SOCKET_IFNAME"
             raise ProcessGroupError(
                 f"the {info.backend} process group of {info.world_size} ranks did not form within dist.timeout_s="
@@ -111,6 +111,12 @@ def init(info: DistInfo, timeout_s: float) -> None:
                 f"{os.environ.get('MASTER_PORT')} and then connect to each other; check that the nodes reach each "
                 f"other on the interface {ifname} names (or the default route's) and that no firewall is in between"
             ) from None
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an error's message (C++ errors carry pages of context), or its class name."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else e.__class__.__name__
 
 
 class ProcessGroupError(RuntimeError):

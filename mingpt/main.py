@@ -239,9 +239,8 @@ def train_process(dcfg: DictConfig) -> int:
         return distributed.report_error(info, str(e), code=2, let_rank0_report=True)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit
         if distributed.is_peer_failure(e):
-            first = str(e).strip().splitlines()[0] if str(e).strip() else e.__class__.__name__
             return distributed.report_error(
-                info, f"lost contact with a peer ({first[:300]}); exiting so that torchrun restarts the workers "
+                info, f"lost contact with a peer ({distributed.first_line(e)[:300]}); exiting so that torchrun restarts the workers "
                 "from the latest snapshot", code=1, each_node=True, level=logging.WARNING)
         return distributed.report_error(info, f"{e.__class__.__name__}: {e}", code=1,
                                         detail=traceback.format_exc(), each_node=True)
