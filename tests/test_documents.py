@@ -154,18 +154,18 @@ def test_split_pieces():
 
 def test_documents_from_text_jsonl_and_files(tmp_path):
     (tmp_path / "a.txt").write_text("one\n\ntwo two\n\n\n\nthree")
-    docs, _ = read_documents(str(tmp_path / "a.txt"), "text", "\n\n", "text", False)
+    docs = read_documents(str(tmp_path / "a.txt"), "text", "\n\n", "text", False)
     assert docs == ["one", "two two", "three"]
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate("xyz")))
-    assert read_documents(str(tmp_path / "b.jsonl"), "jsonl", "", "text", False)[0] == ["x", "y", "z"]
+    assert read_documents(str(tmp_path / "b.jsonl"), "jsonl", "", "text", False) == ["x", "y", "z"]
     with pytest.raises(DataError, match="data.text_field"):
         read_documents(str(tmp_path / "b.jsonl"), "jsonl", "", "body", False)
     d = tmp_path / "dir"
     d.mkdir()
     for i in range(3):
         (d / f"{i}.txt").write_text(f"file {i}")
-    assert read_documents(str(d), "files", "", "", False)[0] == ["file 0", "file 1", "file 2"]
-    assert read_documents(str(d / "*.txt"), "files", "", "", False)[0] == ["file 0", "file 1", "file 2"]
+    assert read_documents(str(d), "files", "", "", False) == ["file 0", "file 1", "file 2"]
+    assert read_documents(str(d / "*.txt"), "files", "", "", False) == ["file 0", "file 1", "file 2"]
 
 
 @pytest.mark.parametrize("line, message", [

@@ -65,15 +65,15 @@ def load_documents(path: str, fmt: str, separator: str, text_field: str, fetch_d
     Like `load_corpus`, a corpus tokenized before on this node is found without reading it."""
     files = document_files(path, fmt, fetch_default)
     settings = ("documents", fmt, separator if fmt == "text" else None, text_field if fmt == "jsonl" else None)
+    source = path if fmt == "files" else files[0]
     known = _known_tokenizer(kind, ranks_file, tokenizer_state)
     identity = source_identity(files, settings)
     found = find_tokens(identity, known, cache_dir)
     if found is not None:
         state, cached = found
         tokenizer = known if known is not None else from_state(state)
-        source = files[0] if fmt != "files" else path
     else:
-        docs, source = read_documents(path, fmt, separator, text_field, fetch_default, files)
+        docs = read_documents(path, fmt, separator, text_field, fetch_default, files)
         tokenizer = known if known is not None else CharTokenizer.from_text("".join(docs), eot=True)
         if tokenizer.eot_id is None:
             raise DataError("document data needs a tokenizer with an end-of-text token")

@@ -129,27 +129,25 @@ def document_files(path: str, fmt: str, fetch_default: bool) -> list[str]:
 
 
 def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool,
-                   files: list[str] | None = None) -> tuple[list[str], str]:
+                   files: list[str] | None = None) -> list[str]:
     """Documents from a text file split on `separator`, a JSON-lines file, or a directory / glob of
     files (`files`: those already listed by `document_files`)."""
     files = document_files(path, fmt, fetch_default) if files is None else files
     if fmt == "text":
-        text, source = read_text(files[0]), files[0]
-        docs = [d for d in text.split(separator) if d.strip()]
+        docs = [d for d in read_text(files[0]).split(separator) if d.strip()]
     elif fmt == "jsonl":
-        text, source = read_text(files[0]), files[0]
         docs = []
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(read_text(files[0]).splitlines(), 1):
             if not line.strip():
                 continue
             doc = _jsonl_text(line, text_field, path, n)
             if doc.strip():
                 docs.append(doc)
     else:
-        docs, source = [text for text in map(read_text, files) if text.strip()], path
+        docs = [text for text in map(read_text, files) if text.strip()]
     if not docs:
         raise DataError(f"{path} holds no non-empty documents")
-    return docs, source
+    return docs
 
 
 def _jsonl_text(line: str, text_field: str, path: str, n: int) -> str:
