@@ -28,7 +28,7 @@ from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start, set_aside
-from mingpt.storage import is_local, write_json_atomic
+from mingpt.storage import write_json_atomic
 from mingpt.tokenizer import TokenizerError
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer
@@ -211,8 +211,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
 
 def preflight(cfg: RunConfig, info: DistInfo) -> None:
     """The multi-node checks (code, versions, config, corpus, one snapshot store, devices), before any work."""
-    store = cfg.snapshot_store
-    _, _, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, store if is_local(store) else None, store)
+    _, _, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, cfg.snapshot_store)
     log.info("preflight checks passed on %d rank%s in %.3f s", info.world_size,
              "" if info.world_size == 1 else "s", seconds)
 

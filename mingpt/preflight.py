@@ -161,13 +161,14 @@ def compare(reports: list[Report], data_path: str = "", store_url: str = "") -> 
     return problems, warnings
 
 
-def run_checks(info: DistInfo, config: dict, data_path: str, store_root: str | None, store_url: str,
+def run_checks(info: DistInfo, config: dict, data_path: str, store_url: str,
                raise_on_problem: bool = True) -> tuple[list[str], list[str], float]:
     """Every rank: report, rank 0 compares, every rank gets the verdict. Returns (problems, warnings, seconds)."""
     t0 = time.perf_counter()
+    store_root = store_url if is_local(store_url) else None  # an object store is one store by construction
     nonce = None
     multi_node = len({n for n in all_gather_objects(info.node)}) > 1
-    if multi_node and store_root is not None:  # an object store is one store by construction
+    if multi_node and store_root is not None:
         if info.is_rank0:
             nonce = uuid.uuid4().hex
             Path(store_root).mkdir(parents=True, exist_ok=True)

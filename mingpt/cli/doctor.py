@@ -31,7 +31,6 @@ from mingpt.distributed import DistInfo
 from mingpt.main import open_store
 from mingpt.preflight import run_checks
 from mingpt.snapshot import SnapshotError
-from mingpt.storage import is_local
 
 SIZES = (8, 1 << 20, 32 << 20)  # bytes: latency, then bandwidth
 
@@ -107,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         return distributed.report_error(info, str(e), code=2)
     distributed.init(info, cfg.dist.timeout_s)
     store_url = cfg.snapshot_store
-    problems, warnings, seconds = run_checks(info, cfg.to_dict(), cfg.data.path,
-                                             store_url if is_local(store_url) else None, store_url,
-                                             raise_on_problem=False)
+    problems, warnings, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, store_url, raise_on_problem=False)
     nets = distributed.all_gather_objects((info.hostname, info.node, info.local_rank, network()))
     nodes = sorted({(node, host) for host, node, _, _ in nets})
     lines = [f"world size {info.world_size} on {len(nodes)} node(s); checks took {seconds:.3f} s", "", "network:"]
