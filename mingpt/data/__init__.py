@@ -1,7 +1,8 @@
-"""The path of the data: sources (reading corpora) -> cache (token ids, once per node) -> datasets
+"""The path of the data: sources (reading raw corpora by format) -> prepare (tokenized once, in
+parallel, into shards) -> prepared (the dataset reader: memory-mapped or cached shards) -> datasets
 (blocks or document pieces) -> samplers (the resumable global-batch plans)."""
 
-from mingpt.data.corpus import Corpus, load_corpus, load_documents
+from mingpt.data.corpus import Corpus, load_corpus
 from mingpt.data.sources import DataError
 
-__all__ = ["Corpus", "DataError", "load_corpus", "load_documents"]
+__all__ = ["Corpus", "DataError", "load_corpus"]

@@ -1,25 +1,31 @@
-"""A corpus ready to train on: its tokenizer and both splits as datasets."""
+"""A corpus ready to train on: its tokenizer and both splits as datasets, from a prepared dataset.
+
+A raw corpus goes through the same code: it is prepared into the node-local cache on first use
+(one process per node, under a lock) and found again at later starts by its size and modification
+time (or ETag), without reading it.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+import fsspec
 import numpy as np
 
-from mingpt.data.cache import (document_cache, find_tokens, map_documents, map_tokens, remember_tokens,
-                               source_identity, token_cache)
-from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces, split_train_val
-from mingpt.data.sources import DataError, document_files, locate_corpus, read_documents, read_text
-from mingpt.tokenizer import CharTokenizer, Tokenizer, build_bpe, from_state
+from mingpt.config import DataConfig
+from mingpt.data.cache import source_identity
+from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces
+from mingpt.data.prepare import MANIFEST, Settings, default_workers, prepare
+from mingpt.data.prepared import PreparedData, is_prepared
+from mingpt.data.sources import DataError, document_files
+from mingpt.storage import file_lock
+from mingpt.tokenizer import Tokenizer, TokenizerError, build_bpe, from_state
 
-
-def _known_tokenizer(kind: str, ranks_file: str | None, tokenizer_state: dict | None) -> Tokenizer | None:
-    """The tokenizer known before reading the corpus: a resumed snapshot's char vocabulary wins (so
-    the run encodes exactly as before), BPE needs only its ranks; None for a char vocabulary that
-    will come from the text."""
-    if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
-        return from_state(tokenizer_state)
-    return build_bpe(ranks_file) if kind != "char" else None
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -27,66 +33,99 @@ class Corpus:
     """What main.py assembles: the tokenizer and both splits as datasets."""
 
     tokenizer: Tokenizer
-    train: StreamDataset
-    val: StreamDataset
+    train: StreamDataset | DocumentDataset
+    val: StreamDataset | DocumentDataset
     source: str
 
 
-def load_corpus(path: str, fetch_default: bool, kind: str, ranks_file: str | None, cache_dir: str,
-                block_size: int, val_fraction: float, tokenizer_state: dict | None = None) -> Corpus:
-    """Read, tokenize (cached) and split a corpus.
+def _known_tokenizer(d: DataConfig, tokenizer_state: dict | None) -> Tokenizer | None:
+    """The tokenizer known before reading a raw corpus: a resumed snapshot's char vocabulary wins
+    (so the run encodes exactly as before), BPE needs only its ranks; None for a char vocabulary
+    that will come from the text."""
+    if tokenizer_state is not None and tokenizer_state.get("kind") == "char":
+        return from_state(tokenizer_state)
+    return build_bpe(d.tokenizer.ranks_file) if d.tokenizer.kind != "char" else None
 
-    A corpus tokenized before on this node is found by its size and modification time (or ETag),
-    without reading it.
+
+def _describe(state: dict) -> str:
+    if state["kind"] == "char":
+        return f"char ({len(state['chars'])} characters{', with end-of-text' if state.get('eot') else ''})"
+    return f"GPT-2 BPE (ranks sha256 {state['ranks_sha256'][:12]}...)"
+
+
+def _same_tokenizer(a: dict, b: dict) -> bool:
+    if a["kind"] != b["kind"]:
+        return False
+    if a["kind"] == "char":
+        return a["chars"] == b["chars"] and bool(a.get("eot")) == bool(b.get("eot"))
+    return a["ranks_sha256"] == b["ranks_sha256"]
+
+
+def prepare_raw(d: DataConfig, tokenizer_state: dict | None) -> tuple[PreparedData, str]:
+    """A raw corpus's prepared copy in the node-local cache (made on first use), and its source."""
+    docs = d.kind == "documents"
+    fmt = d.documents.format if docs else "text"
+    files = document_files(d.path, fmt, d.fetch_default)
+    settings = Settings(fmt="jsonl" if fmt == "jsonl" else "text",
+                        separator=d.documents.separator if docs and fmt == "text" else None,
+                        text_field=d.documents.text_field, val_fraction=d.val_fraction)
+    known = _known_tokenizer(d, tokenizer_state)
+    identity = source_identity(files, (repr(settings), docs)) or _content_key(files)
+    which = known.fingerprint() if known is not None else ("chareot" if docs else "char") + "-from-text"
+    out = Path(os.path.expanduser(d.cache_dir)) / f"prepared-{identity}-{which}"
+    source = d.path if fmt == "files" else files[0]
+    if not (out / MANIFEST).exists():
+        with file_lock(out.with_name(f".{out.name}.lock")):
+            if not (out / MANIFEST).exists():
+                size = sum(fsspec.core.url_to_fs(f)[0].size(fsspec.core.url_to_fs(f)[1]) for f in files)
+                workers = default_workers() if size > 2 * settings.unit_mb * 2**20 else 1
+                log.info("preparing %s into %s (%d process%s)", source, out, workers, "es" if workers > 1 else "")
+                prepare(files, str(out), settings, tokenizer=known, kind="char", workers=workers, char_eot=docs)
+    return PreparedData(str(out), d.cache_dir, d.shard_cache_gb), source
+
+
+def _content_key(files: list[str]) -> str:
+    """For a file system that tells neither modification time nor ETag: a hash of the content."""
+    h = hashlib.sha256()
+    for f in files:
+        with fsspec.open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:20]
+
+
+def load_corpus(d: DataConfig, tokenizer_state: dict | None = None) -> Corpus:
+    """The corpus of the data config: a prepared dataset, or a raw corpus prepared on first use.
 
     Args:
-        tokenizer_state: the tokenizer of a snapshot being resumed (see `_known_tokenizer`).
+        tokenizer_state: the tokenizer of a snapshot being resumed; a prepared dataset made with
+            another one is refused, naming both.
     """
-    source = locate_corpus(path, fetch_default)
-    known = _known_tokenizer(kind, ranks_file, tokenizer_state)
-    identity = source_identity([source])
-    found = find_tokens(identity, known, cache_dir)
-    if found is not None:
-        state, (tokens,) = found
-        tokenizer = known if known is not None else from_state(state)
+    if is_prepared(d.path):
+        data, source = PreparedData(d.path, d.cache_dir, d.shard_cache_gb), d.path
+        state = data.manifest["tokenizer"]
+        if tokenizer_state is not None and not _same_tokenizer(state, tokenizer_state):
+            raise TokenizerError(f"the prepared dataset {d.path} was tokenized with {_describe(state)}, the snapshot "
+                                 f"to resume with {_describe(tokenizer_state)}")
     else:
-        text = read_text(source)
-        tokenizer = known if known is not None else CharTokenizer.from_text(text)
-        tokens = token_cache(text, tokenizer, cache_dir)
-        remember_tokens(identity, known, tokenizer, [tokens], cache_dir)
-    train_ids, val_ids = split_train_val(map_tokens(tokens, tokenizer), val_fraction)
-    return Corpus(tokenizer, StreamDataset(train_ids, block_size), StreamDataset(val_ids, block_size), source)
-
-
-def load_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool, kind: str,
-                   ranks_file: str | None, cache_dir: str, block_size: int, val_fraction: float,
-                   tokenizer_state: dict | None = None) -> Corpus:
-    """Read, tokenize (cached), split by document, and cut into pieces of at most block_size+1.
-    Like `load_corpus`, a corpus tokenized before on this node is found without reading it."""
-    files = document_files(path, fmt, fetch_default)
-    settings = ("documents", fmt, separator if fmt == "text" else None, text_field if fmt == "jsonl" else None)
-    source = path if fmt == "files" else files[0]
-    known = _known_tokenizer(kind, ranks_file, tokenizer_state)
-    identity = source_identity(files, settings)
-    found = find_tokens(identity, known, cache_dir)
-    if found is not None:
-        state, cached = found
-        tokenizer = known if known is not None else from_state(state)
-    else:
-        docs = read_documents(path, fmt, separator, text_field, fetch_default, files)
-        tokenizer = known if known is not None else CharTokenizer.from_text("".join(docs), eot=True)
-        if tokenizer.eot_id is None:
-            raise DataError("document data needs a tokenizer with an end-of-text token")
-        cached = document_cache(docs, tokenizer, cache_dir)
-        remember_tokens(identity, known, tokenizer, list(cached), cache_dir)
-    ids, offsets = map_documents(*cached, tokenizer)
-    num_docs = len(offsets) - 1
-    n_val = max(1, int(num_docs * val_fraction))
-    if n_val >= num_docs:
-        raise DataError(f"{num_docs} documents are too few for a validation split of {val_fraction}")
-    starts, lengths = offsets[:-1], np.diff(offsets)
+        data, source = prepare_raw(d, tokenizer_state)
+    tokenizer = from_state(data.manifest["tokenizer"], d.tokenizer.ranks_file)
+    m, T = data.manifest, d.block_size
+    if d.kind != "documents":
+        val_start = m["val_start_token"]
+        return Corpus(tokenizer, StreamDataset(data.tokens, 0, val_start, T),
+                      StreamDataset(data.tokens, val_start, m["tokens"], T), source)
+    if tokenizer.eot_id is None:
+        raise DataError(f"{source} was prepared without an end-of-text token: document data needs one; "
+                        "prepare it again with mingpt-prepare (which adds it)")
+    ends = data.doc_ends()
+    num_docs, n_val = len(ends), m["val_documents"]
+    if n_val == 0 or n_val >= num_docs:
+        raise DataError(f"{num_docs} documents are too few for a validation split of {m['settings']['val_fraction']}")
+    starts = np.concatenate([np.zeros(1, dtype=np.int64), ends[:-1]])
+    lengths = ends - starts
     splits = []
     for sl in (slice(0, num_docs - n_val), slice(num_docs - n_val, num_docs)):  # the last documents validate
-        p_starts, p_lengths = split_pieces(starts[sl], lengths[sl], block_size + 1)
-        splits.append(DocumentDataset(ids, p_starts, p_lengths, block_size, tokenizer.eot_id))
+        p_starts, p_lengths = split_pieces(starts[sl], lengths[sl], T + 1)
+        splits.append(DocumentDataset(data.tokens, p_starts, p_lengths, T, tokenizer.eot_id))
     return Corpus(tokenizer, splits[0], splits[1], source)

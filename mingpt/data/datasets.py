@@ -5,29 +5,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mingpt.data.prepared import TokenStream
 from mingpt.data.sources import DataError
 
 
-def split_train_val(ids: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """The last val_fraction of the tokens is validation; identical on every rank, disjoint."""
-    n_val = int(len(ids) * val_fraction)
-    n_train = len(ids) - n_val
-    return ids[:n_train], ids[n_train:]
-
-
 class StreamDataset:
-    """Classic minGPT blocks: sample i is tokens [i*T, i*T + T + 1), inputs and shifted targets."""
+    """Classic minGPT blocks of tokens [begin, end) of the stream: sample i is the T + 1 tokens from
+    begin + i*T, inputs and shifted targets."""
 
-    def __init__(self, ids: np.ndarray, block_size: int):
-        if len(ids) < block_size + 1:
-            raise DataError(f"a split of {len(ids)} tokens is shorter than one block of {block_size + 1}; "
+    def __init__(self, tokens: TokenStream, begin: int, end: int, block_size: int):
+        if end - begin < block_size + 1:
+            raise DataError(f"a split of {end - begin} tokens is shorter than one block of {block_size + 1}; "
                             "use a larger corpus or a smaller data.block_size")
-        self.ids = ids
+        self.tokens, self.begin, self.end = tokens, begin, end
         self.block_size = block_size
-        self._offsets = np.arange(block_size + 1)  # (T+1,)
 
     def __len__(self) -> int:
-        return (len(self.ids) - 1) // self.block_size
+        return (self.end - self.begin - 1) // self.block_size
 
     def tokens_in(self, indices: np.ndarray) -> int:
         """Target tokens that count in a batch of these samples (all of them, for blocks)."""
@@ -38,8 +32,8 @@ class StreamDataset:
         return _balance_stats([sum(self.tokens_in(mb) for mb in mbs) for mbs in per_rank], 0.0)
 
     def batch(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = np.asarray(indices, dtype=np.int64) * self.block_size  # (B,)
-        rows = torch.from_numpy(self.ids[starts[:, None] + self._offsets].astype(np.int64))  # (B, T+1)
+        starts = self.begin + np.asarray(indices, dtype=np.int64) * self.block_size  # (B,)
+        rows = torch.from_numpy(self.tokens.window(starts, self.block_size + 1))  # (B, T+1)
         return rows[:, :-1], rows[:, 1:]  # (B, T), (B, T)
 
 
@@ -67,10 +61,10 @@ class DocumentDataset:
     causal attention means real tokens never see the padding after them.
     """
 
-    def __init__(self, ids: np.ndarray, starts: np.ndarray, lengths: np.ndarray, block_size: int, pad_id: int):
+    def __init__(self, tokens: TokenStream, starts: np.ndarray, lengths: np.ndarray, block_size: int, pad_id: int):
         if len(starts) == 0:
             raise DataError("a split holds no document pieces of 2 tokens or more")
-        self.ids, self.starts, self.lengths = ids, starts, lengths
+        self.tokens, self.starts, self.lengths = tokens, starts, lengths
         self.block_size, self.pad_id = block_size, pad_id
         self.seq_lengths = lengths - 1  # input (and target) positions per piece
 
@@ -91,7 +85,7 @@ class DocumentDataset:
         x = np.full((len(indices), T), self.pad_id, dtype=np.int64)  # (B, T)
         y = np.full((len(indices), T), -100, dtype=np.int64)  # (B, T)
         for row, i in enumerate(indices):
-            piece = self.ids[self.starts[i] : self.starts[i] + self.lengths[i]].astype(np.int64)
+            piece = self.tokens.read(int(self.starts[i]), int(self.starts[i] + self.lengths[i])).astype(np.int64)
             x[row, : len(piece) - 1] = piece[:-1]
             y[row, : len(piece) - 1] = piece[1:]
         return torch.from_numpy(x), torch.from_numpy(y)

@@ -1,4 +1,5 @@
-"""Reading corpora through fsspec: one UTF-8 text, or documents from text, JSON lines or files.
+"""Reading corpora through fsspec: UTF-8 text, JSON lines (plain, .gz, .zst) and Parquet, cut into
+units that workers read and tokenize on their own.
 The default corpus (tiny Shakespeare) is fetched once per node when it is missing."""
 
 from __future__ import annotations
@@ -6,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
@@ -111,40 +114,223 @@ def read_text(path: str) -> str:
 
 
 def document_files(path: str, fmt: str, fetch_default: bool) -> list[str]:
-    """The files a document corpus is read from: one text or JSON-lines file, or those of a
-    directory / glob (sorted)."""
+    """The files a raw corpus is read from: one text or JSON-lines file, or those of a directory /
+    glob (sorted)."""
     if fmt == "text":
         return [locate_corpus(path, fetch_default)]
     if fmt == "jsonl":
         return [locate_corpus(path, False)]
     if fmt != "files":
         raise DataError(f"data.format={fmt!r}: use text, jsonl or files")
-    fs, root = fsspec.core.url_to_fs(path)
-    pattern = root if any(c in root for c in "*?[") else root.rstrip("/") + "/**"
-    files = sorted(f for f in fs.glob(pattern) if fs.isfile(f))
-    if not files:
-        raise DataError(f"no files match {path}; point data.path at a directory or glob of UTF-8 text files")
+    return expand_inputs([path])
+
+
+def _url(fs, path: str) -> str:
     proto = fs.protocol[0] if isinstance(fs.protocol, tuple) else fs.protocol
-    return [f if proto == "file" else f"{proto}://{f}" for f in files]
+    return path if proto in ("file", "local") else f"{proto}://{path}"
 
 
-def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool,
-                   files: list[str] | None = None) -> list[str]:
-    """Documents from a text file split on `separator`, a JSON-lines file, or a directory / glob of
-    files (`files`: those already listed by `document_files`)."""
-    files = document_files(path, fmt, fetch_default) if files is None else files
-    if fmt == "text":
-        docs = [d for d in read_text(files[0]).split(separator) if d.strip()]
-    elif fmt == "jsonl":
-        docs = []
-        for n, line in enumerate(read_text(files[0]).splitlines(), 1):
-            if not line.strip():
-                continue
-            doc = _jsonl_text(line, text_field, path, n)
-            if doc.strip():
-                docs.append(doc)
+def unreachable(what: str, e: Exception) -> DataError:
+    return DataError(f"cannot reach {what} ({e.__class__.__name__}: {e}); check the path, and for s3:// the "
+                     "endpoint (AWS_ENDPOINT_URL) and the AWS credentials in the environment")
+
+
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Every file the inputs name: files, directories (every file below, sorted, hidden ones left
+    out) and globs, local or any fsspec URL."""
+    files = []
+    for item in inputs:
+        try:
+            fs, root = fsspec.core.url_to_fs(item)
+            if any(c in root for c in "*?["):
+                found = sorted(f for f in fs.glob(root) if fs.isfile(f))
+            elif fs.isdir(root):
+                found = sorted(f for f in fs.find(root) if not any(p.startswith(".") for p in f[len(root):].split("/")))
+            elif fs.exists(root):
+                found = [root]
+            else:
+                raise DataError(f"input {item} does not exist; check the path")
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any backend's connection or permission error
+            raise unreachable(item, e) from None
+        if not found:
+            raise DataError(f"no files match {item}; name files, directories or globs of text, .jsonl or .parquet")
+        files.extend(_url(fs, f) for f in found)
+    return files
+
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".jsonl.zst", ".ndjson.gz", ".ndjson.zst")
+
+
+def input_format(path: str, fmt: str) -> str:
+    """text, jsonl or parquet: `fmt`, or for fmt=auto the file's extension."""
+    if fmt != "auto":
+        return fmt
+    name = path.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    return "parquet" if name.endswith((".parquet", ".pq")) else "text"
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One piece of preparation work, read and tokenized on its own: a byte range of an
+    uncompressed text or JSON-lines file (cut where the pieces give the same tokens as the
+    whole), a whole compressed or separator-split file, or one row group of a Parquet file.
+
+    part/parts: this unit's number among its file's units; begin/end: the nominal byte range
+    (the real cuts are found by the worker) or the row group.
+    """
+
+    path: str
+    fmt: str
+    part: int
+    parts: int
+    begin: int
+    end: int
+    size: int  # the file's bytes, for progress and the manifest
+
+
+def work_bytes(unit: Unit) -> int:
+    """A unit's share of its file's bytes (for progress and throughput)."""
+    return unit.end - unit.begin if unit.fmt != "parquet" else unit.size // unit.parts
+
+
+def file_units(path: str, fmt: str, separator: str | None, unit_bytes: int, text_field: str) -> list[Unit]:
+    """The units of one input file (see Unit)."""
+    try:
+        fs, key = fsspec.core.url_to_fs(path)
+        size = int(fs.info(key)["size"])
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            with fs.open(key, "rb") as fh:
+                meta = pq.ParquetFile(fh)
+                columns = meta.schema_arrow.names
+                groups = meta.num_row_groups
+            if text_field not in columns:
+                raise DataError(f"{path} has no column {text_field!r} (its columns: {', '.join(columns)}); set "
+                                "--text-field (data.documents.text_field) to the column that holds the text")
+            return [Unit(path, fmt, g, groups, g, g + 1, size) for g in range(groups)]
+    except DataError:
+        raise
+    except ImportError:
+        raise DataError(f"{path} is Parquet: install pyarrow (pip install 'mingpt[formats]')") from None
+    except Exception as e:  # noqa: BLE001
+        raise unreachable(path, e) from None
+    compressed = fsspec.utils.infer_compression(path) is not None
+    if compressed or (fmt == "text" and separator is not None):
+        return [Unit(path, fmt, 0, 1, 0, size, size)]
+    n = max(1, -(-size // unit_bytes))
+    return [Unit(path, fmt, k, n, k * unit_bytes, min(size, (k + 1) * unit_bytes), size) for k in range(n)]
+
+
+def _cut_ok(fmt: str, before: int, after: int) -> bool:
+    # text: a newline with printable ASCII, not space, on both sides: GPT-2's pre-tokenizer joins
+    # nothing across it (see cache.safe_cuts); JSON lines: any newline.
+    return fmt == "jsonl" or (0x21 <= before <= 0x7E and 0x21 <= after <= 0x7E)
+
+
+def find_cut(fh, fmt: str, pos: int, size: int, block: int = 1 << 20) -> int:
+    """The first cut at or after byte `pos`: just after a newline that may end a unit (see
+    `_cut_ok`); `size` when there is none. The same for every worker that asks."""
+    if pos <= 0:
+        return 0
+    while pos < size:
+        fh.seek(pos - 1)
+        data = fh.read(block + 2)
+        i = data.find(b"\n", 1)
+        while i != -1 and i + 1 < len(data):
+            if _cut_ok(fmt, data[i - 1], data[i + 1]):
+                return pos - 1 + i + 1
+            i = data.find(b"\n", i + 1)
+        pos += block
+    return size
+
+
+def _decode(raw: bytes, path: str, offset: int) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path} is not UTF-8 (invalid byte at offset {offset + e.start}); convert it, e.g. "
+            f"`iconv -f latin1 -t utf-8 {Path(path).name} > out.txt`, and use the result"
+        ) from None
+
+
+def unit_documents(unit: Unit, separator: str | None, text_field: str) -> Iterator[tuple[str, bool]]:
+    """The texts of one unit, each with whether a document ends with it: every document does,
+    except a whole-file text document cut into several units (it ends in its last unit)."""
+    fs, key = fsspec.core.url_to_fs(unit.path)
+    if unit.fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        with fs.open(key, "rb") as fh:
+            column = pq.ParquetFile(fh).read_row_group(unit.begin, columns=[text_field]).column(0).to_pylist()
+        for row, text in enumerate(column):
+            if not isinstance(text, str):
+                raise DataError(f"{unit.path} row group {unit.begin} row {row}: column {text_field!r} holds a "
+                                f"{type(text).__name__}, not text")
+            if text.strip():
+                yield text, True
+        return
+    if fsspec.utils.infer_compression(unit.path) is not None:
+        with fsspec.open(unit.path, "rt", compression="infer", encoding="utf-8") as fh:
+            try:
+                lines = list(enumerate(fh, 1)) if unit.fmt == "jsonl" else [(1, fh.read())]
+            except UnicodeDecodeError as e:
+                raise DataError(f"{unit.path} is not UTF-8 once decompressed ({e.reason}); convert it") from None
+        yield from _texts(lines, unit, separator, text_field)
+        return
+    with fs.open(key, "rb") as fh:
+        begin = find_cut(fh, unit.fmt, unit.begin, unit.size)
+        end = find_cut(fh, unit.fmt, unit.end, unit.size) if unit.part < unit.parts - 1 else unit.size
+        fh.seek(begin)
+        raw = fh.read(max(0, end - begin))
+        first_line = 1 + (_count_newlines(fh, begin) if unit.fmt == "jsonl" and begin else 0)
+    text = _decode(raw, unit.path, begin)
+    if unit.fmt == "jsonl":
+        yield from _texts(enumerate(text.splitlines(), first_line), unit, separator, text_field)
+    elif unit.parts > 1:
+        yield text, unit.part == unit.parts - 1
     else:
-        docs = [text for text in map(read_text, files) if text.strip()]
+        yield from _texts([(1, text)], unit, separator, text_field)
+
+
+def _count_newlines(fh, end: int) -> int:
+    fh.seek(0)
+    count, left = 0, end
+    while left > 0:
+        data = fh.read(min(left, 1 << 24))
+        count, left = count + data.count(b"\n"), left - len(data)
+    return count
+
+
+def _texts(lines, unit: Unit, separator: str | None, text_field: str) -> Iterator[tuple[str, bool]]:
+    for n, line in lines:
+        if unit.fmt == "jsonl":
+            if line.strip():
+                doc = _jsonl_text(line, text_field, unit.path, n)
+                if doc.strip():
+                    yield doc, True
+        elif separator is None:
+            if line.strip():
+                yield line, True
+        else:
+            yield from ((d, True) for d in line.split(separator) if d.strip())
+
+
+def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool) -> list[str]:
+    """Every document of a raw corpus in memory (small corpora, tests): a text file split on
+    `separator`, a JSON-lines file, or every file of a directory / glob as one document."""
+    files = document_files(path, fmt, fetch_default)
+    docs = []
+    for f in files:
+        file_fmt = "jsonl" if fmt == "jsonl" else "text"
+        sep = separator if fmt == "text" else None
+        for unit in file_units(f, file_fmt, sep, 1 << 62, text_field):
+            docs.extend(d for d, _ in unit_documents(unit, sep, text_field))
     if not docs:
         raise DataError(f"{path} holds no non-empty documents")
     return docs

@@ -1,0 +1,245 @@
+"""Reading a prepared dataset (see prepare.py): start-up reads the manifest alone (and the index,
+for documents); local shards are memory-mapped, shards on S3 are fetched with range reads into a
+bounded node-local cache, ahead of use by a background thread."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import fcntl
+import fsspec
+import numpy as np
+
+from mingpt.data.prepare import FORMAT, MANIFEST, VERSION
+from mingpt.data.sources import DataError, unreachable
+from mingpt.storage import atomic_write_bytes, file_lock, is_local
+
+log = logging.getLogger(__name__)
+
+RANGE_BYTES = 16 * 2**20  # one range read
+RANGES_IN_FLIGHT = 8
+
+
+def is_prepared(path: str) -> bool:
+    """Whether `path` is a prepared dataset, complete or not (a manifest, or the plan of one)."""
+    try:
+        fs, root = fsspec.core.url_to_fs(path)
+        root = root.rstrip("/")
+        return fs.isdir(root) and (fs.exists(f"{root}/{MANIFEST}") or fs.exists(f"{root}/work/plan.json"))
+    except Exception:  # noqa: BLE001 - unreachable: reading it as a raw corpus says why
+        return False
+
+
+class ShardCache:
+    """Node-local copies of a remote dataset's files, at most `limit` bytes, least recently used
+    evicted first. Each file is downloaded once per node, under a node-local lock (never keyed by
+    RANK), and checked against the manifest's sha256 before anyone uses it."""
+
+    def __init__(self, fs, root: str, cache: Path, limit: int):
+        self.fs, self.root, self.dir, self.limit = fs, root, cache, limit
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, name: str) -> Path:
+        return self.dir / name.replace("/", "__")
+
+    def usage(self) -> int:
+        return sum(p.stat().st_size for p in self.dir.glob("*.bin") if p.is_file())
+
+    def get(self, entry: dict) -> Path:
+        """The local copy of `entry` (name, bytes, sha256), downloaded if missing."""
+        path = self._path(entry["name"])
+        if not self._present(path, entry):
+            with file_lock(self.dir / f".{path.name}.lock"):
+                if not self._present(path, entry):
+                    self._download(entry, path)
+        os.utime(path)  # recently used
+        return path
+
+    def try_get(self, entry: dict) -> bool:
+        """Download `entry` unless it is here or another process on this node is at it; never waits."""
+        path = self._path(entry["name"])
+        if self._present(path, entry):
+            return True
+        with open(self.dir / f".{path.name}.lock", "a+") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            try:
+                if not self._present(path, entry):
+                    self._download(entry, path)
+                return True
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
+
+    @staticmethod
+    def _present(path: Path, entry: dict) -> bool:
+        try:
+            return path.stat().st_size == entry["bytes"]
+        except FileNotFoundError:
+            return False
+
+    def _download(self, entry: dict, path: Path) -> None:
+        self._evict(entry["bytes"])
+        url, size = f"{self.root}/{entry['name']}", entry["bytes"]
+        ranges = [(a, min(size, a + RANGE_BYTES)) for a in range(0, size, RANGE_BYTES)]
+        try:
+            with ThreadPoolExecutor(min(RANGES_IN_FLIGHT, max(1, len(ranges)))) as pool:
+                parts = list(pool.map(lambda r: self.fs.cat_file(url, start=r[0], end=r[1]), ranges))
+        except Exception as e:  # noqa: BLE001
+            raise unreachable(url, e) from None
+        data = b"".join(parts)
+        digest = hashlib.sha256(data).hexdigest()
+        if len(data) != size or digest != entry["sha256"]:
+            raise DataError(f"shard {entry['name']} of {self.root} fails its checksum (sha256 {digest[:12]}..., "
+                            f"{len(data)} bytes; the manifest says {entry['sha256'][:12]}..., {size} bytes): the "
+                            "stored copy is damaged; prepare the dataset again or restore that file")
+        atomic_write_bytes(path, data)
+
+    def _evict(self, need: int) -> None:
+        """Make room for `need` more bytes: remove the least recently used copies. A process that
+        has one mapped keeps reading it (the file lives on until unmapped)."""
+        files = sorted((p for p in self.dir.glob("*.bin") if p.is_file()), key=lambda p: p.stat().st_mtime)
+        total = sum(p.stat().st_size for p in files)
+        while files and total + need > self.limit:
+            victim = files.pop(0)
+            total -= victim.stat().st_size
+            victim.unlink(missing_ok=True)
+
+
+class TokenStream:
+    """The token ids of a dataset: one stream over its shards, each mapped when first used."""
+
+    def __init__(self, sizes: list[int], open_shard):
+        self.bounds = np.zeros(len(sizes) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=self.bounds[1:])
+        self._open, self._maps, self._lock = open_shard, {}, threading.Lock()
+
+    @classmethod
+    def from_array(cls, ids: np.ndarray) -> "TokenStream":
+        return cls([len(ids)], lambda k: ids)
+
+    def __len__(self) -> int:
+        return int(self.bounds[-1])
+
+    def _shard(self, k: int) -> np.ndarray:
+        arr = self._maps.get(k)
+        if arr is None:
+            with self._lock:
+                arr = self._maps.get(k)
+                if arr is None:
+                    arr = self._maps[k] = self._open(k)
+        return arr
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        """Tokens [a, b) of the stream."""
+        k = int(np.searchsorted(self.bounds, a, side="right")) - 1
+        parts = []
+        while a < b:
+            lo, hi = int(self.bounds[k]), int(self.bounds[k + 1])
+            take = min(b, hi)
+            parts.append(self._shard(k)[a - lo : take - lo])
+            a, k = take, k + 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def window(self, starts: np.ndarray, length: int) -> np.ndarray:
+        """(len(starts), length) int64: row i is tokens [starts[i], starts[i] + length)."""
+        out = np.empty((len(starts), length), dtype=np.int64)
+        for i, a in enumerate(starts):
+            out[i] = self.read(int(a), int(a) + length)
+        return out
+
+
+class PreparedData:
+    """An opened prepared dataset: its manifest, its token stream, and its index when asked."""
+
+    def __init__(self, url: str, cache_dir: str, cache_gb: float):
+        self.url = url.rstrip("/")
+        self.local = is_local(url)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url)
+            self.root = self.root.rstrip("/")
+            raw = self._read(MANIFEST)
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise unreachable(self.url, e) from None
+        if raw is None:
+            raise DataError(f"{self.url} has no {MANIFEST}: its preparation was interrupted. Run the same "
+                            "mingpt-prepare command again: it continues where it stopped")
+        m = self.manifest = json.loads(raw)
+        if m.get("format") != FORMAT or m.get("version") != VERSION:
+            raise DataError(f"{self.url}/{MANIFEST} is not a {FORMAT} manifest of version {VERSION}; prepare the "
+                            "dataset again with this version of mingpt-prepare")
+        self.dtype = np.dtype(m["dtype"])
+        self.cache = None
+        if not self.local:
+            key = hashlib.sha256((self.url + hashlib.sha256(raw).hexdigest()).encode()).hexdigest()[:16]
+            self.cache = ShardCache(self.fs, self.root, Path(os.path.expanduser(cache_dir)) / "shards" / key,
+                                    int(cache_gb * 2**30))
+            self._check_disk()
+        else:
+            for s in m["shards"]:
+                size = os.path.getsize(self._local(s["name"])) if os.path.exists(self._local(s["name"])) else None
+                if size != s["bytes"]:
+                    raise DataError(f"shard {s['name']} of {self.url} has {size} bytes, the manifest says {s['bytes']}: "
+                                    "it is damaged or missing; prepare the dataset again or restore that file")
+        self.tokens = TokenStream([s["tokens"] for s in m["shards"]], self._open_shard)
+        self._stop = threading.Event()
+        if self.cache is not None:
+            threading.Thread(target=self._prefetch, name="shard-prefetch", daemon=True).start()
+
+    def _local(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def _read(self, name: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(f"{self.root}/{name}")
+        except FileNotFoundError:
+            return None
+
+    def _check_disk(self) -> None:
+        want = min(self.cache.limit, sum(s["bytes"] for s in self.manifest["shards"]))
+        free = shutil.disk_usage(self.cache.dir).free + self.cache.usage()
+        if want > free:
+            raise DataError(f"the shard cache {self.cache.dir} needs {want / 2**30:.1f} GiB (data.shard_cache_gb="
+                            f"{self.cache.limit / 2**30:g}) but its disk has {free / 2**30:.1f} GiB free; lower "
+                            "data.shard_cache_gb or point data.cache_dir at a larger disk")
+
+    def _open_shard(self, k: int) -> np.ndarray:
+        entry = self.manifest["shards"][k]
+        path = self._local(entry["name"]) if self.local else self.cache.get(entry)
+        if entry["bytes"] == 0:
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(path, dtype=self.dtype, mode="r")
+
+    def _prefetch(self) -> None:
+        """Fill the cache in stream order while training runs, up to its limit, so that steps find
+        their shards on local disk. Local ranks share the work: a shard another process is
+        downloading is skipped."""
+        for entry in self.manifest["shards"]:
+            here = ShardCache._present(self.cache._path(entry["name"]), entry)
+            if self._stop.is_set() or (not here and self.cache.usage() + entry["bytes"] > self.cache.limit):
+                return
+            try:
+                self.cache.try_get(entry)
+            except DataError as e:  # the step that needs the shard reports it
+                log.warning("prefetching stopped: %s", e)
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def doc_ends(self) -> np.ndarray:
+        """Where each document ends (tokens from the start of the stream), int64."""
+        entry = self.manifest["index"]
+        if self.local:
+            return np.fromfile(self._local(entry["name"]), dtype=np.int64)
+        return np.fromfile(self.cache.get(entry), dtype=np.int64)
