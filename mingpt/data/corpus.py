@@ -36,6 +36,11 @@ class Corpus:
     train: StreamDataset | DocumentDataset
     val: StreamDataset | DocumentDataset
     source: str
+    data: PreparedData
+
+    def close(self) -> None:
+        """Stop fetching shards ahead (a dataset on S3)."""
+        self.data.close()
 
 
 def _known_tokenizer(d: DataConfig, tokenizer_state: dict | None) -> Tokenizer | None:
@@ -78,7 +83,7 @@ def prepare_raw(d: DataConfig, tokenizer_state: dict | None) -> tuple[PreparedDa
         with file_lock(out.with_name(f".{out.name}.lock")):
             if not (out / MANIFEST).exists():
                 size = sum(fsspec.core.url_to_fs(f)[0].size(fsspec.core.url_to_fs(f)[1]) for f in files)
-                workers = default_workers() if size > 2 * settings.unit_mb * 2**20 else 1
+                workers = default_workers() if size > 2 * settings.unit_bytes else 1
                 log.info("preparing %s into %s (%d process%s)", source, out, workers, "es" if workers > 1 else "")
                 prepare(files, str(out), settings, tokenizer=known, kind="char", workers=workers, char_eot=docs)
     return PreparedData(str(out), d.cache_dir, d.shard_cache_gb), source
@@ -114,7 +119,7 @@ def load_corpus(d: DataConfig, tokenizer_state: dict | None = None) -> Corpus:
     if d.kind != "documents":
         val_start = m["val_start_token"]
         return Corpus(tokenizer, StreamDataset(data.tokens, 0, val_start, T),
-                      StreamDataset(data.tokens, val_start, m["tokens"], T), source)
+                      StreamDataset(data.tokens, val_start, m["tokens"], T), source, data)
     if tokenizer.eot_id is None:
         raise DataError(f"{source} was prepared without an end-of-text token: document data needs one; "
                         "prepare it again with mingpt-prepare (which adds it)")
@@ -128,4 +133,4 @@ def load_corpus(d: DataConfig, tokenizer_state: dict | None = None) -> Corpus:
     for sl in (slice(0, num_docs - n_val), slice(num_docs - n_val, num_docs)):  # the last documents validate
         p_starts, p_lengths = split_pieces(starts[sl], lengths[sl], T + 1)
         splits.append(DocumentDataset(data.tokens, p_starts, p_lengths, T, tokenizer.eot_id))
-    return Corpus(tokenizer, splits[0], splits[1], source)
+    return Corpus(tokenizer, splits[0], splits[1], source, data)

@@ -49,8 +49,8 @@ class Settings:
     separator: str | None = None  # text files: what separates documents (None: a file is one document)
     text_field: str = "text"  # JSON field / Parquet column holding the text
     val_fraction: float = 0.1  # the last documents (of a single document: the last tokens) validate
-    unit_mb: int = 64  # input bytes per unit of work
-    shard_mb: int = 256  # token bytes per shard at most
+    unit_bytes: int = 64 * 2**20  # input bytes per unit of work
+    shard_bytes: int = 256 * 2**20  # token bytes per shard at most
 
 
 class Dest:
@@ -119,7 +119,7 @@ def prepare_unit(job: tuple[int, Unit, Settings, str]) -> dict:
     k, unit, settings, out = job
     tokenizer = _worker_tokenizer
     dest, dtype = Dest(out), token_dtype(tokenizer)
-    limit = max(1, settings.shard_mb * 2**20 // np.dtype(dtype).itemsize)
+    limit = max(1, settings.shard_bytes // np.dtype(dtype).itemsize)
     shards, ends, pending, pending_n, total = [], [], [], 0, 0
 
     def flush() -> None:
@@ -168,7 +168,7 @@ def _unit_chars(job: tuple[Unit, Settings]) -> str:
 def plan_units(files: list[str], settings: Settings) -> list[Unit]:
     units = []
     for f in files:
-        units.extend(file_units(f, input_format(f, settings.fmt), settings.separator, settings.unit_mb * 2**20,
+        units.extend(file_units(f, input_format(f, settings.fmt), settings.separator, settings.unit_bytes,
                                 settings.text_field))
     return units
 
@@ -343,8 +343,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="text files: what separates documents, e.g. $'\\n\\n' (default: a file is one document)")
     p.add_argument("--val-fraction", type=float, default=0.1, help="the last documents held out (default 0.1)")
     p.add_argument("--workers", type=int, default=0, help="processes on this machine (default: every core)")
-    p.add_argument("--shard-mb", type=int, default=256, help="token bytes per shard at most (default 256)")
-    p.add_argument("--unit-mb", type=int, default=64, help="input bytes per unit of work (default 64)")
+    p.add_argument("--shard-mb", type=float, default=256, help="token bytes per shard at most (default 256)")
+    p.add_argument("--unit-mb", type=float, default=64, help="input bytes per unit of work (default 64)")
     return p
 
 
@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.val_fraction < 1:
         print(f"error: --val-fraction must be between 0 and 1, got {args.val_fraction}", file=sys.stderr)
         return 2
-    settings = Settings(args.format, args.separator, args.text_field, args.val_fraction, args.unit_mb, args.shard_mb)
+    settings = Settings(args.format, args.separator, args.text_field, args.val_fraction, int(args.unit_mb * 2**20),
+                        int(args.shard_mb * 2**20))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     barrier = None
     if world > 1:

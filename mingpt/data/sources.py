@@ -116,10 +116,9 @@ def read_text(path: str) -> str:
 def document_files(path: str, fmt: str, fetch_default: bool) -> list[str]:
     """The files a raw corpus is read from: one text or JSON-lines file, or those of a directory /
     glob (sorted)."""
-    if fmt == "text":
-        return [locate_corpus(path, fetch_default)]
-    if fmt == "jsonl":
-        return [locate_corpus(path, False)]
+    if fmt in ("text", "jsonl"):
+        path = locate_corpus(path, fetch_default and fmt == "text")
+        return [path] if is_local(path) else expand_inputs([path])[:1]  # a remote one: reachable, and there
     if fmt != "files":
         raise DataError(f"data.format={fmt!r}: use text, jsonl or files")
     return expand_inputs([path])
@@ -144,12 +143,13 @@ def expand_inputs(inputs: list[str]) -> list[str]:
             fs, root = fsspec.core.url_to_fs(item)
             if any(c in root for c in "*?["):
                 found = sorted(f for f in fs.glob(root) if fs.isfile(f))
-            elif fs.isdir(root):
-                found = sorted(f for f in fs.find(root) if not any(p.startswith(".") for p in f[len(root):].split("/")))
-            elif fs.exists(root):
-                found = [root]
             else:
-                raise DataError(f"input {item} does not exist; check the path")
+                try:
+                    kind = fs.info(root)["type"]
+                except FileNotFoundError:
+                    raise DataError(f"input {item} does not exist; check the path") from None
+                found = [root] if kind != "directory" else sorted(
+                    f for f in fs.find(root) if not any(p.startswith(".") for p in f[len(root):].split("/")))
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001 - any backend's connection or permission error
