@@ -147,8 +147,10 @@ def test_training_from_s3_equals_training_from_local_disk(inputs, tmp_path, s3_s
     a = train_weights(f"s3://{bucket}/prepared", tmp_path, "s3", f"data.kind={kind}", *batching)
     b = train_weights(str(tmp_path / "prepared"), tmp_path, "local", f"data.kind={kind}", *batching)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    cached = list((tmp_path / "cache-s3" / "shards").rglob("*.bin"))
-    assert len(cached) == len(remote["shards"])  # every shard fetched once into the node's cache
+    deadline = time.monotonic() + 60  # the background copy brings every shard into the node's cache
+    while len(list((tmp_path / "cache-s3" / "shards").rglob("*.bin"))) < len(remote["shards"]):
+        assert time.monotonic() < deadline, "the shards never all reached the cache"
+        time.sleep(0.1)
 
 
 def test_a_damaged_shard_on_s3_is_named(inputs, tmp_path, s3_server):
@@ -162,9 +164,13 @@ def test_a_damaged_shard_on_s3_is_named(inputs, tmp_path, s3_server):
     data[10] ^= 0xFF
     fs.pipe_file(f"prep-damaged/ds/{victim['name']}", bytes(data))
     ds = PreparedData("s3://prep-damaged/ds", str(tmp_path / "cache"), 1)
-    ds.close()
+    deadline = time.monotonic() + 60
     with pytest.raises(DataError, match=f"shard {victim['name']} of prep-damaged/ds fails its checksum"):
-        ds.tokens.read(0, m["tokens"])
+        while time.monotonic() < deadline:  # reads go on until the copy of the damaged shard is checked
+            ds.tokens.read(0, m["tokens"])
+            time.sleep(0.05)
+    ds.close()
+    assert not list((tmp_path / "cache").rglob(victim["name"].replace("/", "__")))  # never kept
 
 
 def test_bad_inputs_are_named(inputs, tmp_path):

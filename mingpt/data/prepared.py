@@ -1,6 +1,6 @@
 """Reading a prepared dataset (see prepare.py): start-up reads the manifest alone (and the index,
-for documents); local shards are memory-mapped, shards on S3 are fetched with range reads into a
-bounded node-local cache, ahead of use by a background thread."""
+for documents); local shards are memory-mapped; shards on S3 are copied by a background thread
+(parallel range reads) into a bounded node-local cache, and read by range until their copy is there."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -157,6 +158,36 @@ class TokenStream:
         return out
 
 
+class RemoteShard:
+    """A shard on S3 read by slicing: from its verified local copy once the cache has it, before
+    that by a range read of just the tokens asked for (and the whole shard is queued for the
+    cache). What was read by range is checked when the copy is: a damaged shard stops the run at
+    the next read, naming it."""
+
+    def __init__(self, data: "PreparedData", k: int):
+        self.data, self.k, self.entry = data, k, data.manifest["shards"][k]
+        self.path, self.copy = data.cache._path(self.entry["name"]), None
+
+    def __getitem__(self, sl: slice) -> np.ndarray:
+        data = self.data
+        if data.error is not None:
+            raise data.error
+        if self.copy is None and ShardCache._present(self.path, self.entry):
+            self.copy = np.memmap(self.path, dtype=data.dtype, mode="r")
+            os.utime(self.path)
+        if self.copy is not None:
+            return self.copy[sl]
+        if self.k not in data._asked:
+            data._asked.add(self.k)
+            data._wanted.put(self.k)
+        size = data.dtype.itemsize
+        try:
+            raw = data.fs.cat_file(f"{data.root}/{self.entry['name']}", start=sl.start * size, end=sl.stop * size)
+        except Exception as e:  # noqa: BLE001
+            raise unreachable(f"{data.url}/{self.entry['name']}", e) from None
+        return np.frombuffer(raw, dtype=data.dtype)
+
+
 class PreparedData:
     """An opened prepared dataset: its manifest, its token stream, and its index when asked."""
 
@@ -192,7 +223,8 @@ class PreparedData:
                     raise DataError(f"shard {s['name']} of {self.url} has {size} bytes, the manifest says {s['bytes']}: "
                                     "it is damaged or missing; prepare the dataset again or restore that file")
         self.tokens = TokenStream([s["tokens"] for s in m["shards"]], self._open_shard)
-        self._stop = threading.Event()
+        self._stop, self.error = threading.Event(), None
+        self._wanted, self._asked = queue.Queue(), set()
         if self.cache is not None:
             threading.Thread(target=self._prefetch, name="shard-prefetch", daemon=True).start()
 
@@ -213,29 +245,45 @@ class PreparedData:
                             f"{self.cache.limit / 2**30:g}) but its disk has {free / 2**30:.1f} GiB free; lower "
                             "data.shard_cache_gb or point data.cache_dir at a larger disk")
 
-    def _open_shard(self, k: int) -> np.ndarray:
+    def _open_shard(self, k: int):
         entry = self.manifest["shards"][k]
-        path = self._local(entry["name"]) if self.local else self.cache.get(entry)
         if entry["bytes"] == 0:
             return np.zeros(0, dtype=self.dtype)
-        return np.memmap(path, dtype=self.dtype, mode="r")
+        if self.local:
+            return np.memmap(self._local(entry["name"]), dtype=self.dtype, mode="r")
+        return RemoteShard(self, k)
 
     def _prefetch(self) -> None:
-        """Fill the cache in stream order while training runs, up to its limit, so that steps find
-        their shards on local disk. Local ranks share the work: a shard another process is
-        downloading is skipped."""
-        for entry in self.manifest["shards"]:
-            here = ShardCache._present(self.cache._path(entry["name"]), entry)
-            if self._stop.is_set() or (not here and self.cache.usage() + entry["bytes"] > self.cache.limit):
-                return
+        """Copy shards into the cache while training runs, those a step asked for first, then the
+        others in stream order, up to the cache's limit: in steady state steps read local disk.
+        Local ranks share the work (a shard another process is downloading is skipped). An error
+        (a damaged shard, S3 gone) is kept and raised by the next read."""
+        shards = self.manifest["shards"]
+        order = iter(range(len(shards)))
+        while not self._stop.is_set():
+            try:
+                k = self._wanted.get_nowait()
+            except queue.Empty:
+                k = next(order, None)
+                if k is None:
+                    k = self._wanted.get()  # everything is here, or was tried: serve requests only
+                    if k is None:
+                        return
+            entry = shards[k]
+            if ShardCache._present(self.cache._path(entry["name"]), entry):
+                continue
+            if self.cache.usage() + entry["bytes"] > self.cache.limit and k not in self._asked:
+                continue
             try:
                 self.cache.try_get(entry)
-            except DataError as e:  # the step that needs the shard reports it
-                log.warning("prefetching stopped: %s", e)
+            except DataError as e:
+                self.error = e
                 return
 
     def close(self) -> None:
         self._stop.set()
+        if self.cache is not None:
+            self._wanted.put(None)
 
     def doc_ends(self) -> np.ndarray:
         """Where each document ends (tokens from the start of the stream), int64."""
