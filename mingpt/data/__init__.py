@@ -2,7 +2,15 @@
 parallel, into shards) -> prepared (the dataset reader: memory-mapped or cached shards) -> datasets
 (blocks or document pieces) -> samplers (the resumable global-batch plans)."""
 
-from mingpt.data.corpus import Corpus, load_corpus
 from mingpt.data.sources import DataError
 
 __all__ = ["Corpus", "DataError", "load_corpus"]
+
+
+def __getattr__(name: str):
+    # imported when asked for: a preparation worker needs neither torch nor the datasets
+    if name in ("Corpus", "load_corpus"):
+        from mingpt.data import corpus
+
+        return getattr(corpus, name)
+    raise AttributeError(name)

@@ -94,9 +94,17 @@ def _local(path: str):
 _worker_tokenizer: Tokenizer | None = None
 
 
+_worker_error: Exception | None = None
+
+
 def _init_worker(tokenizer_state: dict, ranks_file: str | None) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = from_state(tokenizer_state, ranks_file)
+    # An initializer that raises makes the pool start a new worker, forever: keep the error for
+    # the first unit to raise instead.
+    global _worker_tokenizer, _worker_error
+    try:
+        _worker_tokenizer = from_state(tokenizer_state, ranks_file)
+    except Exception as e:  # noqa: BLE001
+        _worker_error = e
 
 
 def _unit_tokens(unit: Unit, settings: Settings, tokenizer: Tokenizer) -> Iterator[tuple[np.ndarray, bool]]:
@@ -117,6 +125,8 @@ def prepare_unit(job: tuple[int, Unit, Settings, str]) -> dict:
     """Tokenize one unit into shards of at most shard_mb, then commit it with its record (written
     last). Returns the record."""
     k, unit, settings, out = job
+    if _worker_error is not None:
+        raise _worker_error
     tokenizer = _worker_tokenizer
     dest, dtype = Dest(out), token_dtype(tokenizer)
     limit = max(1, settings.shard_bytes // np.dtype(dtype).itemsize)
