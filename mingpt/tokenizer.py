@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
+
 from mingpt.registry import sdist_files
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def encode_batch(self, texts: list[str], threads: int) -> list[list[int]]: ...
+    def encode_ids(self, text: str) -> np.ndarray: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, token: int) -> bytes: ...
     def state_dict(self) -> dict: ...
@@ -53,6 +56,7 @@ class CharTokenizer:
         self.stoi = {c: i for i, c in enumerate(chars)}
         self.eot_id = len(chars) if eot else None
         self.vocab_size = len(chars) + (1 if eot else 0)
+        self._codes = None  # the sorted code points, for encode_ids
 
     @classmethod
     def from_text(cls, text: str, eot: bool = False) -> "CharTokenizer":
@@ -68,6 +72,19 @@ class CharTokenizer:
 
     def encode_batch(self, texts: list[str], threads: int) -> list[list[int]]:
         return [self.encode(t) for t in texts]  # a dictionary lookup per character: threads would not help
+
+    def encode_ids(self, text: str) -> np.ndarray:
+        """encode() as an int64 array, vectorised: each code point looked up among the sorted ones."""
+        if self._codes is None:
+            self._codes = np.frombuffer(self.chars.encode("utf-32-le"), dtype=np.uint32)
+        if len(self._codes) > 1 and not (np.diff(self._codes.astype(np.int64)) > 0).all():
+            return np.asarray(self.encode(text), dtype=np.int64)  # a vocabulary not in code point order
+        codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
+        ids = np.minimum(np.searchsorted(self._codes, codes), len(self.chars) - 1)
+        bad = np.flatnonzero(self._codes[ids] != codes)
+        if len(bad):
+            self.encode(text[bad[0]])  # raises, naming the character
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return "".join(self.chars[i] if i != self.eot_id else EOT for i in ids)
@@ -101,6 +118,13 @@ class BPETokenizer:
         if threads <= 1:
             return [self.enc.encode_ordinary(t) for t in texts]
         return self.enc.encode_ordinary_batch(texts, num_threads=threads)
+
+    def encode_ids(self, text: str) -> np.ndarray:
+        """encode() as an array straight from tiktoken's buffer (no Python list: a quarter faster).
+        With no special token allowed or disallowed, special-token text is ordinary text."""
+        if hasattr(self.enc, "encode_to_numpy"):
+            return self.enc.encode_to_numpy(text, allowed_special=set(), disallowed_special=())
+        return np.asarray(self.enc.encode_ordinary(text), dtype=np.uint32)
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode(ids)

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,10 +82,15 @@ def test_sigkill_a_worker_torchrun_restarts_and_the_run_ends_bitwise_identical(r
 
 
 def test_documents_sigkill_recovery_is_exact_too(tmp_path):
-    """Length-grouped document batches (uneven micro-batches over ranks) keep exact resume."""
+    """Length-grouped document batches (uneven micro-batches over ranks) keep exact resume, here
+    from a dataset made by mingpt-prepare, in many small shards (pieces cross shard boundaries)."""
     from conftest import make_docs_corpus
 
-    corpus = make_docs_corpus(tmp_path)
+    raw = make_docs_corpus(tmp_path)
+    corpus = tmp_path / "prepared"
+    subprocess.run([sys.executable, "-m", "mingpt.prepare", str(raw), "--out", str(corpus), "--tokenizer.kind=char",
+                    "--separator", "\n\n", "--shard-mb", "0.002", "--unit-mb", "0.004"], cwd=REPO, check=True)
+    assert len(json.loads((corpus / "manifest.json").read_text())["shards"]) > 5
     ref_dir = tmp_path / "ref"
     proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir, docs=True)), cwd=REPO,
                           env=torchrun_env(), capture_output=True, text=True, timeout=300)

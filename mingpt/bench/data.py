@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {'text':>8} {'tokens':>14} {'prepare':>9}  {'where':<6} {'seconds':>8} {'peak RSS':>10}", flush=True)
         s3_sizes = {parse_size(s) for s in args.s3_sizes.split(",") if s}
         biggest = None
-        for size_text in args.sizes.split(","):
+        for size_text in [s for s in args.sizes.split(",") if s]:
             size = parse_size(size_text)
             text_path, out = tmp / "corpus.txt", tmp / f"ds-{size_text}"
             write_text(text_path, size, seed=2)

@@ -39,18 +39,13 @@ def safe_cuts(text: str, chunk_chars: int) -> list[int]:
     return cuts + [len(text)]
 
 
-def encode_array(text: str, tokenizer: Tokenizer, chunk_chars: int = 1 << 22, threads: int = 0) -> np.ndarray:
-    """text's token ids as one array, encoded chunk by chunk: memory for one batch of chunks' Python
-    lists instead of the whole corpus's (about 30 bytes a token). BPE batches go to tiktoken's
-    threads, one per core (on 2 cores that is no faster overall: building the lists holds the GIL)."""
+def encode_array(text: str, tokenizer: Tokenizer, chunk_chars: int = 1 << 22) -> np.ndarray:
+    """text's token ids as one compact array, encoded chunk by chunk (cut by `safe_cuts`, so the
+    same ids as one call): memory for one chunk's intermediate ids, not the whole text's.
+    Parallelism is prepare's: one process per core, each encoding its own units."""
     cuts = safe_cuts(text, chunk_chars)
-    chunks = [text[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-    if not threads:
-        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    dtype, arrays = token_dtype(tokenizer), []
-    for start in range(0, len(chunks), threads):
-        encoded = tokenizer.encode_batch(chunks[start : start + threads], threads)
-        arrays.extend(np.asarray(e, dtype=dtype) for e in encoded)
+    dtype = token_dtype(tokenizer)
+    arrays = [tokenizer.encode_ids(text[a:b]).astype(dtype, copy=False) for a, b in zip(cuts[:-1], cuts[1:])]
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
 
 

@@ -111,7 +111,7 @@ def _unit_tokens(unit: Unit, settings: Settings, tokenizer: Tokenizer) -> Iterat
     """(token ids, whether a document ends with them) for each text of the unit."""
     eot = tokenizer.eot_id
     for text, ends in unit_documents(unit, settings.separator, settings.text_field):
-        ids = encode_array(text, tokenizer, threads=1)
+        ids = encode_array(text, tokenizer)
         if ends and eot is not None:
             ids = np.append(ids, np.asarray([eot], dtype=ids.dtype))
         yield ids, ends
