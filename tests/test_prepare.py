@@ -236,3 +236,17 @@ def test_an_unreachable_s3_source_is_one_line(tmp_path, monkeypatch):
                                         "endpoint"):
         prepare(["s3://nowhere/corpus"], str(tmp_path / "x"), SMALL, ranks_file=RANKS, workers=1)
     print(f"failed after {time.monotonic() - t:.1f} s")
+
+
+@pytest.mark.slow
+def test_ranks_under_torchrun_prepare_one_dataset_together(inputs, tmp_path):
+    from conftest import REPO, torchrun_cmd, torchrun_env
+
+    prepare([str(inputs)], str(tmp_path / "one"), SMALL, ranks_file=RANKS, workers=1)
+    proc = subprocess.run(torchrun_cmd(2, "-m", "mingpt.prepare", str(inputs), "--out", str(tmp_path / "two"),
+                                       "--tokenizer.ranks_file", RANKS, "--unit-mb", str(SMALL.unit_bytes / 2**20),
+                                       "--shard-mb", str(SMALL.shard_bytes / 2**20)),
+                          cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert dataset_files(tmp_path / "one") == dataset_files(tmp_path / "two")
+    assert proc.stdout.count("1,151 documents") == 1  # one summary, from rank 0

@@ -212,7 +212,9 @@ class _pool:
 
 
 def default_workers() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The cores of this machine, shared by the processes torchrun started on it."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
 def _finished(dest: Dest, k: int) -> dict | None:
@@ -371,7 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1:
         import torch.distributed as dist
 
-        dist.init_process_group("gloo")
+        from datetime import timedelta
+
+        dist.init_process_group("gloo", timeout=timedelta(days=2))  # ranks wait for the slowest at the end
         barrier = dist.barrier
     try:
         m = prepare(args.inputs, args.out, settings, kind=args.kind, ranks_file=args.ranks_file, workers=args.workers,
