@@ -122,7 +122,7 @@ def train_weights(data_path: str, tmp_path: Path, name: str, *overrides: str) ->
     from mingpt.main import assemble
 
     cfg = compose([*TINY, f"data.path={data_path}", f"data.cache_dir={tmp_path / ('cache-' + name)}",
-                   f"data.tokenizer.ranks_file={RANKS}", f"trainer.run_dir={tmp_path / name}", *overrides])
+                   "data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={RANKS}", f"trainer.run_dir={tmp_path / name}", *overrides])
     trainer = assemble(cfg, DistInfo())
     try:
         trainer.train()
@@ -193,6 +193,14 @@ def test_bad_inputs_are_named(inputs, tmp_path):
     with pytest.raises(DataError, match="holds an unfinished preparation of other inputs or settings"):
         prepare([str(tmp_path / "p.txt")], str(tmp_path / "y"), SMALL, ranks_file=RANKS, workers=1)
     assert {p: p.read_bytes() for p in (tmp_path / "y").rglob("*") if p.is_file()} == before
+    # a finished dataset: the same command says so, another one is refused
+    prepare([str(tmp_path / "p.txt")], str(tmp_path / "done"), SMALL, ranks_file=RANKS, workers=1)
+    assert prepare([str(tmp_path / "p.txt")], str(tmp_path / "done"), SMALL, ranks_file=RANKS, workers=1)["tokens"] > 0
+    with pytest.raises(DataError, match="done already holds a prepared dataset of other inputs or settings"):
+        prepare([str(inputs / "b.jsonl")], str(tmp_path / "done"), SMALL, ranks_file=RANKS, workers=1)
+    with pytest.raises(DataError, match=r"was prepared with the bpe tokenizer; set data.tokenizer.kind=bpe \(it is "
+                                        r"data.tokenizer.kind=char\)"):
+        load_corpus(DataConfig(path=str(tmp_path / "done"), cache_dir=str(tmp_path / "cache")))
 
 
 def test_a_prepared_dataset_of_another_tokenizer_than_the_snapshot_is_named(inputs, tmp_path):

@@ -109,6 +109,9 @@ def load_corpus(d: DataConfig, tokenizer_state: dict | None = None) -> Corpus:
     if is_prepared(d.path):
         data, source = PreparedData(d.path, d.cache_dir, d.shard_cache_gb), d.path
         state = data.manifest["tokenizer"]
+        if state["kind"] != d.tokenizer.kind:
+            raise DataError(f"{d.path} was prepared with the {state['kind']} tokenizer; set "
+                            f"data.tokenizer.kind={state['kind']} (it is data.tokenizer.kind={d.tokenizer.kind})")
         if tokenizer_state is not None and not _same_tokenizer(state, tokenizer_state):
             raise TokenizerError(f"the prepared dataset {d.path} was tokenized with {_describe(state)}, the snapshot "
                                  f"to resume with {_describe(tokenizer_state)}")

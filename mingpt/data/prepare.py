@@ -238,15 +238,21 @@ def prepare(inputs: list[str], out: str, settings: Settings, tokenizer: Tokenize
     rank 0 writes the index and the manifest once every unit is done (`barrier` waits for all).
     """
     dest, workers = Dest(out), workers or default_workers()
-    done = dest.read(MANIFEST)
-    if done is not None:
-        return json.loads(done)
     files = expand_inputs(inputs)
     units = plan_units(files, settings)
+    described = [{"path": f, "bytes": s} for f, s in _sizes(units)]
+    done = dest.read(MANIFEST)
+    if done is not None:
+        manifest = json.loads(done)
+        if (manifest.get("settings"), manifest.get("inputs")) != (asdict(settings), described) or (
+                tokenizer is not None and manifest.get("tokenizer") != tokenizer.state_dict()):
+            raise DataError(f"{out} already holds a prepared dataset of other inputs or settings; use another --out")
+        log.info("%s is already prepared from these inputs", out)
+        return manifest
     if tokenizer is None:
         tokenizer = build_bpe(ranks_file) if kind == "bpe" else char_tokenizer(units, settings, workers, char_eot)
     plan = {"format": FORMAT, "version": VERSION, "settings": asdict(settings), "tokenizer": tokenizer.state_dict(),
-            "inputs": [{"path": f, "bytes": s} for f, s in _sizes(units)], "units": len(units)}
+            "inputs": described, "units": len(units)}
     _check_plan(dest, plan, rank, barrier)
     mine = [k for k in range(len(units)) if k % world_size == rank]
     todo = [k for k in mine if _finished(dest, k) is None]
