@@ -31,7 +31,7 @@ def test_structure():
     assert 'ENTRYPOINT ["torchrun"]' in INSTRUCTIONS
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in DOCKERFILE
     run = next(line for line in INSTRUCTIONS if line.startswith("RUN pip install"))
-    assert "pip install --no-cache-dir ." in run and " -e " not in run  # non-editable
+    assert re.search(r'pip install --no-cache-dir "\.\[formats\]"', run) and " -e " not in run  # non-editable
     assert "snapshot.dir=s3://" in DOCKERFILE  # the documented multi-node example snapshots to S3
 
 
@@ -56,14 +56,14 @@ def test_install_steps_in_a_clean_virtualenv(tmp_path):
     # the base image brings torch; here the CPU wheel of the pinned version stands in for it
     subprocess.run([py, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True, timeout=600)
     run = next(line for line in INSTRUCTIONS if line.startswith("RUN pip install"))
-    pip_args = run.split("&&")[0].split()[3:]  # ["--no-cache-dir", "."]
+    pip_args = [a.strip('"') for a in run.split("&&")[0].split()[3:]]  # ["--no-cache-dir", ".[formats]"]
     build = subprocess.run([py, "-m", "pip", "install", "-v", *pip_args], cwd=ctx, capture_output=True, text=True,
                            timeout=600)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     assert "DeprecationWarning" not in build.stdout + build.stderr  # e.g. project.license as a table
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code = ("from mingpt.compose import config_dir; from mingpt.compose import compose; "
+    code = ("import pyarrow, zstandard; from mingpt.compose import config_dir; from mingpt.compose import compose; "
             "print(config_dir()); print(compose(['model=gpt2', 'snapshot=s3']).snapshot.dir); "
             "print(compose(['experiment=finetune_shakespeare']).model.init_from)")
     out = subprocess.run([py, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=120)
