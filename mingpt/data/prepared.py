@@ -20,7 +20,7 @@ import numpy as np
 
 from mingpt.data.prepare import FORMAT, MANIFEST, VERSION
 from mingpt.data.sources import DataError, unreachable
-from mingpt.storage import atomic_write_bytes, file_lock, is_local
+from mingpt.storage import file_lock, is_local
 
 log = logging.getLogger(__name__)
 
@@ -88,21 +88,36 @@ class ShardCache:
             return False
 
     def _download(self, entry: dict, path: Path) -> None:
+        """Range reads, RANGES_IN_FLIGHT at a time, written in order to a temporary file and hashed
+        on the way (memory for the ranges in flight, not the shard); renamed into place only when
+        the checksum matches."""
         self._evict(entry["bytes"])
         url, size = f"{self.root}/{entry['name']}", entry["bytes"]
         ranges = [(a, min(size, a + RANGE_BYTES)) for a in range(0, size, RANGE_BYTES)]
+        digest, written = hashlib.sha256(), 0
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
         try:
-            with ThreadPoolExecutor(min(RANGES_IN_FLIGHT, max(1, len(ranges)))) as pool:
-                parts = list(pool.map(lambda r: self.fs.cat_file(url, start=r[0], end=r[1]), ranges))
+            with ThreadPoolExecutor(RANGES_IN_FLIGHT) as pool, open(tmp, "wb") as fh:
+                for i in range(0, len(ranges), RANGES_IN_FLIGHT):
+                    window = ranges[i : i + RANGES_IN_FLIGHT]
+                    for part in pool.map(lambda r: self.fs.cat_file(url, start=r[0], end=r[1]), window):
+                        fh.write(part)
+                        digest.update(part)
+                        written += len(part)
+                fh.flush()
+                os.fsync(fh.fileno())  # a copy that survives a power loss, or none
+            if written != size or digest.hexdigest() != entry["sha256"]:
+                raise DataError(f"shard {entry['name']} of {self.root} fails its checksum (sha256 "
+                                f"{digest.hexdigest()[:12]}..., {written} bytes; the manifest says "
+                                f"{entry['sha256'][:12]}..., {size} bytes): the stored copy is damaged; prepare the "
+                                "dataset again or restore that file")
+            os.replace(tmp, path)
+        except DataError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise unreachable(url, e) from None
-        data = b"".join(parts)
-        digest = hashlib.sha256(data).hexdigest()
-        if len(data) != size or digest != entry["sha256"]:
-            raise DataError(f"shard {entry['name']} of {self.root} fails its checksum (sha256 {digest[:12]}..., "
-                            f"{len(data)} bytes; the manifest says {entry['sha256'][:12]}..., {size} bytes): the "
-                            "stored copy is damaged; prepare the dataset again or restore that file")
-        atomic_write_bytes(path, data)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def _evict(self, need: int) -> None:
         """Make room for `need` more bytes: remove the least recently used copies. A process that
