@@ -81,3 +81,14 @@ def test_decay_only_on_2d_weights():
     assert n == sum(p.numel() for p in model.parameters())  # the tied weight counted once
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert isinstance(torch.optim.AdamW([decay, no_decay]), torch.optim.AdamW)
+
+
+def test_epoch_order_in_int32_is_the_order_of_earlier_versions():
+    """Snapshots keep a position in the epoch's order: the compact order must be the same one
+    that `permutation` (int64) gave."""
+    from mingpt.data.samplers import epoch_order
+
+    for n, seed, epoch in [(1, 0, 0), (977, 5, 2), (1_000_003, 1337, 7)]:
+        order = epoch_order(n, seed, epoch)
+        assert order.dtype == np.int32
+        assert np.array_equal(order, np.random.default_rng([seed, epoch]).permutation(n))

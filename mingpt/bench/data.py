@@ -108,16 +108,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ranks-file", default=str(default_ranks) if default_ranks.exists() else None)
     ap.add_argument("--sizes", default="10MB,1GB,10GB", help="text sizes for start-up (local)")
     ap.add_argument("--s3-sizes", default="10MB,1GB", help="text sizes for start-up from S3 (moto keeps them in RAM)")
-    ap.add_argument("--prepare-mb", type=int, default=512, help="text for the prepare throughput (MiB)")
+    ap.add_argument("--prepare-mb", type=int, default=512, help="text for the prepare throughput (MiB; 0: skip it)")
     ap.add_argument("--steps", type=int, default=60, help="steps for the S3 against local throughput")
     ap.add_argument("--tmp", default=None, help="where the synthetic text and datasets go (default: system temp)")
     args = ap.parse_args(argv)
     ranks = args.ranks_file
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp_name:
         tmp = Path(tmp_name)
-        print(f"prepare throughput, {args.prepare_mb} MiB of text, GPT-2 BPE, {os.cpu_count()} cores:", flush=True)
-        for name, mbs in prepare_throughput(tmp, args.prepare_mb, ranks):
-            print(f"  {name:<40} {mbs:7.1f} MiB/s", flush=True)
+        if args.prepare_mb:
+            print(f"prepare throughput, {args.prepare_mb} MiB of text, GPT-2 BPE, {os.cpu_count()} cores:", flush=True)
+            for name, mbs in prepare_throughput(tmp, args.prepare_mb, ranks):
+                print(f"  {name:<40} {mbs:7.1f} MiB/s", flush=True)
 
         import logging
 

@@ -13,8 +13,11 @@ from mingpt.data.sources import DataError
 
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    """The sample order of one epoch, a function of (seed, epoch) only."""
-    return np.random.default_rng([seed, epoch]).permutation(num_samples)
+    """The sample order of one epoch, a function of (seed, epoch) only. Shuffled in int32 where the
+    count fits: the same order as `permutation(num_samples)` (the same draws), in half the memory."""
+    order = np.arange(num_samples, dtype=np.int32 if num_samples < 2**31 else np.int64)
+    np.random.default_rng([seed, epoch]).shuffle(order)
+    return order
 
 
 def split_evenly(n: int, world_size: int, micro_batch_size: int) -> list[list[tuple[int, int]]]:
