@@ -235,6 +235,7 @@ def test_an_unreachable_s3_source_is_one_line(tmp_path, monkeypatch):
     from conftest import free_port
 
     s3fs.S3FileSystem.clear_instance_cache()  # a new client, for the endpoint below
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cache", {})  # and the client made here never reused later
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
