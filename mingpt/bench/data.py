@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="10MB,1GB,10GB", help="text sizes for start-up (local)")
     ap.add_argument("--s3-sizes", default="10MB,1GB", help="text sizes for start-up from S3 (moto keeps them in RAM)")
     ap.add_argument("--prepare-mb", type=int, default=512, help="text for the prepare throughput (MiB; 0: skip it)")
+    ap.add_argument("--repeats", type=int, default=3, help="starts per size and place (the median is shown)")
     ap.add_argument("--steps", type=int, default=60, help="steps for the S3 against local throughput")
     ap.add_argument("--tmp", default=None, help="where the synthetic text and datasets go (default: system temp)")
     args = ap.parse_args(argv)
@@ -154,9 +155,10 @@ def main(argv: list[str] | None = None) -> None:
             if size in s3_sizes:
                 fs.put(str(out) + "/", f"bench/{size_text}/", recursive=True)
                 where.append(("s3", f"s3://bench/{size_text}"))
-            for name, path in where:
-                r = start(path, tmp / f"cache-{name}-{size_text}", tmp / f"run-{name}-{size_text}", ranks,
-                          ["trainer.max_steps=1"], env)
+            for name, path in where:  # the median of a few starts: one start varies by about a second
+                runs = [start(path, tmp / f"cache-{name}-{size_text}", tmp / f"run-{name}-{size_text}-{i}", ranks,
+                              ["trainer.max_steps=1"], env) for i in range(args.repeats)]
+                r = sorted(runs, key=lambda x: x["seconds"])[len(runs) // 2]
                 print(f"  {size_text:>8} {m['tokens']:>14,} {prep_s:8.0f}s  {name:<6} {r['seconds']:8.2f} "
                       f"{r['rss_mib']:8.0f} MiB", flush=True)
             if size in s3_sizes:

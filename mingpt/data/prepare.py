@@ -134,7 +134,7 @@ def prepare_unit(job: tuple[int, Unit, Settings, str]) -> dict:
 
     def flush() -> None:
         nonlocal pending, pending_n
-        data = np.concatenate(pending).astype(dtype, copy=False).tobytes() if pending else b""
+        data = np.concatenate(pending).astype(dtype, copy=False).tobytes()
         name = f"shards/u{k:06d}-{len(shards):03d}.bin"
         dest.write(name, data)
         shards.append({"name": name, "tokens": pending_n, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
@@ -154,13 +154,12 @@ def prepare_unit(job: tuple[int, Unit, Settings, str]) -> dict:
                 ends.append(total)
     except TokenizerError as e:
         raise TokenizerError(f"{unit.path}: {e}") from None
-    if pending_n or not shards:
+    if pending_n:
         flush()
-    shards = [s for s in shards if s["tokens"]]
     ends_bytes = np.asarray(ends, dtype=np.int64).tobytes()
     dest.write(f"work/{unit_name(k)}.ends", ends_bytes)
-    record = {"unit": k, "path": unit.path, "bytes": work_bytes(unit), "tokens": total, "documents": len(ends), "shards": shards,
-              "ends_sha256": hashlib.sha256(ends_bytes).hexdigest()}
+    record = {"unit": k, "path": unit.path, "bytes": work_bytes(unit), "tokens": total, "documents": len(ends),
+              "shards": shards, "ends_sha256": hashlib.sha256(ends_bytes).hexdigest()}
     dest.write(f"work/{unit_name(k)}.json", json.dumps(record).encode())
     return record
 

@@ -262,8 +262,6 @@ class PreparedData:
 
     def _open_shard(self, k: int):
         entry = self.manifest["shards"][k]
-        if entry["bytes"] == 0:
-            return np.zeros(0, dtype=self.dtype)
         if self.local:
             return np.memmap(self._local(entry["name"]), dtype=self.dtype, mode="r")
         return RemoteShard(self, k)
