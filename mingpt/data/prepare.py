@@ -329,8 +329,13 @@ def _commit(dest: Dest, plan: dict, tokenizer: Tokenizer, settings: Settings, nu
                           "sha256": hashlib.sha256(index_bytes).hexdigest()},
                 "shards": shards, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     dest.write(MANIFEST, json.dumps(manifest, indent=1).encode())
-    log.info("prepared %s: %d tokens, %d documents, %d shards", dest.url, base, docs, len(shards))
+    log.info("prepared %s: %s tokens, %s, %s", dest.url, f"{base:,}", _count(docs, "document"),
+             _count(len(shards), "shard"))
     return manifest
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _progress(total_bytes: int, show: bool):
@@ -392,8 +397,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted; run the same command again to continue where it stopped", file=sys.stderr)
         return 130
     if rank == 0:
-        print(f"{args.out}: {m['tokens']:,} tokens in {m['documents']:,} documents, {len(m['shards'])} shards "
-              f"({m['dtype']}), {m['val_documents']:,} documents held out for validation")
+        held_out = (f"the last {m['val_documents']:,} documents" if m["val_documents"] else
+                    f"the last {m['tokens'] - m['val_start_token']:,} tokens")
+        print(f"{args.out}: {m['tokens']:,} tokens in {_count(m['documents'], 'document')}, "
+              f"{_count(len(m['shards']), 'shard')} ({m['dtype']}); {held_out} held out for validation")
     if world > 1:
         dist.destroy_process_group()
     return 0
