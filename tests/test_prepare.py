@@ -259,3 +259,26 @@ def test_ranks_under_torchrun_prepare_one_dataset_together(inputs, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert dataset_files(tmp_path / "one") == dataset_files(tmp_path / "two")
     assert proc.stdout.count("1,151 documents") == 1  # one summary, from rank 0
+
+
+def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs, tmp_path, s3_server):
+    import s3fs
+
+    from mingpt.data.prepared import ShardCache
+
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("prep-lru")
+    m = prepare([str(inputs / "b.jsonl")], "s3://prep-lru/ds", Settings(unit_bytes=8192, shard_bytes=512),
+                ranks_file=RANKS, workers=1)
+    a, b, c = [s for s in m["shards"] if s["bytes"] == 512][:3]  # three of the same size
+    cache = ShardCache(fs, "prep-lru/ds", tmp_path / "cache", limit=a["bytes"] + b["bytes"])
+    cached = lambda: sorted(p.name for p in (tmp_path / "cache").glob("*.bin"))  # noqa: E731
+    pa = cache.get(a)
+    time.sleep(0.01)
+    cache.get(b)
+    time.sleep(0.01)
+    assert cache.get(a) == pa  # a is used again: b is now the least recently used
+    cache.get(c)
+    names = [s["name"].replace("/", "__") for s in (a, b, c)]
+    assert cached() == sorted([names[0], names[2]]) and cache.usage() <= cache.limit
+    assert np.fromfile(pa, dtype=np.uint16).nbytes == a["bytes"]
