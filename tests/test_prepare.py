@@ -282,3 +282,18 @@ def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs
     names = [s["name"].replace("/", "__") for s in (a, b, c)]
     assert cached() == sorted([names[0], names[2]]) and cache.usage() <= cache.limit
     assert np.fromfile(pa, dtype=np.uint16).nbytes == a["bytes"]
+
+
+def test_verify_names_a_damaged_local_shard(inputs, tmp_path, capsys):
+    from mingpt.data.prepare import main
+
+    m = prepare([str(inputs / "b.jsonl")], str(tmp_path / "ds"), SMALL, ranks_file=RANKS, workers=1)
+    assert main(["--verify", str(tmp_path / "ds")]) == 0
+    assert "every shard and the index match the manifest" in capsys.readouterr().out
+    victim = tmp_path / "ds" / m["shards"][2]["name"]
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF  # same size: only the checksum can tell
+    victim.write_bytes(bytes(data))
+    assert main(["--verify", str(tmp_path / "ds")]) == 1
+    err = capsys.readouterr().err
+    assert f"damaged: {m['shards'][2]['name']} fails its checksum" in err and err.count("damaged:") == 1

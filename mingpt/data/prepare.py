@@ -352,8 +352,10 @@ def _progress(total_bytes: int, show: bool):
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mingpt-prepare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs (local, s3://, https://)")
-    p.add_argument("--out", required=True, help="the prepared dataset's directory or s3:// prefix")
+    p.add_argument("inputs", nargs="*", metavar="INPUT", help="files, directories or globs (local, s3://, https://)")
+    p.add_argument("--out", help="the prepared dataset's directory or s3:// prefix")
+    p.add_argument("--verify", metavar="DATASET", help="check every shard of a prepared dataset against its sha256 "
+                                                         "(nothing is prepared)")
     p.add_argument("--tokenizer.kind", dest="kind", choices=["bpe", "char"], default="bpe",
                    help="as data.tokenizer.kind (default bpe)")
     p.add_argument("--tokenizer.ranks_file", dest="ranks_file", default=None,
@@ -371,8 +373,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.verify:
+        from mingpt.data.prepared import verify
+
+        problems = verify(args.verify)
+        for problem in problems:
+            print(f"damaged: {problem}", file=sys.stderr)
+        if not problems:
+            print(f"{args.verify}: every shard and the index match the manifest")
+        return 1 if problems else 0
+    if not args.inputs or not args.out:
+        parser.error("name the INPUTs and --out DIR (or --verify DATASET)")
     if not 0 < args.val_fraction < 1:
         print(f"error: --val-fraction must be between 0 and 1, got {args.val_fraction}", file=sys.stderr)
         return 2

@@ -304,3 +304,28 @@ class PreparedData:
         if self.local:
             return np.fromfile(self._local(entry["name"]), dtype=np.int64)
         return np.fromfile(self.cache.get(entry), dtype=np.int64)
+
+
+def verify(url: str) -> list[str]:
+    """Every file a prepared dataset's manifest names, read whole and checked against its size and
+    sha256: the damaged or missing ones, each named ([] when all are whole)."""
+    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+    try:
+        manifest = json.loads(fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}"))
+    except FileNotFoundError:
+        return [f"{url} has no {MANIFEST}: its preparation was interrupted; run the same mingpt-prepare command again"]
+    problems = []
+    for entry in [*manifest["shards"], manifest["index"]]:
+        path, digest, size = f"{root.rstrip('/')}/{entry['name']}", hashlib.sha256(), 0
+        try:
+            with fs.open(path, "rb") as fh:
+                while chunk := fh.read(RANGE_BYTES):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except FileNotFoundError:
+            problems.append(f"{entry['name']} is missing")
+            continue
+        if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+            problems.append(f"{entry['name']} fails its checksum ({size} bytes, sha256 {digest.hexdigest()[:12]}...; "
+                            f"the manifest says {entry['bytes']} bytes, {entry['sha256'][:12]}...)")
+    return problems
