@@ -143,7 +143,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                             "start a new run in its own directory: trainer.run_dir=runs/NEW") from None
     log.info("corpus %s (%s): %d train / %d val %s of up to %d tokens, vocabulary %d (%s)", corpus.source,
              cfg.data.kind, len(corpus.train), len(corpus.val), "pieces" if cfg.data.kind == "documents" else "blocks",
-             cfg.data.block_size, corpus.tokenizer.vocab_size, corpus.tokenizer.state_dict()["kind"])
+             cfg.data.block_size, corpus.tokenizer.vocab_size, cfg.data.tokenizer.kind)
     if cfg.model.vocab_size not in (0, corpus.tokenizer.vocab_size):
         raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} cannot be set: it is the tokenizer's "
                           f"({corpus.tokenizer.vocab_size}); leave it out")

@@ -37,7 +37,6 @@ class Tokenizer(Protocol):
     eot_id: int | None
 
     def encode(self, text: str) -> list[int]: ...
-    def encode_batch(self, texts: list[str], threads: int) -> list[list[int]]: ...
     def encode_ids(self, text: str) -> np.ndarray: ...
     def decode(self, ids: list[int]) -> str: ...
     def token_bytes(self, token: int) -> bytes: ...
@@ -56,7 +55,7 @@ class CharTokenizer:
         self.stoi = {c: i for i, c in enumerate(chars)}
         self.eot_id = len(chars) if eot else None
         self.vocab_size = len(chars) + (1 if eot else 0)
-        self._codes = None  # the sorted code points, for encode_ids
+        self._codes = None  # the sorted code points, for encode_ids (False: the vocabulary is not sorted)
 
     @classmethod
     def from_text(cls, text: str, eot: bool = False) -> "CharTokenizer":
@@ -70,15 +69,13 @@ class CharTokenizer:
                 f"character {e.args[0]!r} is not in this run's vocabulary of {self.vocab_size} characters"
             ) from None
 
-    def encode_batch(self, texts: list[str], threads: int) -> list[list[int]]:
-        return [self.encode(t) for t in texts]  # a dictionary lookup per character: threads would not help
-
     def encode_ids(self, text: str) -> np.ndarray:
         """encode() as an int64 array, vectorised: each code point looked up among the sorted ones."""
         if self._codes is None:
-            self._codes = np.frombuffer(self.chars.encode("utf-32-le"), dtype=np.uint32)
-        if len(self._codes) > 1 and not (np.diff(self._codes.astype(np.int64)) > 0).all():
-            return np.asarray(self.encode(text), dtype=np.int64)  # a vocabulary not in code point order
+            codes = np.frombuffer(self.chars.encode("utf-32-le"), dtype=np.uint32)
+            self._codes = codes if (np.diff(codes.astype(np.int64)) > 0).all() else False
+        if self._codes is False:  # a vocabulary not in code point order: no lookup by sorting
+            return np.asarray(self.encode(text), dtype=np.int64)
         codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)
         ids = np.minimum(np.searchsorted(self._codes, codes), len(self.chars) - 1)
         bad = np.flatnonzero(self._codes[ids] != codes)
@@ -111,13 +108,6 @@ class BPETokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode_ordinary(text)
-
-    def encode_batch(self, texts: list[str], threads: int) -> list[list[int]]:
-        """Several texts at once, on tiktoken's threads (its Rust core releases the GIL); one by one
-        for threads=1 (tiktoken's pool of one thread costs a third more)."""
-        if threads <= 1:
-            return [self.enc.encode_ordinary(t) for t in texts]
-        return self.enc.encode_ordinary_batch(texts, num_threads=threads)
 
     def encode_ids(self, text: str) -> np.ndarray:
         """encode() as an array straight from tiktoken's buffer (no Python list: a quarter faster).
