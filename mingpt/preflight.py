@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from mingpt.data.prepare import MANIFEST
 from mingpt.distributed import DistInfo, all_gather_objects, broadcast_object
 from mingpt.storage import is_local
 
@@ -60,8 +61,8 @@ def file_fingerprint(path: str) -> str:
     p = Path(os.path.expanduser(path))
     if not p.exists():
         return "missing"
-    if (p / "manifest.json").is_file():  # a prepared dataset: its manifest names every shard's sha256
-        return "prepared, " + hashlib.sha256((p / "manifest.json").read_bytes()).hexdigest()[:12]
+    if (p / MANIFEST).is_file():  # a prepared dataset: its manifest names every shard's sha256
+        return "prepared, " + hashlib.sha256((p / MANIFEST).read_bytes()).hexdigest()[:12]
     if p.is_dir():  # a directory of documents: names and sizes
         items = sorted((str(f.relative_to(p)), f.stat().st_size) for f in p.rglob("*") if f.is_file())
         return f"{len(items)} files, " + hashlib.sha256(json.dumps(items).encode()).hexdigest()[:12]

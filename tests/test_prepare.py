@@ -264,6 +264,7 @@ def test_ranks_under_torchrun_prepare_one_dataset_together(inputs, tmp_path):
 def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs, tmp_path, s3_server):
     import s3fs
 
+    from mingpt.data.prepare import DatasetDir
     from mingpt.data.prepared import ShardCache
 
     fs = s3fs.S3FileSystem()
@@ -271,7 +272,7 @@ def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs
     m = prepare([str(inputs / "b.jsonl")], "s3://prep-lru/ds", Settings(unit_bytes=8192, shard_bytes=512),
                 ranks_file=RANKS, workers=1)
     a, b, c = [s for s in m["shards"] if s["bytes"] == 512][:3]  # three of the same size
-    cache = ShardCache(fs, "prep-lru/ds", tmp_path / "cache", limit=a["bytes"] + b["bytes"])
+    cache = ShardCache(DatasetDir("s3://prep-lru/ds"), tmp_path / "cache", limit=a["bytes"] + b["bytes"])
     cached = lambda: sorted(p.name for p in (tmp_path / "cache").glob("*.bin"))  # noqa: E731
     pa = cache.get(a)
     time.sleep(0.01)

@@ -17,11 +17,12 @@ import fsspec
 import numpy as np
 
 from mingpt.config import DataConfig
+from mingpt.distributed import default_threads
 from mingpt.data.cache import source_identity
 from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces
-from mingpt.data.prepare import MANIFEST, Settings, default_workers, prepare
+from mingpt.data.prepare import MANIFEST, Settings, prepare
 from mingpt.data.prepared import PreparedData, is_prepared
-from mingpt.data.sources import DataError, document_files
+from mingpt.data.sources import DataError, document_files, raw_format
 from mingpt.storage import file_lock
 from mingpt.tokenizer import Tokenizer, TokenizerError, build_bpe, from_state
 
@@ -71,9 +72,9 @@ def prepare_raw(d: DataConfig, tokenizer_state: dict | None) -> tuple[PreparedDa
     docs = d.kind == "documents"
     fmt = d.documents.format if docs else "text"
     files = document_files(d.path, fmt, d.fetch_default)
-    settings = Settings(fmt="jsonl" if fmt == "jsonl" else "text",
-                        separator=d.documents.separator if docs and fmt == "text" else None,
-                        text_field=d.documents.text_field, val_fraction=d.val_fraction)
+    file_fmt, separator = raw_format(fmt, d.documents.separator if docs else None)
+    settings = Settings(fmt=file_fmt, separator=separator, text_field=d.documents.text_field,
+                        val_fraction=d.val_fraction)
     known = _known_tokenizer(d, tokenizer_state)
     identity = source_identity(files, (repr(settings), docs)) or _content_key(files)
     which = known.fingerprint() if known is not None else ("chareot" if docs else "char") + "-from-text"
@@ -82,10 +83,11 @@ def prepare_raw(d: DataConfig, tokenizer_state: dict | None) -> tuple[PreparedDa
     if not (out / MANIFEST).exists():
         with file_lock(out.with_name(f".{out.name}.lock")):
             if not (out / MANIFEST).exists():
-                size = sum(fsspec.core.url_to_fs(f)[0].size(fsspec.core.url_to_fs(f)[1]) for f in files)
-                workers = default_workers() if size > 2 * settings.unit_bytes else 1
-                log.info("preparing %s into %s (%d process%s)", source, out, workers, "es" if workers > 1 else "")
-                prepare(files, str(out), settings, tokenizer=known, kind="char", workers=workers, char_eot=docs)
+                # the node's other processes wait on the lock: every core is free (a corpus of
+                # one unit is prepared in this process)
+                log.info("preparing %s into %s", source, out)
+                prepare(files, str(out), settings, tokenizer=known, kind="char", workers=default_threads(1),
+                        char_eot=docs)
     return PreparedData(str(out), d.cache_dir, d.shard_cache_gb), source
 
 

@@ -26,6 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import fsspec
 import numpy as np
@@ -53,8 +54,9 @@ class Settings:
     shard_bytes: int = 256 * 2**20  # token bytes per shard at most
 
 
-class Dest:
-    """The output directory or prefix: local files are written atomically, objects whole."""
+class DatasetDir:
+    """A prepared dataset's directory or prefix, local or on an object store: local files are
+    written atomically, objects whole."""
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
@@ -66,7 +68,7 @@ class Dest:
 
     def write(self, name: str, data: bytes) -> None:
         if self.local:
-            atomic_write_bytes(_local(self.path(name)), data)
+            atomic_write_bytes(Path(self.path(name)), data)
         else:
             self.fs.pipe_file(self.path(name), data)
 
@@ -82,11 +84,18 @@ class Dest:
         except FileNotFoundError:
             return None
 
-
-def _local(path: str):
-    from pathlib import Path
-
-    return Path(path)
+    def manifest(self) -> tuple[bytes, dict]:
+        """The manifest (its bytes and content) of a complete dataset of this version, or one clear
+        error: a dataset without one was interrupted while it was prepared."""
+        raw = self.read(MANIFEST)
+        if raw is None:
+            raise DataError(f"{self.url} has no {MANIFEST}: its preparation was interrupted. Run the same "
+                            "mingpt-prepare command again: it continues where it stopped")
+        manifest = json.loads(raw)
+        if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+            raise DataError(f"{self.url}/{MANIFEST} is not a {FORMAT} manifest of version {VERSION}; prepare the "
+                            "dataset again with this version of mingpt-prepare")
+        return raw, manifest
 
 
 # ---- one unit of work (runs in worker processes) ----
@@ -128,7 +137,7 @@ def prepare_unit(job: tuple[int, Unit, Settings, str]) -> dict:
     if _worker_error is not None:
         raise _worker_error
     tokenizer = _worker_tokenizer
-    dest, dtype = Dest(out), token_dtype(tokenizer)
+    dest, dtype = DatasetDir(out), token_dtype(tokenizer)
     limit = max(1, settings.shard_bytes // np.dtype(dtype).itemsize)
     shards, ends, pending, pending_n, total = [], [], [], 0, 0
 
@@ -212,11 +221,12 @@ class _pool:
 
 def default_workers() -> int:
     """The cores of this machine, shared by the processes torchrun started on it."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    from mingpt.distributed import default_threads  # imported here: the workers need no torch
+
+    return default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
-def _finished(dest: Dest, k: int) -> dict | None:
+def _finished(dest: DatasetDir, k: int) -> dict | None:
     """The record of a unit committed by an earlier run, if its files are all there."""
     raw = dest.read(f"work/{unit_name(k)}.json")
     if raw is None:
@@ -236,7 +246,7 @@ def prepare(inputs: list[str], out: str, settings: Settings, tokenizer: Tokenize
     end-of-text token unless char_eot is False). Under torchrun, rank r of world_size takes every world_size-th unit and
     rank 0 writes the index and the manifest once every unit is done (`barrier` waits for all).
     """
-    dest, workers = Dest(out), workers or default_workers()
+    dest, workers = DatasetDir(out), workers or default_workers()
     files = expand_inputs(inputs)
     units = plan_units(files, settings)
     described = [{"path": f, "bytes": s} for f, s in _sizes(units)]
@@ -282,7 +292,7 @@ def _sizes(units: list[Unit]) -> list[tuple[str, int]]:
     return list(seen.items())
 
 
-def _check_plan(dest: Dest, plan: dict, rank: int, barrier) -> None:
+def _check_plan(dest: DatasetDir, plan: dict, rank: int, barrier) -> None:
     """An output that holds another preparation (other inputs or settings) is never mixed into."""
     raw = dest.read("work/plan.json")
     if raw is not None and json.loads(raw) != plan:
@@ -294,7 +304,7 @@ def _check_plan(dest: Dest, plan: dict, rank: int, barrier) -> None:
         barrier()
 
 
-def _commit(dest: Dest, plan: dict, tokenizer: Tokenizer, settings: Settings, num_units: int) -> dict:
+def _commit(dest: DatasetDir, plan: dict, tokenizer: Tokenizer, settings: Settings, num_units: int) -> dict:
     """The index, then the manifest (last): the dataset is complete."""
     records = [_finished(dest, k) for k in range(num_units)]
     missing = [k for k, r in enumerate(records) if r is None]

@@ -5,7 +5,6 @@ for documents); local shards are memory-mapped; shards on S3 are copied by a bac
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import queue
@@ -15,12 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import fcntl
-import fsspec
 import numpy as np
 
-from mingpt.data.prepare import FORMAT, MANIFEST, VERSION
+from mingpt.data.prepare import MANIFEST, DatasetDir
 from mingpt.data.sources import DataError, unreachable
-from mingpt.storage import file_lock, is_local
+from mingpt.storage import file_lock
 
 log = logging.getLogger(__name__)
 
@@ -31,9 +29,8 @@ RANGES_IN_FLIGHT = 8
 def is_prepared(path: str) -> bool:
     """Whether `path` is a prepared dataset, complete or not (a manifest, or the plan of one)."""
     try:
-        fs, root = fsspec.core.url_to_fs(path)
-        root = root.rstrip("/")
-        return fs.isdir(root) and (fs.exists(f"{root}/{MANIFEST}") or fs.exists(f"{root}/work/plan.json"))
+        place = DatasetDir(path)
+        return place.fs.isdir(place.root) and any(place.size(name) is not None for name in (MANIFEST, "work/plan.json"))
     except Exception:  # noqa: BLE001 - unreachable: reading it as a raw corpus says why
         return False
 
@@ -43,8 +40,8 @@ class ShardCache:
     evicted first. Each file is downloaded once per node, under a node-local lock (never keyed by
     RANK), and checked against the manifest's sha256 before anyone uses it."""
 
-    def __init__(self, fs, root: str, cache: Path, limit: int):
-        self.fs, self.root, self.dir, self.limit = fs, root, cache, limit
+    def __init__(self, place: DatasetDir, cache: Path, limit: int):
+        self.place, self.dir, self.limit = place, cache, limit
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def _path(self, name: str) -> Path:
@@ -92,7 +89,7 @@ class ShardCache:
         on the way (memory for the ranges in flight, not the shard); renamed into place only when
         the checksum matches."""
         self._evict(entry["bytes"])
-        url, size = f"{self.root}/{entry['name']}", entry["bytes"]
+        url, size = self.place.path(entry["name"]), entry["bytes"]
         ranges = [(a, min(size, a + RANGE_BYTES)) for a in range(0, size, RANGE_BYTES)]
         digest, written = hashlib.sha256(), 0
         tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
@@ -100,14 +97,14 @@ class ShardCache:
             with ThreadPoolExecutor(RANGES_IN_FLIGHT) as pool, open(tmp, "wb") as fh:
                 for i in range(0, len(ranges), RANGES_IN_FLIGHT):
                     window = ranges[i : i + RANGES_IN_FLIGHT]
-                    for part in pool.map(lambda r: self.fs.cat_file(url, start=r[0], end=r[1]), window):
+                    for part in pool.map(lambda r: self.place.fs.cat_file(url, start=r[0], end=r[1]), window):
                         fh.write(part)
                         digest.update(part)
                         written += len(part)
                 fh.flush()
                 os.fsync(fh.fileno())  # a copy that survives a power loss, or none
             if written != size or digest.hexdigest() != entry["sha256"]:
-                raise DataError(f"shard {entry['name']} of {self.root} fails its checksum (sha256 "
+                raise DataError(f"shard {entry['name']} of {self.place.root} fails its checksum (sha256 "
                                 f"{digest.hexdigest()[:12]}..., {written} bytes; the manifest says "
                                 f"{entry['sha256'][:12]}..., {size} bytes): the stored copy is damaged; prepare the "
                                 "dataset again or restore that file")
@@ -197,9 +194,10 @@ class RemoteShard:
             data._wanted.put(self.k)
         size = data.dtype.itemsize
         try:
-            raw = data.fs.cat_file(f"{data.root}/{self.entry['name']}", start=sl.start * size, end=sl.stop * size)
+            raw = data.place.fs.cat_file(data.place.path(self.entry["name"]), start=sl.start * size,
+                                         end=sl.stop * size)
         except Exception as e:  # noqa: BLE001
-            raise unreachable(f"{data.url}/{self.entry['name']}", e) from None
+            raise unreachable(f"{data.place.url}/{self.entry['name']}", e) from None
         return np.frombuffer(raw, dtype=data.dtype)
 
 
@@ -207,50 +205,32 @@ class PreparedData:
     """An opened prepared dataset: its manifest, its token stream, and its index when asked."""
 
     def __init__(self, url: str, cache_dir: str, cache_gb: float):
-        self.url = url.rstrip("/")
-        self.local = is_local(url)
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url)
-            self.root = self.root.rstrip("/")
-            raw = self._read(MANIFEST)
+            self.place = DatasetDir(url)
+            raw, m = self.place.manifest()
         except DataError:
             raise
         except Exception as e:  # noqa: BLE001
-            raise unreachable(self.url, e) from None
-        if raw is None:
-            raise DataError(f"{self.url} has no {MANIFEST}: its preparation was interrupted. Run the same "
-                            "mingpt-prepare command again: it continues where it stopped")
-        m = self.manifest = json.loads(raw)
-        if m.get("format") != FORMAT or m.get("version") != VERSION:
-            raise DataError(f"{self.url}/{MANIFEST} is not a {FORMAT} manifest of version {VERSION}; prepare the "
-                            "dataset again with this version of mingpt-prepare")
+            raise unreachable(url, e) from None
+        self.manifest = m
         self.dtype = np.dtype(m["dtype"])
         self.cache = None
-        if not self.local:
-            key = hashlib.sha256((self.url + hashlib.sha256(raw).hexdigest()).encode()).hexdigest()[:16]
-            self.cache = ShardCache(self.fs, self.root, Path(os.path.expanduser(cache_dir)) / "shards" / key,
+        if not self.place.local:
+            key = hashlib.sha256((self.place.url + hashlib.sha256(raw).hexdigest()).encode()).hexdigest()[:16]
+            self.cache = ShardCache(self.place, Path(os.path.expanduser(cache_dir)) / "shards" / key,
                                     int(cache_gb * 2**30))
             self._check_disk()
         else:
             for s in m["shards"]:
-                size = os.path.getsize(self._local(s["name"])) if os.path.exists(self._local(s["name"])) else None
+                size = os.path.getsize(self.place.path(s["name"])) if os.path.exists(self.place.path(s["name"])) else None
                 if size != s["bytes"]:
-                    raise DataError(f"shard {s['name']} of {self.url} has {size} bytes, the manifest says {s['bytes']}: "
+                    raise DataError(f"shard {s['name']} of {self.place.url} has {size} bytes, the manifest says {s['bytes']}: "
                                     "it is damaged or missing; prepare the dataset again or restore that file")
         self.tokens = TokenStream([s["tokens"] for s in m["shards"]], self._open_shard)
         self._stop, self.error = threading.Event(), None
         self._wanted, self._asked = queue.Queue(), set()
         if self.cache is not None:
             threading.Thread(target=self._prefetch, name="shard-prefetch", daemon=True).start()
-
-    def _local(self, name: str) -> str:
-        return f"{self.root}/{name}"
-
-    def _read(self, name: str) -> bytes | None:
-        try:
-            return self.fs.cat_file(f"{self.root}/{name}")
-        except FileNotFoundError:
-            return None
 
     def _check_disk(self) -> None:
         want = min(self.cache.limit, sum(s["bytes"] for s in self.manifest["shards"]))
@@ -262,8 +242,8 @@ class PreparedData:
 
     def _open_shard(self, k: int):
         entry = self.manifest["shards"][k]
-        if self.local:
-            return np.memmap(self._local(entry["name"]), dtype=self.dtype, mode="r")
+        if self.place.local:
+            return np.memmap(self.place.path(entry["name"]), dtype=self.dtype, mode="r")
         return RemoteShard(self, k)
 
     def _prefetch(self) -> None:
@@ -301,24 +281,24 @@ class PreparedData:
     def doc_ends(self) -> np.ndarray:
         """Where each document ends (tokens from the start of the stream), int64."""
         entry = self.manifest["index"]
-        if self.local:
-            return np.fromfile(self._local(entry["name"]), dtype=np.int64)
+        if self.place.local:
+            return np.fromfile(self.place.path(entry["name"]), dtype=np.int64)
         return np.fromfile(self.cache.get(entry), dtype=np.int64)
 
 
 def verify(url: str) -> list[str]:
     """Every file a prepared dataset's manifest names, read whole and checked against its size and
     sha256: the damaged or missing ones, each named ([] when all are whole)."""
-    fs, root = fsspec.core.url_to_fs(url.rstrip("/"))
+    place = DatasetDir(url)
     try:
-        manifest = json.loads(fs.cat_file(f"{root.rstrip('/')}/{MANIFEST}"))
-    except FileNotFoundError:
-        return [f"{url} has no {MANIFEST}: its preparation was interrupted; run the same mingpt-prepare command again"]
+        _, manifest = place.manifest()
+    except DataError as e:
+        return [str(e)]
     problems = []
     for entry in [*manifest["shards"], manifest["index"]]:
-        path, digest, size = f"{root.rstrip('/')}/{entry['name']}", hashlib.sha256(), 0
+        digest, size = hashlib.sha256(), 0
         try:
-            with fs.open(path, "rb") as fh:
+            with place.fs.open(place.path(entry["name"]), "rb") as fh:
                 while chunk := fh.read(RANGE_BYTES):
                     digest.update(chunk)
                     size += len(chunk)

@@ -288,30 +288,38 @@ def unit_documents(unit: Unit, separator: str | None, text_field: str) -> Iterat
         end = find_cut(fh, unit.fmt, unit.end, unit.size) if unit.part < unit.parts - 1 else unit.size
         fh.seek(begin)
         raw = fh.read(max(0, end - begin))
-        first_line = 1 + (_count_newlines(fh, begin) if unit.fmt == "jsonl" and begin else 0)
     text = _decode(raw, unit.path, begin)
     if unit.fmt == "jsonl":
-        yield from _texts(enumerate(text.splitlines(), first_line), unit, separator, text_field)
+        yield from _texts(enumerate(text.splitlines(), 1), unit, separator, text_field,
+                          lines_before=lambda: _count_newlines(unit.path, begin))
     elif unit.parts > 1:
         yield text, unit.part == unit.parts - 1
     else:
         yield from _texts([(1, text)], unit, separator, text_field)
 
 
-def _count_newlines(fh, end: int) -> int:
-    fh.seek(0)
+def _count_newlines(path: str, end: int) -> int:
+    """The lines of `path` before byte `end`: read only to name a bad line of a later unit."""
     count, left = 0, end
-    while left > 0:
-        data = fh.read(min(left, 1 << 24))
-        count, left = count + data.count(b"\n"), left - len(data)
+    with fsspec.open(path, "rb") as fh:
+        while left > 0:
+            data = fh.read(min(left, 1 << 24))
+            count, left = count + data.count(b"\n"), left - len(data)
     return count
 
 
-def _texts(lines, unit: Unit, separator: str | None, text_field: str) -> Iterator[tuple[str, bool]]:
+def _texts(lines, unit: Unit, separator: str | None, text_field: str,
+           lines_before=lambda: 0) -> Iterator[tuple[str, bool]]:
+    """The documents of numbered lines (n counts from the unit's first line; `lines_before()`
+    gives the file's lines before it, counted only when a line is bad)."""
     for n, line in lines:
         if unit.fmt == "jsonl":
             if line.strip():
-                doc = _jsonl_text(line, text_field, unit.path, n)
+                try:
+                    doc = _jsonl_text(line, text_field, unit.path, n)
+                except DataError:
+                    _jsonl_text(line, text_field, unit.path, n + lines_before())  # raises, with the file's line
+                    raise
                 if doc.strip():
                     yield doc, True
         elif separator is None:
@@ -321,14 +329,19 @@ def _texts(lines, unit: Unit, separator: str | None, text_field: str) -> Iterato
             yield from ((d, True) for d in line.split(separator) if d.strip())
 
 
+def raw_format(fmt: str, separator: str | None) -> tuple[str, str | None]:
+    """How the files of a raw document corpus (data.documents.format) are read: (the file format,
+    the separator of documents in a text file, None when a file is one document)."""
+    return ("jsonl", None) if fmt == "jsonl" else ("text", separator if fmt == "text" else None)
+
+
 def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool) -> list[str]:
     """Every document of a raw corpus in memory (small corpora, tests): a text file split on
     `separator`, a JSON-lines file, or every file of a directory / glob as one document."""
     files = document_files(path, fmt, fetch_default)
+    file_fmt, sep = raw_format(fmt, separator)
     docs = []
     for f in files:
-        file_fmt = "jsonl" if fmt == "jsonl" else "text"
-        sep = separator if fmt == "text" else None
         for unit in file_units(f, file_fmt, sep, 1 << 62, text_field):
             docs.extend(d for d, _ in unit_documents(unit, sep, text_field))
     if not docs:
