@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,24 +75,25 @@ def prepare_throughput(tmp: Path, mb: int, ranks: str | None) -> list[tuple[str,
         t0 = time.perf_counter()
         prepare([str(text_path)], str(out), Settings(unit_bytes=16 * 2**20), ranks_file=ranks, workers=workers)
         rows.append((f"mingpt-prepare, {workers} process{'es' if workers > 1 else ''}", mb / (time.perf_counter() - t0)))
-        subprocess.run(["rm", "-rf", str(out)], check=True)
+        shutil.rmtree(out)
     text_path.unlink()
     return rows
 
 
 def start(data_path: str, cache: Path, run_dir: Path, ranks: str | None, extra: list[str] = (), env=None) -> dict:
-    """One real training process, one step: seconds from launch to exit, peak RSS (MiB), and the
-    steady-state tokens/s when it ran more steps."""
+    """One real training process: seconds from launch to exit, peak RSS (MiB), and its run
+    directory (whose metrics give the steady-state tokens/s of a longer run)."""
     cmd = [sys.executable, "-m", "mingpt.main", *MODEL, f"data.path={data_path}", f"data.cache_dir={cache}",
            "data.tokenizer.kind=bpe", f"trainer.run_dir={run_dir}", *([f"data.tokenizer.ranks_file={ranks}"] if ranks
                                                                        else []), *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - t0
-    err = proc.stderr.read()
-    if status != 0:
-        raise SystemExit(f"training failed: {err[-2000:]}")
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: nobody reads a pipe while we wait
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t0
+        if status != 0:
+            err.seek(0)
+            raise SystemExit(f"training failed: {err.read().decode(errors='replace')[-2000:]}")
     return {"seconds": seconds, "rss_mib": usage.ru_maxrss / 1024, "run_dir": run_dir}
 
 
@@ -164,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
             if size in s3_sizes:
                 biggest = (size_text, str(out))
             else:
-                subprocess.run(["rm", "-rf", str(out)], check=True)
+                shutil.rmtree(out)
         if biggest is not None:
             size_text, out = biggest
             print(f"\nsteady-state training throughput, {size_text} dataset, {args.steps} steps "
