@@ -164,6 +164,9 @@ class TrainerConfig:
     """Where metrics, the tokenizer and (by default) snapshots go."""
     watchdog_s: float = 900.0
     """Exit (for torchrun to restart) when a step makes no progress for this long; 0 = off."""
+    parallel: str = "ddp"
+    """How the model is spread over the ranks: "ddp" (every rank holds all of it and the optimizer
+    state) or "fsdp" (FSDP2: each rank holds 1/world of weights, gradients and optimizer state)."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")
@@ -174,6 +177,7 @@ class TrainerConfig:
         _check(self.precision in ("auto", "fp32", "bf16", "fp16"),
                f"trainer.precision={self.precision!r}: use auto, fp32, bf16 or fp16")
         _check(self.log_every > 0, f"trainer.log_every must be positive, got {self.log_every}")
+        _check(self.parallel in ("ddp", "fsdp"), f"trainer.parallel={self.parallel!r}: use ddp or fsdp")
         _check(self.eval_every >= 0 and self.eval_iters > 0, "trainer.eval_every must be >= 0 and eval_iters > 0")
         _check(self.threads >= 0, f"trainer.threads must be >= 0, got {self.threads}")
 
@@ -212,8 +216,16 @@ class SnapshotConfig:
     snapshots or metrics is refused; true moves them aside to `<dir>.aside-<time>` instead."""
     endpoint_url: str | None = None
     """S3-compatible endpoint (e.g. MinIO); None uses the standard AWS configuration."""
+    uploader: str = "s3fs"
+    """How a shard goes to an object store: "s3fs" or "boto3" (multipart uploads, 8 parts in flight)."""
+    load_layout: str = "exchange"
+    """How ranks that each hold all the weights (DDP) load them: "exchange" (each reads 1/world of
+    the snapshot and the ranks broadcast their parts) or "direct" (every rank reads all of it)."""
 
     def __post_init__(self) -> None:
+        _check(self.uploader in ("s3fs", "boto3"), f"snapshot.uploader={self.uploader!r}: use s3fs or boto3")
+        _check(self.load_layout in ("exchange", "direct"),
+               f"snapshot.load_layout={self.load_layout!r}: use exchange or direct")
         _check(self.every_steps >= 0, f"snapshot.every_steps must be >= 0, got {self.every_steps}")
         _check(self.keep_last >= 1, f"snapshot.keep_last must be >= 1, got {self.keep_last}")
         _check(self.every_seconds >= 0 and self.keep_every >= 0 and self.retries >= 0,

@@ -200,6 +200,14 @@ def on_rank0(fn):
     return result
 
 
+def side_group(timeout_s: float = 1800.0):
+    """A gloo group of all ranks beside the training one, for the snapshot writers' background
+    threads: their collectives never race the training loop's. None without a process group."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
 
 import hydra
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -24,15 +26,17 @@ from mingpt.data import Corpus, DataError, load_corpus
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler, validation_batches
 from mingpt.distributed import DistInfo, PreemptionFlag
 from mingpt.model import GPT
+from mingpt.parallel import parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
+from mingpt.snapshot.restore import restore, restore_newest
 from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start, set_aside
 from mingpt.storage import write_json_atomic
 from mingpt.tokenizer import TokenizerError
 from mingpt.training.metrics import MetricsWriter
-from mingpt.training.optim import build_optimizer
-from mingpt.training.trainer import Trainer
+from mingpt.training.optim import build_optimizer, init_state
+from mingpt.training.trainer import Saving, TrainData, Trainer
 from mingpt.training.watchdog import Watchdog
 
 log = logging.getLogger("mingpt")
@@ -52,12 +56,12 @@ def setup_logging(info: DistInfo) -> None:
         logging.getLogger("mingpt.node").setLevel(logging.INFO)
 
 
-def open_store(url: str, endpoint_url: str | None) -> SnapshotStore:
+def open_store(url: str, endpoint_url: str | None, uploader: str = "s3fs") -> SnapshotStore:
     """The snapshot store, checked to be reachable now rather than at the first save."""
     storage_options = {"endpoint_url": endpoint_url} if endpoint_url else {}
     store = None
     try:
-        store = SnapshotStore(url, storage_options)
+        store = SnapshotStore(url, storage_options, uploader=uploader)
         store.check()
     except Exception as e:  # noqa: BLE001 - any backend's connection or permission error
         if store is not None and store.local:
@@ -115,22 +119,23 @@ def with_pretrained_shape(cfg: RunConfig, directory: Path) -> RunConfig:
 
 def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None) -> Trainer:
     """Build every object of the run from the typed config; resume if a snapshot exists."""
-    tcfg = cfg.trainer
+    tcfg, sc = cfg.trainer, cfg.snapshot
     torch.set_num_threads(tcfg.threads or distributed.default_threads(info.local_world_size))
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     run_dir = Path(tcfg.run_dir)
-    store = open_store(cfg.snapshot_store, cfg.snapshot.endpoint_url)
-    # Rank 0 decides; every rank gets the same start. Nothing is moved before the snapshot to
-    # continue is known to fit this config.
-    state, manifest, run_id, others = distributed.on_rank0(lambda: choose_start(store, cfg.snapshot, info.job_id))
+    store = open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader)
+    # Rank 0 decides; every rank gets the same candidates (manifests only: each rank then reads its
+    # share of the tensors). Nothing is moved before the snapshot to continue is known to fit.
+    source, found, run_id, others = distributed.on_rank0(lambda: choose_start(store, sc, info.job_id))
+    manifest = found[0][1] if found else None
     pretrained = pretrained_checkpoint(cfg.model.init_from, info) if cfg.model.init_from else None
     if pretrained is not None:
         cfg = with_pretrained_shape(cfg, pretrained)
     if manifest:
         check_compatible(cfg, manifest)
     if info.is_rank0:
-        set_aside(store, others, run_dir, info.job_id, fresh=state is None)
+        set_aside(store, others, run_dir, info.job_id, fresh=not found)
 
     try:
         corpus = load_corpus(cfg.data, manifest["tokenizer"] if manifest else None)
@@ -154,48 +159,64 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                             f"corpus and tokenizer give {model_cfg.vocab_size}: resume with the snapshot's data, or "
                             "start a new run in its own directory: trainer.run_dir=runs/NEW")
 
-    torch.manual_seed(tcfg.seed)  # same initial weights on every rank
-    raw = GPT(model_cfg)
-    if pretrained is not None and state is None:  # a snapshot to resume wins over the starting weights
+    with torch.device("meta"):  # no memory and no initialisation until the strategy has placed it
+        raw = GPT(model_cfg)
+    # A snapshot to resume overwrites every value: the weights are initialised only for a new run.
+    parallel = parallelize(raw, tcfg.parallel, info, seed=None if found else tcfg.seed, compile=tcfg.compile)
+    if pretrained is not None and not found:  # a snapshot to resume wins over the starting weights
         checkpoint_vocab = read_config(pretrained)["vocab_size"]
         if checkpoint_vocab != model_cfg.vocab_size:
             raise PretrainedError(f"{cfg.model.init_from} has a vocabulary of {checkpoint_vocab} tokens, the "
                                   f"tokenizer {model_cfg.vocab_size}: use GPT-2's BPE ranks")
         load_into(raw, pretrained)
         log.info("initialised from %s (%s)", cfg.model.init_from, pretrained)
-    raw = raw.to(info.device)
-    log.info("model %s: %.2fM parameters, context %d", model_cfg.preset or "custom", raw.num_params() / 1e6,
-             model_cfg.block_size)
-    model: torch.nn.Module = raw
-    if tcfg.compile:
-        model = torch.compile(model)
-    if info.distributed:
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[info.local_rank] if info.device.startswith("cuda") else None,
-            gradient_as_bucket_view=True)
+    log.info("model %s: %.2fM parameters, context %d, %s", model_cfg.preset or "custom", raw.num_params() / 1e6,
+             model_cfg.block_size, parallel.name)
     optimizer = build_optimizer(raw, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
+    init_state(optimizer)
     scaler = torch.amp.GradScaler(torch.device(info.device).type, enabled=tcfg.precision == "fp16")
     sampler, val_sampler = build_samplers(cfg, corpus, raw)
-    val_batches = validation_batches(val_sampler, info.world_size, info.rank, tcfg.eval_iters)
+    val_batches = [validation_batches(val_sampler, info.world_size, r, tcfg.eval_iters) for r in range(info.world_size)]
+    mine = val_batches[info.rank] + [np.zeros(0, int)] * (max(map(len, val_batches)) - len(val_batches[info.rank]))
     metrics = MetricsWriter(tcfg.run_dir, enabled=info.is_rank0, tensorboard=tcfg.tensorboard)
-    snapshot_meta = {"run_id": run_id, "job_id": info.job_id, "config": cfg.to_dict(),
-                     "model_shape": model_cfg.shape_dict(), "tokenizer": corpus.tokenizer.state_dict(),
-                     "corpus": corpus.source}
+    meta = {"run_id": run_id, "job_id": info.job_id, "config": cfg.to_dict(), "model_shape": model_cfg.shape_dict(),
+            "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source}
     if info.is_rank0:
         write_json_atomic(run_dir / "tokenizer.json", corpus.tokenizer.state_dict())
-    sc = cfg.snapshot
-    snapshotter = Snapshotter(store, sc.keep_last, sc.keep_every, sc.retries, enabled=info.is_rank0)
-    trainer = Trainer(tcfg, cfg.optim, model, raw, optimizer, scaler, corpus.train, corpus.val, sampler, val_batches,
-                      info, metrics, snapshotter, sc.every_steps, sc.every_seconds, preempt or PreemptionFlag(),
-                      snapshot_meta, Watchdog(tcfg.watchdog_s, f"rank {info.rank} ({info.hostname}:{info.local_rank})"))
-    if state is not None:
-        trainer.load_state_dict(state)
-        log.info("resumed from snapshot step %d (saved at world size %d, now %d; torchrun restart %d here)",
-                 trainer.step, manifest["world_size"], info.world_size, info.restart_count)
-        metrics.write({"kind": "resume", "step": trainer.step, "world_size": info.world_size})
-    metrics.write({"kind": "start", "run_id": run_id, "job_id": info.job_id, "step": trainer.step,
+    snapshotter = Snapshotter(store, writer=info.rank, writers=info.world_size, group=distributed.side_group(),
+                              keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries)
+    hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]
+    trainer = Trainer(cfg=tcfg, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer, scaler=scaler,
+                      data=TrainData(corpus.train, corpus.val, sampler, mine),
+                      saving=Saving(snapshotter, sc.every_steps, sc.every_seconds, meta), metrics=metrics, dist=info,
+                      hosts=hosts, preempt=preempt or PreemptionFlag(),
+                      watchdog=Watchdog(tcfg.watchdog_s, f"rank {info.rank} ({info.hostname}:{info.local_rank})"))
+    if found:
+        resume(cfg, trainer, store if source == store.url else SnapshotStore(source, store.storage_options), found)
+    metrics.write({"kind": "start", "run_id": run_id, "job_id": info.job_id, "step": trainer.progress.step,
                    "world_size": info.world_size, "restart": info.restart_count})
     return trainer
+
+
+def resume(cfg: RunConfig, trainer: Trainer, store: SnapshotStore, found: list[tuple[str, dict]]) -> None:
+    """Every rank loads its share of the newest good snapshot into the live tensors."""
+    info, optimizer, first = trainer.dist, trainer.optimizer, found[0][1]
+    names = {p: n for n, p in trainer.parallel.raw.named_parameters()}
+    order = [names[p] for group in optimizer.param_groups for p in group["params"]]  # format 1's optimizer ids
+    slots = trainer.parallel.slots(optimizer)
+    t0 = time.perf_counter()
+
+    def load(path: str, manifest: dict) -> dict:
+        return restore(store, path, manifest, slots, rank=info.rank, world=info.world_size,
+                       layout=cfg.snapshot.load_layout, optimizer_names=order)
+
+    manifest, extra = restore_newest(store, found, load, lambda m: m is first or check_compatible(cfg, m))
+    trainer.load_state(extra)
+    log.info("resumed from snapshot step %d in %.2fs (saved by %d rank%s with %s, now %d with %s; torchrun restart "
+             "%d here)", trainer.progress.step, time.perf_counter() - t0, manifest["world_size"],
+             "" if manifest["world_size"] == 1 else "s", manifest.get("parallel", "ddp"), info.world_size,
+             trainer.parallel.name, info.restart_count)
+    trainer.metrics.write({"kind": "resume", "step": trainer.progress.step, "world_size": info.world_size})
 
 
 def preflight(cfg: RunConfig, info: DistInfo) -> None:
@@ -220,7 +241,10 @@ def train_process(dcfg: DictConfig) -> int:
             info.hostname, info.local_world_size, info.rank, info.world_size, info.restart_count)
         preflight(cfg, info)
         trainer = assemble(cfg, info, preempt)
-        if trainer.train():
+        finished = trainer.train()
+        trainer.close()
+        trainer = None
+        if finished:
             return 0
         return distributed.EXIT_INTERRUPTED if preempt.interrupted else distributed.EXIT_PREEMPTED
     except USER_ERRORS as e:
@@ -233,8 +257,8 @@ def train_process(dcfg: DictConfig) -> int:
         return distributed.report_error(info, f"{e.__class__.__name__}: {e}", code=1,
                                         detail=traceback.format_exc(), each_node=True)
     finally:
-        if trainer is not None:
-            trainer.close()  # the objects themselves live on until the process exits
+        if trainer is not None:  # an error: a save in flight cannot gather every rank's record now
+            trainer.close(wait=False)
         distributed.shutdown()
 
 

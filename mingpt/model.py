@@ -30,6 +30,20 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size", "bias")
 
 
+def assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the leading rows of a whole tensor, `full`, into a parameter: a plain tensor, or a shard
+    of rows (an FSDP2 DTensor, cut by torch.chunk's rule) that takes just its own rows."""
+    with torch.no_grad():
+        if hasattr(param, "device_mesh"):  # a DTensor
+            mesh, local = param.device_mesh, param.to_local()
+            size = -(-param.shape[0] // mesh.size())
+            start = min(mesh.get_local_rank() * size, param.shape[0])
+            rows = max(0, min(len(full) - start, len(local)))
+            local[:rows].copy_(full[start:start + rows])
+        else:
+            param[: len(full)].copy_(full)
+
+
 def pad_vocab(vocab_size: int, multiple: int = 64) -> int:
     """Round the vocabulary up so the embedding and LM-head matmuls hit fast kernel shapes."""
     return ((vocab_size + multiple - 1) // multiple) * multiple
@@ -202,8 +216,41 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)
-        self.lm_head.weight = self.wte.weight  # weight tying, as in GPT-2
+        self.tie_weights()
         self.apply(self._init_weights)
+
+    def tie_weights(self) -> None:
+        """One matrix embeds tokens and predicts them, as in GPT-2 (again after `to_empty`, which
+        gives every module its own new parameters)."""
+        self.lm_head.weight = self.wte.weight
+
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter in place to the values `torch.manual_seed(seed); GPT(cfg)` gives
+        on CPU, also after the model was built on the meta device, materialised with to_empty and
+        sharded: each value is drawn whole on CPU from a generator of `seed` and each rank keeps its
+        rows. The draws that construction makes and then overwrites (nn.Linear's and nn.Embedding's
+        own reset_parameters) are replayed too, so that the generator is where it was."""
+        gen = torch.Generator().manual_seed(seed)
+        linears = [m for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
+        for m in linears:  # construction: module by module, in the order they were built
+            w = torch.empty(m.weight.shape)
+            if isinstance(m, nn.Embedding):
+                nn.init.normal_(w, generator=gen)
+                continue
+            nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)
+            if m.bias is not None:
+                bound = 1 / math.sqrt(m.weight.shape[1]) if m.weight.shape[1] > 0 else 0
+                nn.init.uniform_(torch.empty(m.bias.shape), -bound, bound, generator=gen)
+        for m in self.modules():  # then self.apply(self._init_weights), whose values stay
+            if isinstance(m, nn.LayerNorm):
+                assign(m.weight, torch.ones(m.weight.shape))
+                if m.bias is not None:
+                    assign(m.bias, torch.zeros(m.bias.shape))
+            elif isinstance(m, (nn.Linear, nn.Embedding)):
+                std = 0.02 * ((2 * self.config.n_layer) ** -0.5 if getattr(m, "residual_scale", False) else 1)
+                assign(m.weight, nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=gen))
+                if getattr(m, "bias", None) is not None:
+                    assign(m.bias, torch.zeros(m.bias.shape))
 
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

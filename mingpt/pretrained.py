@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from mingpt.model import assign
+
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # The parameters of one transformer block, under the same names in both layouts (h.N / blocks.N).
@@ -103,17 +105,16 @@ def load_into(model: torch.nn.Module, directory: Path) -> None:
     """Copy a GPT-2 checkpoint into our GPT of the same shape (the first block_size positions; the
     padded vocabulary rows keep their initial values: they are never input nor predicted)."""
     ours = to_ours(read_weights(directory), model.config.n_layer)
-    own = model.state_dict()
-    with torch.no_grad():
-        for name, t in ours.items():
-            target = own[name]
-            if name in ("wte.weight", "wpe.weight"):  # (vocab or positions, C): the leading rows
-                target[: min(len(t), len(target))].copy_(t[: len(target)])
-            else:
-                if target.shape != t.shape:
-                    raise PretrainedError(f"{directory}: {name} has shape {tuple(t.shape)}, the model "
-                                          f"{tuple(target.shape)}")
-                target.copy_(t)
+    own = dict(model.named_parameters())
+    for name, t in ours.items():
+        target = own[name]
+        if name in ("wte.weight", "wpe.weight"):  # (vocab or positions, C): the leading rows
+            assign(target, t[: target.shape[0]])
+        else:
+            if tuple(target.shape) != tuple(t.shape):
+                raise PretrainedError(f"{directory}: {name} has shape {tuple(t.shape)}, the model "
+                                      f"{tuple(target.shape)}")
+            assign(target, t)
 
 
 def write_gpt2(directory: Path, model_state: dict[str, torch.Tensor], shape: dict, extra: dict | None = None) -> None:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from mingpt.snapshot import SnapshotStore
-from mingpt.snapshot.store import STATE_FILE, SnapshotInfo
+from mingpt.snapshot.store import SnapshotInfo
 
 
 def weights_digest(model_state: dict) -> str:
@@ -34,13 +34,13 @@ def _describe(store: SnapshotStore, info: SnapshotInfo, verify: bool) -> dict:
         return row
     try:
         m = store.read_manifest(info.path)
-        row.update(time=m["time"], size=m["files"][STATE_FILE]["size"], world_size=m.get("world_size"),
-                   tokens_seen=m.get("tokens_seen"))
+        row.update(time=m["time"], size=sum(f["size"] for f in m["files"].values()), world_size=m.get("world_size"),
+                   files=len(m["files"]), format=m["format_version"], tokens_seen=m.get("tokens_seen"))
     except Exception as e:  # noqa: BLE001 - reported in the table
         row["error"] = f"{e.__class__.__name__}: {e}"
         return row
     if verify:
-        try:
+        try:  # every shard, every piece against its sha256
             state, _ = store.load(info.path)
             row["checksum"] = "ok"
             row["weights"] = weights_digest(state["model"]) if "model" in state else None
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'step':>10}  {'state':<11} {'size MB':>9} {'world':>5}  {'saved at':<19}  check")
+        print(f"{'step':>10}  {'state':<11} {'size MB':>9} {'files':>5} {'world':>5}  {'saved at':<19}  check")
         for r in rows:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if "time" in r else "-"
             state = "committed" if r["committed"] else "incomplete"
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             check = r.get("error") or r.get("checksum", "")
             if r.get("weights"):
                 check += f"  weights {r['weights']}"
-            print(f"{r['step']:>10}  {state:<11} {size} {r.get('world_size') or '-':>5}  {when:<19}  {check}")
+            print(f"{r['step']:>10}  {state:<11} {size} {r.get('files', '-'):>5} {r.get('world_size') or '-':>5}  "
+                  f"{when:<19}  {check}")
     bad = any(r.get("error") or str(r.get("checksum", "ok")) != "ok" for r in rows if r["committed"])
     return 1 if (args.command == "verify" and bad) else 0
 

@@ -12,14 +12,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from mingpt.config import RunConfig, SnapshotConfig
-from mingpt.snapshot.store import SnapshotError, SnapshotStore, load_from
+from mingpt.snapshot.store import _STEP_RE, MismatchError, SnapshotError, SnapshotStore
 from mingpt.training.metrics import MetricsWriter
 
 log = logging.getLogger("mingpt")
-
-
-class MismatchError(SnapshotError):
-    pass
 
 
 # Where each shape field is set: the advice in a mismatch names the key to change.
@@ -55,9 +51,35 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
+def candidates(store: SnapshotStore, infos: list, limit: int = 3) -> list[tuple[str, dict]]:
+    """(path, manifest) of the newest committed snapshots whose manifest reads and whose files are
+    all there at the listed sizes (one listing each, no data read), newest first; each one passed
+    over is named in a warning. The ranks then load the first that checks out."""
+    out = []
+    for info in sorted(infos, key=lambda s: -s.step):
+        try:
+            manifest = store.read_manifest(info.path)
+            missing = [] if manifest["format_version"] == 1 else store.missing_files(info.path, manifest)
+        except Exception as e:  # noqa: BLE001 - an unreadable manifest: try the previous snapshot
+            missing = [f"its manifest cannot be read ({e.__class__.__name__}: {e})"]
+        if missing:
+            log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", info.path,
+                        "; ".join(missing))
+            continue
+        out.append((info.path, manifest))
+        if len(out) == limit:
+            break
+    if infos and not out:
+        raise SnapshotError(
+            f"no snapshot in {store.url} can be loaded (see the warnings above). Pick one that loads with "
+            "snapshot.resume=PATH, or start over with snapshot.resume=never snapshot.move_aside=true "
+            "(which moves these snapshots aside, deleting nothing)")
+    return out
+
+
 def choose_start(store: SnapshotStore, scfg: SnapshotConfig, job_id: str | None):
-    """(state, manifest, run id, other run's snapshots) this start continues from; a fresh run has
-    no state.
+    """(store URL, candidate snapshots, run id, other run's snapshots) this start continues from;
+    a fresh run has no candidates. The candidates are (path, manifest), newest first.
 
     Two runs never share a store: starting afresh (resume=never) or from an explicit snapshot in a
     store that holds other snapshots is refused, unless `move_aside` allows moving them aside.
@@ -76,16 +98,22 @@ def choose_start(store: SnapshotStore, scfg: SnapshotConfig, job_id: str | None)
                      job_id, newest["step"])
             resume = "latest"
     if resume == "latest":
-        found = store.load_latest()
-        if found is None:
-            return None, None, new_run_id(), []
-        return found[0], found[1], found[1].get("run_id") or new_run_id(), []
+        found = candidates(store, committed)
+        run_id = (found[0][1].get("run_id") if found else None) or new_run_id()
+        return store.url, found, run_id, []
     if resume == "never":
-        state, manifest, run_id, start_step = None, None, new_run_id(), 0
+        source, found, run_id, start_step = store.url, [], new_run_id(), 0
         what = "snapshot.resume=never starts a new run"
     else:
-        state, manifest = load_from(resume, store.storage_options)
-        run_id, start_step = manifest.get("run_id") or new_run_id(), manifest["step"]
+        parent, _, name = resume.rstrip("/").rpartition("/")
+        one = _STEP_RE.match(name)
+        source = (parent or ".") if one else resume
+        other = SnapshotStore(source, store.storage_options)
+        infos = [s for s in other.list() if s.committed and (not one or s.path.rstrip("/").endswith(name))]
+        if not infos:
+            raise SnapshotError(f"no committed snapshot at {resume}")
+        found = candidates(other, infos, limit=1)
+        run_id, start_step = found[0][1].get("run_id") or new_run_id(), found[0][1]["step"]
         what = f"resuming from {resume} (step {start_step}) would mix them with this run's"
     others = [s for s in committed if s.step > start_step or resume == "never"
               or store.run_id_of(s) not in (run_id, None)]
@@ -95,7 +123,7 @@ def choose_start(store: SnapshotStore, scfg: SnapshotConfig, job_id: str | None)
         raise SnapshotError(
             f"snapshot store {store.url} holds snapshots of another run ({_steps(others)}); {what}. Give this run "
             f"its own directory ({elsewhere}), or add snapshot.move_aside=true to move them aside (nothing is deleted)")
-    return state, manifest, run_id, others
+    return source, found, run_id, others
 
 
 def set_aside(store: SnapshotStore, others: list, run_dir: Path, job_id: str | None, fresh: bool) -> None:

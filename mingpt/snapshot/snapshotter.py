@@ -1,92 +1,176 @@
-"""Asynchronous, retried saving for the job's single writer: training blocks only for the copy into
-reused CPU buffers; serialization, upload, retries and retention run on a background thread."""
+"""Asynchronous, retried saving by every rank: training blocks only for the copy of this rank's rows
+into one reused CPU buffer; hashing, writing, retries, the commit and retention run on a background
+thread."""
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
+import torch.distributed as dist
 
-from mingpt.snapshot.store import SnapshotStore
+from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Slot, as_rows, dtype_name, plan, specs_of
+from mingpt.snapshot.store import SnapshotStore, sha256
 
 log = logging.getLogger(__name__)
 
 
-def cpu_copy(obj, into=None):
-    """A copy of a state tree with every tensor copied off the accelerator into CPU memory.
+class ShardWriter:
+    """One writer's part of a snapshot: the plan's rows of every tensor for writer `writer`, copied
+    into one flat CPU buffer laid out as the shard file (reused from save to save), then hashed and
+    written. Writer 0 also writes the small state."""
 
-    This is the only part of a save that blocks training: afterwards the live tensors may change.
-    `into`, a previous copy of the same structure, is reused where shapes match: writing into
-    memory that is already mapped (and pinned) is several times faster than allocating anew.
-    """
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if not (isinstance(into, torch.Tensor) and into.shape == t.shape and into.dtype == t.dtype):
-            into = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
-        return into.copy_(t, non_blocking=t.device.type == "cuda")
-    if isinstance(obj, dict):
-        prev = into if isinstance(into, dict) else {}
-        return {k: cpu_copy(v, prev.get(k)) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        prev = into if isinstance(into, (list, tuple)) and len(into) == len(obj) else [None] * len(obj)
-        return type(obj)(cpu_copy(v, p) for v, p in zip(obj, prev))
-    return obj
+    def __init__(self, writer: int, writers: int):
+        self.writer, self.writers = writer, writers
+        self._specs, self.pieces, self.sizes, self._row_bytes = None, {}, [], {}
+        self._image: torch.Tensor | None = None
+
+    def mine(self):
+        """(tensor name, piece) of this writer, in file order."""
+        return [(name, p) for name, ps in self.pieces.items() for p in ps if p.writer == self.writer]
+
+    def copy(self, slots: list[Slot], extra: dict) -> tuple[torch.Tensor, bytes | None]:
+        """The blocking part of a save: this writer's rows into the buffer, the small state serialized."""
+        specs = specs_of(slots)
+        if specs != self._specs:
+            self._specs = specs
+            self.pieces, self.sizes = plan(specs, self.writers)
+            self._row_bytes = {s.name: s.row_bytes for s in slots}
+        size = self.sizes[self.writer]
+        if self._image is None or self._image.numel() != size:
+            cuda = any(s.local.device.type == "cuda" for s in slots)
+            self._image = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+        by_name = {s.name: s for s in slots}
+        for name, p in self.mine():
+            slot = by_name[name]
+            if not slot.start <= p.start < p.stop <= slot.stop:
+                raise RuntimeError(f"{name}: this rank holds rows {slot.start}-{slot.stop}, the plan gives it "
+                                   f"{p.start}-{p.stop}")
+            src = as_rows(slot.local)[p.start - slot.start:p.stop - slot.start]
+            dst = self._image[p.offset:p.offset + src.numel()].view(src.shape)
+            dst.copy_(src, non_blocking=src.device.type == "cuda")
+        extra_bytes = None
+        if self.writer == 0:
+            buf = io.BytesIO()
+            torch.save(extra, buf)
+            extra_bytes = buf.getvalue()
+        return self._image, extra_bytes
+
+    def write(self, store: SnapshotStore, step: int, image: torch.Tensor, extra: bytes | None) -> dict:
+        """Write this writer's files durably; returns what the manifest records of them."""
+        view = memoryview(image.numpy()) if image.numel() else memoryview(b"")
+        hashes = [sha256(view[p.offset:p.offset + (p.stop - p.start) * self._row_bytes[name]]) for name, p in self.mine()]
+        store.write_file(step, SHARD_FORMAT.format(self.writer, self.writers), view)
+        record = {"writer": self.writer, "size": len(view), "sha256": hashes}
+        if extra is not None:
+            store.write_file(step, EXTRA_FILE, extra)
+            record["extra"] = {"size": len(extra), "sha256": sha256(extra)}
+        return record
+
+    def manifest(self, meta: dict, records: list[dict]) -> dict:
+        """The manifest of a snapshot from every writer's record (run by the committing writer)."""
+        hashes = {r["writer"]: iter(r["sha256"]) for r in records}
+        tensors = {}
+        for name, shape, dtype in self._specs:
+            tensors[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "pieces": []}
+            for p in self.pieces[name]:
+                tensors[name]["pieces"].append([p.writer, p.offset, p.start, p.stop, next(hashes[p.writer])])
+        files = {SHARD_FORMAT.format(r["writer"], self.writers): {"size": r["size"]} for r in records}
+        files.update({EXTRA_FILE: r["extra"] for r in records if "extra" in r})
+        return {**meta, "writers": self.writers, "files": files, "tensors": tensors}
 
 
 class Snapshotter:
-    """Asynchronous, retried snapshot saving for the job's single writer.
+    """Asynchronous, retried snapshot saving, one instance per rank (writer).
 
-    `save` blocks only while the state is copied to CPU; serialization, upload, retries and
-    retention run on one background thread, one snapshot at a time. A failed save is logged
-    and training goes on: the previous snapshot stays the latest committed one.
+    `save` blocks only while this rank's rows are copied to CPU. On a background thread each writer
+    then writes its shard; the writers' records meet in an all-gather on `group` (a gloo group of
+    their own, so that it never races the training loop's collectives), and writer 0 commits the
+    manifest only when every shard is durable and hashed, then prunes. A failed save is logged and
+    training goes on: the previous snapshot stays the latest committed one.
     """
 
-    def __init__(self, store: SnapshotStore, keep_last: int, keep_every: int = 0, retries: int = 3,
-                 backoff_s: float = 1.0, enabled: bool = True):
+    def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, group=None, keep_last: int = 3,
+                 keep_every: int = 0, retries: int = 3, backoff_s: float = 1.0):
         self.store, self.keep_last, self.keep_every = store, keep_last, keep_every
-        self.retries, self.backoff_s, self.enabled = retries, backoff_s, enabled
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot") if enabled else None
+        self.retries, self.backoff_s, self.group = retries, backoff_s, group
+        self.shard = ShardWriter(writer, writers)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._pending: Future | None = None
         self.last_saved_step: int | None = None
         self._requested_step: int | None = None
-        self._buffers = None  # the last CPU copy, reused by the next save once it has been written
         self.failures = 0
         self.blocking_s: list[float] = []
+        self.save_s: list[float] = []
 
-    def save(self, step: int, state: dict, manifest: dict) -> None:
-        if not self.enabled or step == self._requested_step:  # e.g. the final save right after a periodic one
+    @property
+    def committer(self) -> bool:
+        return self.shard.writer == 0
+
+    def save(self, step: int, slots: list[Slot], extra: dict, manifest: dict) -> None:
+        """Every rank calls this at the same step; returns once the state may change again."""
+        if step == self._requested_step:  # e.g. the final save right after a periodic one
             return
         self._requested_step = step
         self.wait()  # one save at a time; usually long finished
         t0 = time.perf_counter()
-        state = self._buffers = cpu_copy(state, self._buffers)
+        image, extra_bytes = self.shard.copy(slots, extra)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies are complete
         self.blocking_s.append(time.perf_counter() - t0)
-        self._pending = self._pool.submit(self._write, step, state, manifest, t0)
+        self._pending = self._pool.submit(self._write, step, image, extra_bytes, manifest, t0)
 
-    def _write(self, step: int, state: dict, manifest: dict, t0: float) -> None:
+    def _write(self, step: int, image: torch.Tensor, extra: bytes | None, manifest: dict, t0: float) -> None:
+        ready = not self.committer or self._retried(step, "preparing", lambda: self.store.begin(step) or True)
+        if not all(self._gather(bool(ready))):  # nobody writes before the folder is uncommitted
+            self.failures += 1
+            return
+        record = self._retried(step, "writing its shard", lambda: self.shard.write(self.store, step, image, extra))
+        records = self._gather(record)
+        if any(r is None for r in records):
+            self.failures += 1
+            if self.committer:
+                bad = [SHARD_FORMAT.format(i, self.shard.writers) for i, r in enumerate(records) if r is None]
+                log.error("snapshot step %d not committed: %s could not be written; training goes on and the "
+                          "previous snapshot stays the latest", step, ", ".join(bad))
+            return
+        if self.committer:
+            path = self._retried(step, "committing", lambda: self.store.commit(step, self.shard.manifest(manifest, records)))
+            if path is None:
+                self.failures += 1
+                return
+            pruned = self.store.prune(self.keep_last, self.keep_every, protect=step)
+            log.info("snapshot step %d committed to %s by %d writer%s in %.2fs (%.0f ms blocking)%s", step, path,
+                     self.shard.writers, "" if self.shard.writers == 1 else "s", time.perf_counter() - t0,
+                     1000 * self.blocking_s[-1], f", pruned {len(pruned)}" if pruned else "")
+        self.last_saved_step = step
+        self.save_s.append(time.perf_counter() - t0)
+
+    def _retried(self, step: int, what: str, fn):
+        """fn() with retries and backoff; None (logged) when every attempt failed."""
         for attempt in range(self.retries + 1):
             try:
-                path = self.store.save(step, state, manifest)
-                pruned = self.store.prune(self.keep_last, self.keep_every, protect=step)
-                self.last_saved_step = step
-                log.info("snapshot step %d committed to %s in %.2fs (%.0f ms blocking)%s", step, path,
-                         time.perf_counter() - t0, 1000 * self.blocking_s[-1],
-                         f", pruned {len(pruned)}" if pruned else "")
-                return
+                return fn()
             except Exception as e:  # noqa: BLE001 - storage errors of any backend: retry, then report
                 if attempt == self.retries:
-                    self.failures += 1
-                    log.error("snapshot step %d failed after %d attempts (%s: %s); training goes on and the "
-                              "previous snapshot stays the latest", step, attempt + 1, e.__class__.__name__, e)
-                    return
+                    log.error("snapshot step %d failed after %d attempts %s (%s: %s); training goes on and the "
+                              "previous snapshot stays the latest", step, attempt + 1, what, e.__class__.__name__, e)
+                    return None
                 delay = self.backoff_s * 2**attempt
-                log.warning("snapshot step %d: attempt %d failed (%s: %s); retrying in %.1fs", step, attempt + 1,
-                            e.__class__.__name__, e, delay)
+                log.warning("snapshot step %d: attempt %d %s failed (%s: %s); retrying in %.1fs", step, attempt + 1,
+                            what, e.__class__.__name__, e, delay)
                 time.sleep(delay)
+        return None
+
+    def _gather(self, obj) -> list:
+        if self.shard.writers == 1:
+            return [obj]
+        out = [None] * self.shard.writers
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
 
     def wait(self) -> None:
         """Block until the save in flight (if any) has committed or failed."""
@@ -94,8 +178,11 @@ class Snapshotter:
             self._pending.result()
             self._pending = None
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Finish (wait=True) or abandon the save in flight: after a peer failure a save can never
+        gather every writer's record, so an exiting rank does not wait for it."""
         if self._pool is not None:
-            self.wait()
-            self._pool.shutdown()
+            if wait:
+                self.wait()
+            self._pool.shutdown(wait=wait)
             self._pool = None

@@ -1,17 +1,23 @@
-"""Snapshots through fsspec (a local directory or s3://): save, find, load, prune.
+"""Snapshots through fsspec (a local directory or s3://): write, commit, find, read, prune.
 
-Layout of a store:
+Layout of a store (format 2):
 
-    <store>/step_000000500/state.pt        the training state (tensors and plain containers)
-    <store>/step_000000500/manifest.json   written last: its presence commits the snapshot
+    <store>/step_000000500/shard-00000-of-00002.bin   writer 0's rows of every tensor (raw bytes)
+    <store>/step_000000500/shard-00001-of-00002.bin   writer 1's rows
+    <store>/step_000000500/extra.pt                   the small state: sampler, counters, GradScaler
+    <store>/step_000000500/manifest.json              written last: its presence commits the snapshot
 
-A snapshot is found by scanning for step folders that hold a manifest; anything else
-(an interrupted write, a temporary folder) is invisible. Local writes go to a temporary
-folder that is fsynced and renamed into place; object stores rely on atomic single-object PUT.
+The manifest lists every tensor's dtype, shape and pieces (writer, offset, rows, sha256) and every
+file's size, so a reader takes just the rows it needs and checks them. A snapshot is found by
+scanning for step folders that hold a manifest; anything else (an interrupted write, a leftover
+file) is invisible. Local files are written under a temporary name, fsynced and renamed; object
+stores rely on atomic single-object PUT and multipart completion. Format 1 snapshots (one
+`state.pt`) still load.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
@@ -20,16 +26,21 @@ import os
 import re
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import fsspec
 import torch
 
+from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Piece, as_rows, dtype_of
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-STATE_FILE = "state.pt"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+STATE_FILE = "state.pt"  # format 1
 MANIFEST_FILE = "manifest.json"
+PART_BYTES = 16 * 2**20  # multipart upload part and ranged read size
 _STEP_RE = re.compile(r"^step_(\d{9})$")
 
 
@@ -37,26 +48,15 @@ class SnapshotError(RuntimeError):
     """A snapshot cannot be used; the message says why and what to do."""
 
 
+class MismatchError(SnapshotError):
+    """The snapshot is of another model shape or tokenizer: no older one of the store would fit."""
+
+
 @dataclass(frozen=True)
 class SnapshotInfo:
     step: int
     path: str
     committed: bool
-
-
-class _HashingWriter:
-    """A write-only file wrapper that hashes and counts what passes through."""
-
-    def __init__(self, fh):
-        self.fh, self.sha, self.size = fh, hashlib.sha256(), 0
-
-    def write(self, b) -> int:
-        self.sha.update(b)
-        self.size += len(b)
-        return self.fh.write(b)
-
-    def flush(self) -> None:
-        self.fh.flush()
 
 
 def _fsync_dir(path: str) -> None:
@@ -67,14 +67,51 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class SnapshotStore:
-    """All snapshot I/O of a run goes through this one fsspec-backed object."""
+def sha256(view) -> str:
+    return hashlib.sha256(view).hexdigest()
 
-    def __init__(self, url: str, storage_options: dict | None = None):
+
+class _ViewReader(io.RawIOBase):
+    """A read-only file over a memoryview, for boto3's transfer manager (no copy of the whole)."""
+
+    def __init__(self, view: memoryview):
+        self.view, self.pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        n = min(len(b), len(self.view) - self.pos)
+        b[:n] = self.view[self.pos:self.pos + n]
+        self.pos += n
+        return n
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: len(self.view) + offset}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+
+class SnapshotStore:
+    """All snapshot I/O of a run goes through this one fsspec-backed object.
+
+    `uploader` picks how a large file goes to an object store: "s3fs" (its multipart upload,
+    `concurrency` parts in flight) or "boto3" (boto3's transfer manager, as many threads).
+    """
+
+    def __init__(self, url: str, storage_options: dict | None = None, uploader: str = "s3fs",
+                 concurrency: int = 8):
         self.url = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.uploader, self.concurrency = uploader, concurrency
+        self._boto = None
 
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
@@ -106,60 +143,202 @@ class SnapshotStore:
                 out.append(SnapshotInfo(int(m.group(1)), entry.rstrip("/"), committed))
         return sorted(out, key=lambda s: s.step)
 
-    def save(self, step: int, state: dict, manifest: dict) -> str:
-        """Write and commit the snapshot of `step`; returns its path."""
-        final = self._path(self.name(step))
+    # ------------------------------------------------------------------ writing
+    def begin(self, step: int) -> None:
+        """Make the folder of `step` uncommitted before its files are written again (a step saved
+        anew after a fall back past it); the first writer calls it before any writer starts."""
+        path = self._path(self.name(step), MANIFEST_FILE)
+        if self.fs.exists(path):
+            self.fs.rm(path)
         if self.local:
-            # Build everything under a temporary name, then one rename makes it appear whole.
-            work = self._path(f".tmp-{self.name(step)}-{uuid.uuid4().hex[:8]}")
-        else:
-            work = final
-        self.fs.makedirs(work, exist_ok=True)
-        with self.fs.open(f"{work}/{STATE_FILE}", "wb") as fh:
-            w = _HashingWriter(fh)
-            torch.save(state, w)
-            w.flush()
-            if self.local:
-                os.fsync(fh.fileno())
-        manifest = {
-            **manifest,
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "time": time.time(),
-            "files": {STATE_FILE: {"size": w.size, "sha256": w.sha.hexdigest()}},
-            "versions": {"torch": torch.__version__},
-        }
-        with self.fs.open(f"{work}/{MANIFEST_FILE}", "wb") as fh:  # written last: the commit
-            fh.write(json.dumps(manifest, indent=1, default=str).encode())
-            if self.local:
-                fh.flush()
-                os.fsync(fh.fileno())
-        if self.local:
-            if self.fs.exists(final):  # a stale uncommitted folder of the same step
-                self.fs.rm(final, recursive=True)
-            os.replace(work, final)
-            _fsync_dir(self.root)
-        return final
+            self.fs.makedirs(self._path(self.name(step)), exist_ok=True)
 
+    def write_file(self, step: int, name: str, data) -> None:
+        """Write one file of a snapshot durably (local: fsynced under a temporary name, then renamed;
+        object store: a PUT, or a multipart upload with several parts in flight)."""
+        folder = self._path(self.name(step))
+        view = memoryview(data).cast("B")
+        if self.local:
+            os.makedirs(folder, exist_ok=True)
+            tmp = f"{folder}/.{name}.{uuid.uuid4().hex[:8]}"
+            try:
+                with open(tmp, "wb") as fh:
+                    fh.write(view)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, f"{folder}/{name}")
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+        elif self.uploader == "boto3":
+            self._upload_boto3(f"{folder}/{name}", view)
+        else:
+            self._upload_s3fs(f"{folder}/{name}", view)
+
+    def _upload_s3fs(self, path: str, view: memoryview) -> None:
+        if len(view) < 2 * PART_BYTES:
+            self.fs.pipe_file(path, bytes(view))
+            return
+        fs = self.fs
+        bucket, key, _ = fs.split_path(path)
+
+        async def upload() -> None:
+            mpu = await fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+            gate = asyncio.Semaphore(self.concurrency)
+
+            async def part(i: int, start: int) -> dict:
+                async with gate:
+                    out = await fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
+                                            PartNumber=i + 1, Body=bytes(view[start:start + PART_BYTES]))
+                return {"PartNumber": i + 1, "ETag": out["ETag"]}
+
+            try:
+                parts = await asyncio.gather(*(part(i, s) for i, s in enumerate(range(0, len(view), PART_BYTES))))
+                await fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
+                                  MultipartUpload={"Parts": list(parts)})
+            except BaseException:
+                await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"])
+                raise
+
+        fsspec.asyn.sync(fs.loop, upload)
+        fs.invalidate_cache(path)
+
+    def _upload_boto3(self, path: str, view: memoryview) -> None:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+
+        if self._boto is None:
+            opts = self.storage_options
+            self._boto = boto3.client("s3", endpoint_url=opts.get("endpoint_url")
+                                      or opts.get("client_kwargs", {}).get("endpoint_url"))
+        bucket, key = path.split("/", 1)
+        config = TransferConfig(multipart_threshold=2 * PART_BYTES, multipart_chunksize=PART_BYTES,
+                                max_concurrency=self.concurrency)
+        self._boto.upload_fileobj(_ViewReader(view), bucket, key, Config=config)
+        self.fs.invalidate_cache(path)
+
+    def commit(self, step: int, manifest: dict) -> str:
+        """Write the manifest, last: the snapshot of `step` exists from this moment. Returns its path."""
+        folder = self._path(self.name(step))
+        manifest = {**manifest, "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+                    "versions": {"torch": torch.__version__}}
+        data = json.dumps(manifest, indent=1, default=str).encode()
+        if self.local:
+            self.write_file(step, MANIFEST_FILE, data)
+            _fsync_dir(folder)
+        else:
+            self.fs.pipe_file(f"{folder}/{MANIFEST_FILE}", data)
+        return folder
+
+    def save(self, step: int, tensors: dict[str, torch.Tensor], extra: dict, manifest: dict) -> str:
+        """Write and commit a snapshot as one writer (tests, tools): `tensors` by name, `extra` plain."""
+        from mingpt.snapshot.snapshotter import ShardWriter
+        from mingpt.snapshot.layout import Slot
+
+        slots = [Slot(k, v.detach().contiguous(), tuple(v.shape)) for k, v in tensors.items()]
+        writer = ShardWriter(0, 1)
+        image, extra_bytes = writer.copy(slots, extra)
+        self.begin(step)
+        record = writer.write(self, step, image, extra_bytes)
+        return self.commit(step, writer.manifest(manifest, [record]))
+
+    # ------------------------------------------------------------------ reading
     def read_manifest(self, path: str) -> dict:
         with self.fs.open(f"{path}/{MANIFEST_FILE}", "rb") as fh:
             manifest = json.loads(fh.read())
         version = manifest.get("format_version")
-        if version != FORMAT_VERSION:
-            raise SnapshotError(f"snapshot {path} has format version {version}; this mingpt reads {FORMAT_VERSION}")
+        if version not in READABLE_VERSIONS:
+            raise SnapshotError(f"snapshot {path} has format version {version}; this mingpt reads "
+                                f"{', '.join(map(str, READABLE_VERSIONS))}: use the mingpt that wrote it")
         return manifest
 
+    def missing_files(self, path: str, manifest: dict) -> list[str]:
+        """The files a manifest lists that are absent or of another size (one listing, no reads)."""
+        sizes = {e["name"].rsplit("/", 1)[-1]: e["size"] for e in self.fs.ls(path, detail=True, refresh=True)}
+        out = []
+        for name, f in manifest["files"].items():
+            if name not in sizes:
+                out.append(f"{name} is missing")
+            elif sizes[name] != f["size"]:
+                out.append(f"{name} has {sizes[name]} bytes, the manifest says {f['size']}")
+        return out
+
+    def read_into(self, path: str, name: str, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes of file `name` of snapshot `path` from `offset` on."""
+        if not len(out):
+            return
+        if self.local:
+            fd = os.open(f"{path}/{name}", os.O_RDONLY)
+            try:
+                done = 0
+                while done < len(out):
+                    n = os.preadv(fd, [out[done:]], offset + done)
+                    if n == 0:
+                        raise SnapshotError(f"snapshot {path}: {name} ends before byte {offset + len(out)}")
+                    done += n
+            finally:
+                os.close(fd)
+            return
+        for start in range(0, len(out), PART_BYTES):
+            stop = min(start + PART_BYTES, len(out))
+            data = self.fs.cat_file(f"{path}/{name}", start=offset + start, end=offset + stop)
+            if len(data) != stop - start:
+                raise SnapshotError(f"snapshot {path}: {name} ends before byte {offset + stop}")
+            out[start:stop] = data
+
+    def read_extra(self, path: str, manifest: dict) -> dict:
+        """The small state (sampler, counters, GradScaler), checksum verified."""
+        with self.fs.open(f"{path}/{EXTRA_FILE}", "rb") as fh:
+            data = fh.read()
+        if sha256(data) != manifest["files"][EXTRA_FILE]["sha256"]:
+            raise SnapshotError(f"snapshot {path}: {EXTRA_FILE} does not match its manifest checksum")
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
     def load(self, path: str) -> tuple[dict, dict]:
-        """(state, manifest) of one committed snapshot, checksum verified."""
+        """(state, manifest) of one committed snapshot read whole by this process, every checksum
+        verified: {"model": {name: tensor}, "optimizer": ..., "scaler", "sampler", "trainer"}.
+        Training loads its share through mingpt.snapshot.restore instead."""
         manifest = self.read_manifest(path)
+        if manifest["format_version"] == 1:
+            return self._load_v1(path, manifest), manifest
+        missing = self.missing_files(path, manifest)
+        if missing:
+            raise SnapshotError(f"snapshot {path} is incomplete: {', '.join(missing)}")
+        tensors = {name: torch.empty(e["shape"], dtype=dtype_of(e["dtype"])) for name, e in manifest["tensors"].items()}
+        jobs = [(name, Piece.from_json(p), as_rows(t)[p[2]:p[3]]) for name, t in tensors.items()
+                for p in manifest["tensors"][name]["pieces"]]
+        errors = read_pieces(self, path, manifest, jobs)
+        if errors:
+            raise SnapshotError(f"snapshot {path}: {'; '.join(errors)}")
+        state = {"model": {}, "optimizer": {}, **self.read_extra(path, manifest)}
+        for name, t in tensors.items():
+            kind, _, rest = name.partition(".")
+            if kind == "model":
+                state["model"][rest] = t
+            else:
+                param, _, key = rest.rpartition(".")
+                state["optimizer"].setdefault(param, {})[key] = t
+        for alias, target in manifest.get("aliases", {}).items():
+            state["model"][alias.partition(".")[2]] = state["model"][target.partition(".")[2]]
+        return state, manifest
+
+    def _load_v1(self, path: str, manifest: dict) -> dict:
         with self.fs.open(f"{path}/{STATE_FILE}", "rb") as fh:
             data = fh.read()
         expected = manifest["files"][STATE_FILE]
         if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
             raise SnapshotError(f"snapshot {path}: {STATE_FILE} does not match its manifest checksum "
                                 f"({len(data)} bytes, expected {expected['size']})")
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-        return state, manifest
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+    def verify(self, path: str) -> list[str]:
+        """Every problem of one snapshot (missing or short files, pieces whose bytes changed); [] if none."""
+        try:
+            self.load(path)
+        except Exception as e:  # noqa: BLE001 - every failure is a finding
+            return [str(e)]
+        return []
 
     def load_latest(self) -> tuple[dict, dict] | None:
         """The newest snapshot that loads, falling back past broken ones with a warning.
@@ -234,3 +413,22 @@ def load_from(path: str, storage_options: dict | None = None) -> tuple[dict, dic
     if found is None:
         raise SnapshotError(f"no committed snapshot in {path}")
     return found
+
+
+def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list) -> list[str]:
+    """Read pieces (tensor name, Piece, uint8 rows view of the piece's rows) in parallel, each
+    verified against its sha256; returns one message per damaged piece, naming its shard."""
+    def one(job) -> str | None:
+        name, piece, out = job
+        view = memoryview(out.numpy()).cast("B") if out.numel() else memoryview(b"")
+        fname = SHARD_FORMAT.format(piece.writer, manifest["writers"])
+        try:
+            store.read_into(path, fname, piece.offset, view)
+        except Exception as e:  # noqa: BLE001 - any read failure names the shard
+            return f"shard {fname} cannot be read ({e.__class__.__name__}: {e})"
+        if sha256(view) != piece.sha256:
+            return f"shard {fname} fails its checksum (rows {piece.start}-{piece.stop} of {name})"
+        return None
+
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="snapshot-read") as pool:
+        return sorted({m for m in pool.map(one, jobs) if m})

@@ -34,3 +34,16 @@ def build_optimizer(model: nn.Module, lr: float, betas: tuple[float, float], wei
     # The fused kernel updates all parameters in one pass; on CPU it is also ~2x faster than
     # foreach (1.3 vs 3.5 ms per step for the 0.8M-parameter reference model).
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=True)
+
+
+def init_state(optimizer: torch.optim.AdamW) -> None:
+    """Create AdamW's per-parameter state now (zero moments, step 0: what its first step creates),
+    so that a snapshot can be loaded into it and every save has the same tensors."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not optimizer.state[p]:
+                step_dtype = torch.float32 if group["fused"] or group["capturable"] else torch.get_default_dtype()
+                device = p.device if group["fused"] or group["capturable"] else "cpu"
+                optimizer.state[p] = {"step": torch.zeros((), dtype=step_dtype, device=device),
+                                      "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                      "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}

@@ -1,5 +1,5 @@
-"""The training loop: train(), train_step(), evaluate(); everything that must survive a restart
-is reachable from Trainer.state_dict()."""
+"""The training loop: train(), train_step(), evaluate(); what must survive a restart is registered
+with the Trainer (the parallel strategy's tensors and the `stateful` parts)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn as nn
 
 from mingpt.config import OptimConfig, TrainerConfig
 from mingpt.data.datasets import DocumentDataset, StreamDataset
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler
-from mingpt.distributed import DistInfo, PreemptionFlag, all_gather_floats, all_gather_objects, all_reduce_sum
-from mingpt.model import GPT
+from mingpt.distributed import DistInfo, PreemptionFlag, all_gather_floats, all_reduce_sum
+from mingpt.parallel import Parallel
 from mingpt.snapshot import Snapshotter
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import lr_at
@@ -41,250 +40,241 @@ class StepStats:
     split: list  # every rank's micro-batches; padding/balance figures are computed at log steps only
 
 
-class Trainer:
-    """Owns the training state; main.py builds every part and hands it in.
+@dataclass
+class TrainData:
+    """The splits, the training sampler and this rank's fixed validation micro-batches (padded with
+    empty ones to the same count on every rank: a sharded model runs collectives in its forward)."""
+    train: StreamDataset | DocumentDataset
+    val: StreamDataset | DocumentDataset
+    sampler: StreamSampler | LengthGroupedSampler
+    val_batches: list[np.ndarray]
 
-    Args:
-        model: what the loop calls (DDP and/or compiled wrapper around `raw_model`).
-        raw_model: the plain GPT, whose state_dict has no wrapper prefixes.
-        val_batches: this rank's micro-batches of the fixed validation subset.
-        metrics, snapshotter: where records and snapshots go; the trainer closes them.
-        snapshot_every, snapshot_every_s: save every N steps and/or every T seconds (0 = off).
-        preempt: set by a signal; the ranks agree on it at a step boundary, save and stop.
-        snapshot_meta: plain data recorded in every snapshot manifest (config, tokenizer, run id).
-        watchdog: notices a rank that stops making progress.
+
+@dataclass
+class Progress:
+    """The counters that survive a restart."""
+    step: int = 0
+    tokens_seen: int = 0
+    best_val_loss: float = math.inf
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self.best_val_loss = float(state["best_val_loss"])
+
+
+@dataclass
+class Saving:
+    """When and with what the loop saves: every N steps and/or T seconds (0 = off)."""
+    snapshotter: Snapshotter
+    every_steps: int
+    every_s: float
+    meta: dict  # plain data recorded in every manifest (config, tokenizer, run id)
+
+
+class Trainer:
+    """The training loop over parts that main.py builds: it runs no collective and builds nothing
+    when constructed, and does not know which parallel strategy runs (`parallel` answers for it).
+
+    What a snapshot holds is registered: the model's and optimizer's tensors (through `parallel`)
+    and the `stateful` parts, whose state_dict() go into the snapshot's small state.
     """
 
-    def __init__(self, cfg: TrainerConfig, optim_cfg: OptimConfig, model: nn.Module, raw_model: GPT,
-                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                 train_data: StreamDataset | DocumentDataset, val_data: StreamDataset | DocumentDataset,
-                 sampler: StreamSampler | LengthGroupedSampler, val_batches: list[np.ndarray], dist: DistInfo,
-                 metrics: MetricsWriter, snapshotter: Snapshotter, snapshot_every: int, snapshot_every_s: float,
-                 preempt: PreemptionFlag, snapshot_meta: dict, watchdog: Watchdog | None = None):
-        self.cfg, self.optim_cfg = cfg, optim_cfg
-        self.model, self.raw_model, self.optimizer, self.scaler = model, raw_model, optimizer, scaler
-        self.train_data, self.val_data, self.sampler, self.val_batches = train_data, val_data, sampler, val_batches
-        self.dist, self.metrics, self.snapshotter, self.preempt = dist, metrics, snapshotter, preempt
-        self.snapshot_every, self.snapshot_every_s, self.snapshot_meta = snapshot_every, snapshot_every_s, snapshot_meta
-        self._last_save_t = time.monotonic()
-        self.watchdog = watchdog or Watchdog(0, "")
-        self.hosts = [f"{h}:{lr}" for h, lr in all_gather_objects((dist.hostname, dist.local_rank))]
-        # This rank's own compute time per step ends when its last gradient is accumulated:
-        # the gradient all-reduce that follows makes every rank look as slow as the slowest.
-        # A plain autograd hook, not a DDP comm hook: a Python comm hook leaves a Python callback
-        # on the process group's C++ threads, which abort the process if they drop it while the
-        # interpreter shuts down ("terminate called without an active exception").
-        self._grads_ready_t = 0.0
-        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._note_grad_ready)
-                            for p in raw_model.parameters() if p.requires_grad]
+    def __init__(self, *, cfg: TrainerConfig, optim_cfg: OptimConfig, parallel: Parallel,
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, data: TrainData, saving: Saving,
+                 metrics: MetricsWriter, dist: DistInfo, hosts: list[str], preempt: PreemptionFlag,
+                 watchdog: Watchdog):
+        self.cfg, self.optim_cfg, self.parallel, self.optimizer, self.scaler = cfg, optim_cfg, parallel, optimizer, scaler
+        self.data, self.saving, self.metrics, self.dist, self.hosts = data, saving, metrics, dist, hosts
+        self.preempt, self.watchdog, self.progress = preempt, watchdog, Progress()
+        self.stateful = {"scaler": scaler, "sampler": data.sampler, "trainer": self.progress}
         self.device = torch.device(dist.device)
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
-        # Counters that survive a restart (state_dict below).
-        self.step = 0
-        self.tokens_seen = 0
-        self.best_val_loss = math.inf
-        block = train_data.block_size
-        self.flops_per_token = raw_model.flops_per_token(block)
-        nodes = max(1, dist.world_size // dist.local_world_size)
-        self.peak_flops = (cfg.cpu_peak_flops * nodes if self.device.type == "cpu"
-                           else _gpu_peak(cfg.gpu_peak_flops, self.device) * dist.world_size)
+        self._last_save_t = time.monotonic()
 
-    # ---------------------------------------------------------------- the loop
     def train(self) -> bool:
         """Train to max_steps; False when stopped early by a preemption signal (after saving)."""
-        cfg = self.cfg
-        if self.step >= cfg.max_steps:
-            log.info("already at step %d of %d; nothing to train", self.step, cfg.max_steps)
+        p, cfg = self.progress, self.cfg
+        log.info("training from step %d to %d on %d rank%s (%s), precision %s", p.step, cfg.max_steps,
+                 self.dist.world_size, "" if self.dist.world_size == 1 else "s", self.parallel.name,
+                 self.amp_dtype or "fp32")
+        if p.step >= cfg.max_steps:
+            log.info("already at step %d of %d; nothing to train", p.step, cfg.max_steps)
             return True
-        log.info("training from step %d to %d on %d rank%s, precision %s", self.step, cfg.max_steps,
-                 self.dist.world_size, "" if self.dist.world_size == 1 else "s", self.amp_dtype or "fp32")
         if self._agree_at_boundary()[0]:  # a stop requested during start-up: nothing new to save
             if self.dist.is_rank0:
                 log.warning("%s before the first step", self.preempt.describe())
             return False
         self.watchdog.start()
         try:
-            with _progress(self.dist.is_rank0 and cfg.progress, self.step, cfg.max_steps) as bar:
+            with _progress(self.dist.is_rank0 and cfg.progress, p.step, cfg.max_steps) as bar:
                 return self._loop(bar)
         finally:
             self.watchdog.stop()  # on every exit path, errors included
 
     def _loop(self, bar) -> bool:
-        cfg = self.cfg
+        p, cfg, every = self.progress, self.cfg, self.saving.every_steps
         t_last, steps_since = time.perf_counter(), 0
-        while self.step < cfg.max_steps:
+        while p.step < cfg.max_steps:
             stats = self.train_step()
-            self.step += 1
-            self.watchdog.beat(self.step)
-            self.tokens_seen += stats.tokens
-            steps_since += 1
+            p.step, p.tokens_seen, steps_since = p.step + 1, p.tokens_seen + stats.tokens, steps_since + 1
+            self.watchdog.beat(p.step)
             if bar is not None:
                 bar.update(1)
-            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps:
-                now = time.perf_counter()
-                self._log_train(stats, (now - t_last) / steps_since)
-                t_last, steps_since = now, 0
-            untimed = False
-            if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.max_steps):
+            last = p.step == cfg.max_steps
+            if p.step % cfg.log_every == 0 or last:
+                self._log_train(stats, (time.perf_counter() - t_last) / steps_since)
+                t_last, steps_since = time.perf_counter(), 0
+            evaluate = cfg.eval_every and (p.step % cfg.eval_every == 0 or last)
+            if evaluate:
                 self.evaluate()
-                untimed = True
             stop, timed = self._agree_at_boundary()
-            due = self.snapshot_every and self.step % self.snapshot_every == 0
-            if (stop or timed or due) and self.step < cfg.max_steps:
+            save = stop or timed or last or (every and p.step % every == 0)
+            if save:
                 self.save_snapshot()
-                untimed = True
-            self.watchdog.beat(self.step)
-            if stop and self.step < cfg.max_steps:  # at max_steps the final save below does it
-                self.watchdog.stop()
-                self.snapshotter.wait()
+                self.watchdog.beat(p.step)
+            if stop and not last:
+                self.saving.snapshotter.wait()
                 if self.dist.is_rank0:  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
-                                self.preempt.describe(), self.step)
+                                self.preempt.describe(), p.step)
                 return False
-            if untimed:  # keep evaluation and saving out of the step-time figures
+            if evaluate or save:  # keep evaluation and saving out of the step-time figures
                 t_last, steps_since = time.perf_counter(), 0
-        self.watchdog.stop()
-        self.save_snapshot()
-        self.snapshotter.wait()
+        self.saving.snapshotter.wait()
         return True
 
     def _agree_at_boundary(self) -> tuple[bool, bool]:
-        """(stop, save now): any rank's preemption signal, or the save interval having passed.
-
-        One tiny all-reduce per step, so that every rank takes the same decision at the same step.
-        """
-        timed = self.snapshot_every_s > 0 and time.monotonic() - self._last_save_t >= self.snapshot_every_s
+        """(stop, save now): any rank's preemption signal, or the save interval having passed; one
+        tiny all-reduce per step, so that every rank takes the same decision at the same step."""
+        every = self.saving.every_s
+        timed = every > 0 and time.monotonic() - self._last_save_t >= every
         flags = torch.tensor([float(self.preempt.requested), float(timed)], device=self.device)
-        all_reduce_sum(flags)
-        stop, timed = (flags > 0).tolist()
-        return stop, timed
+        return tuple((all_reduce_sum(flags) > 0).tolist())
 
     def train_step(self) -> StepStats:
         """One optimizer step over the next global batch, split over ranks and micro-batches."""
         t0 = time.perf_counter()
-        dist, data = self.dist, self.train_data
-        micro_batches = self.sampler.next_step()  # the global step's, the same for any world size
+        dist, data, step = self.dist, self.data.train, self.progress.step
+        micro_batches = self.data.sampler.next_step()  # the global step's, the same for any world size
         # The global count of real target tokens comes from the plan itself, which every rank
         # knows: no collective is needed to normalise the loss exactly.
         global_tokens = data.tokens_in(np.concatenate(micro_batches))
-        split = self.sampler.split(micro_batches, dist.world_size)
+        split = self.data.sampler.split(micro_batches, dist.world_size)
         mine = split[dist.rank]
-        lr = lr_at(self.step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps,
-                   self.cfg.max_steps)
+        lr = lr_at(step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.model.train()
+        model = self.parallel.model
+        model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for i, mb in enumerate(mine):
-            # A rank with no samples in this micro-step still runs one (weight 0) so that every
-            # rank joins the same gradient all-reduces.
+            # A rank with no samples in this micro-step still runs one (weight 0), so that every
+            # rank joins the same gradient reductions.
             weight = 1.0 if len(mb) else 0.0
-            x, y = data.batch(mb if len(mb) else micro_batches[0][:1])
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            if self.raw_model.config.dropout > 0:
+            x, y = (t.to(self.device, non_blocking=True) for t in data.batch(mb if len(mb) else micro_batches[0][:1]))
+            if self.parallel.raw.config.dropout > 0:
                 # Dropout noise as a function of (seed, step, first sample): identical after a
                 # resume and independent of which rank draws the micro-batch.
-                torch.manual_seed(hash((self.cfg.seed, self.step, int(mb[0]) if len(mb) else -1)) & 0x7FFF_FFFF_FFFF)
-            last = i == len(mine) - 1
-            sync = contextlib.nullcontext() if last or not dist.distributed else self.model.no_sync()
-            with sync:
+                torch.manual_seed(hash((self.cfg.seed, step, int(mb[0]) if len(mb) else -1)) & 0x7FFF_FFFF_FFFF)
+            with self.parallel.sync(last=i == len(mine) - 1):
                 with _autocast(self.device.type, self.amp_dtype):
-                    _, loss = self.model(x, y, reduction="sum")
-                # DDP averages gradients over ranks; scaling by world_size / global tokens makes
-                # the result the gradient of the mean token loss of the whole global batch,
-                # however unevenly the samples were split.
+                    _, loss = model(x, y, reduction="sum")
+                # Gradients are averaged over ranks; scaling by world_size / global tokens makes the
+                # result the gradient of the mean token loss of the whole global batch, however
+                # unevenly the samples were split.
                 self.scaler.scale(loss * (weight * dist.world_size / global_tokens)).backward()
             loss_sum += loss.detach().float() * weight
-        compute_s = self._grads_ready_t - t0
-        # nanoGPT's order: unscale before clipping, so the threshold applies to true gradients.
-        self.scaler.unscale_(self.optimizer)
-        clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), clip)
+        compute_s = self.parallel.grads_ready_t - t0
+        self.scaler.unscale_(self.optimizer)  # nanoGPT's order: clip the true gradients
+        grad_norm = self.parallel.clip_grad_norm(self.optim_cfg.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        return StepStats(loss_sum, global_tokens, float(grad_norm), lr, compute_s, split)
+        return StepStats(loss_sum, global_tokens, grad_norm, lr, compute_s, split)
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Validation loss over the fixed subset: sum of token losses / token count, across ranks."""
-        model, dist = self.raw_model, self.dist
+        model, data = self.parallel.raw, self.data
         model.eval()
         sums = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, tokens)
-        for batch in self.val_batches:
-            x, y = (t.to(self.device, non_blocking=True) for t in self.val_data.batch(batch))
+        for batch in data.val_batches:
+            # an empty batch (a rank with fewer batches) still runs a forward pass, whose loss is not counted
+            x, y = (t.to(self.device, non_blocking=True) for t in data.val.batch(batch if len(batch) else np.zeros(1, int)))
             with _autocast(self.device.type, self.amp_dtype):
                 _, loss = model(x, y, reduction="sum")
-            sums[0] += loss.double()
-            sums[1] += self.val_data.tokens_in(batch)
+            if len(batch):
+                sums[0] += loss.double()
+                sums[1] += data.val.tokens_in(batch)
         all_reduce_sum(sums)
         model.train()
         val_loss = (sums[0] / sums[1]).item()
-        self.best_val_loss = min(self.best_val_loss, val_loss)
-        if dist.is_rank0:
-            log.info("step %d | val loss %.4f | best %.4f", self.step, val_loss, self.best_val_loss)
-        self.metrics.write({"kind": "eval", "step": self.step, "val_loss": val_loss})
+        p = self.progress
+        p.best_val_loss = min(p.best_val_loss, val_loss)
+        log.info("step %d | val loss %.4f | best %.4f", p.step, val_loss, p.best_val_loss)
+        self.metrics.write({"kind": "eval", "step": p.step, "val_loss": val_loss})
         return val_loss
 
-    def _note_grad_ready(self, param: torch.Tensor) -> None:  # noqa: ARG002 - hook signature
-        self._grads_ready_t = time.perf_counter()
-
-    def close(self) -> None:
-        """Stop the watchdog, wait for the last save, close the metrics, remove the hooks."""
+    def close(self, wait: bool = True) -> None:
+        """Stop the watchdog, finish (or abandon, after an error) the last save, close the metrics."""
         self.watchdog.stop()
-        self.snapshotter.close()
+        self.saving.snapshotter.close(wait=wait)
         self.metrics.close()
-        for h in self._grad_hooks:
-            h.remove()
-        self._grad_hooks = []
-
-    # ---------------------------------------------------------------- state
-    def state_dict(self) -> dict:
-        return {
-            "model": self.raw_model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "sampler": self.sampler.state_dict(),
-            "trainer": {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss},
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.raw_model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.sampler.load_state_dict(state["sampler"])
-        t = state["trainer"]
-        self.step, self.tokens_seen, self.best_val_loss = int(t["step"]), int(t["tokens_seen"]), float(t["best_val_loss"])
+        self.parallel.close()
 
     def save_snapshot(self) -> None:
-        """Only the current global rank 0 writes: one writer per job, whichever node it is on."""
+        """Every rank writes its share of the state; the first commits it."""
         self._last_save_t = time.monotonic()
-        if not self.dist.is_rank0:
-            return
-        manifest = {**self.snapshot_meta, "tokens_seen": self.tokens_seen, "world_size": self.dist.world_size}
-        self.snapshotter.save(self.step, self.state_dict(), manifest)
+        p, world = self.progress, self.dist.world_size
+        manifest = {**self.saving.meta, "tokens_seen": p.tokens_seen, "world_size": world,
+                    "parallel": self.parallel.name, "aliases": self.parallel.aliases()}
+        extra = {name: part.state_dict() for name, part in self.stateful.items()}
+        self.saving.snapshotter.save(p.step, self.parallel.slots(self.optimizer), extra, manifest)
 
-    # ---------------------------------------------------------------- logging
+    def load_state(self, extra: dict) -> None:
+        """The registered parts' state from a snapshot (the tensors are loaded in place already)."""
+        for name, part in self.stateful.items():
+            if extra.get(name):  # a disabled GradScaler saves nothing
+                part.load_state_dict(extra[name])
+
     def _log_train(self, stats: StepStats, step_s: float) -> None:
         loss = all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
         compute = [c[0] for c in all_gather_floats([stats.compute_s], self.dist.device)]
-        if not self.dist.is_rank0:
-            return
-        tok_s = stats.tokens / step_s
-        mfu = tok_s * self.flops_per_token / self.peak_flops
-        slowest = max(range(len(compute)), key=compute.__getitem__)
-        ratio = compute[slowest] / max(float(np.median(compute)), 1e-9)
-        log.info("step %d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | mfu %.1f%% | %.1f ms/step"
-                 "%s", self.step, loss, stats.lr, stats.grad_norm, tok_s, 100 * mfu, 1000 * step_s,
-                 f" | compute max/median {ratio:.2f} (slowest {self.hosts[slowest]}, rank {slowest})"
-                 if len(compute) > 1 else "")
-        self.metrics.write({"kind": "train", "step": self.step, "loss": loss, "lr": stats.lr,
-                            "grad_norm": stats.grad_norm, "tokens_per_s": tok_s, "mfu": mfu,
-                            "step_ms": 1000 * step_s, "tokens_seen": self.tokens_seen,
-                            "epoch": self.sampler.epoch, "world_size": self.dist.world_size,
-                            "compute_ms": [round(1000 * c, 2) for c in compute], **self.train_data.batch_stats(stats.split),
-                            "compute_max_median": ratio, "slowest": self.hosts[slowest]})
+        if self.dist.is_rank0:
+            record = train_record(self.progress, stats, loss, step_s, compute, self.hosts, self.flops_per_token,
+                                  self.peak_flops)
+            self.metrics.write({**record, "epoch": self.data.sampler.epoch, "world_size": self.dist.world_size,
+                                **self.data.train.batch_stats(stats.split)})
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.parallel.raw.flops_per_token(self.data.train.block_size)
+
+    @property
+    def peak_flops(self) -> float:
+        d = self.dist
+        if self.device.type == "cpu":
+            return self.cfg.cpu_peak_flops * max(1, d.world_size // d.local_world_size)
+        return _gpu_peak(self.cfg.gpu_peak_flops, self.device) * d.world_size
+
+
+def train_record(p: Progress, stats: StepStats, loss: float, step_s: float, compute: list[float], hosts: list[str],
+                 flops_per_token: float, peak_flops: float) -> dict:
+    """The log line and metrics record of a step, from figures every rank contributed."""
+    tok_s = stats.tokens / step_s
+    mfu = tok_s * flops_per_token / peak_flops
+    slowest = max(range(len(compute)), key=compute.__getitem__)
+    ratio = compute[slowest] / max(float(np.median(compute)), 1e-9)
+    log.info("step %d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | mfu %.1f%% | %.1f ms/step%s", p.step, loss,
+             stats.lr, stats.grad_norm, tok_s, 100 * mfu, 1000 * step_s,
+             f" | compute max/median {ratio:.2f} (slowest {hosts[slowest]}, rank {slowest})" if len(compute) > 1 else "")
+    return {"kind": "train", "step": p.step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+            "tokens_per_s": tok_s, "mfu": mfu, "step_ms": 1000 * step_s, "tokens_seen": p.tokens_seen,
+            "compute_ms": [round(1000 * c, 2) for c in compute], "compute_max_median": ratio,
+            "slowest": hosts[slowest]}
 
 
 def _amp_dtype(precision: str, device_type: str) -> torch.dtype | None:

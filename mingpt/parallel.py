@@ -1,0 +1,138 @@
+"""How the model is spread over the ranks, behind one seam: `parallelize` builds it (DDP, FSDP2 or
+a single process, chosen by `trainer.parallel`) and the returned `Parallel` is all the Trainer knows
+of it: the module to call, gradient sync during accumulation, clipping, the compute timing, and the
+tensors a snapshot saves and loads.
+
+The model arrives built on the meta device (no memory, no initialisation). It is wrapped first,
+then materialised on the device, then initialised by `GPT.init_weights` (the same values as a plain
+`GPT(cfg)` for the seed), so that under FSDP no rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+import warnings
+
+import torch
+import torch.nn as nn
+
+from mingpt.distributed import DistInfo
+from mingpt.model import GPT
+from mingpt.snapshot.layout import Slot, n_rows, rows_of
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+class Parallel:
+    """One strategy's answers to the Trainer's questions; see `parallelize`."""
+
+    def __init__(self, name: str, model: nn.Module, raw: GPT):
+        self.name, self.model, self.raw = name, model, raw
+        self.sharded = name == "fsdp"
+        # This rank's own compute time per step ends when the gradient reaches the token embedding,
+        # the last computation of the backward pass: the gradient all-reduce that follows makes
+        # every rank look as slow as the slowest. (A tensor hook, not a DDP comm hook: a Python
+        # comm hook leaves a Python callback on the process group's C++ threads, which abort the
+        # process if they drop it while the interpreter shuts down.)
+        self.grads_ready_t = 0.0
+        self._hook = raw.wte.register_forward_hook(self._watch_embedding)
+
+    def _watch_embedding(self, module, args, out) -> None:  # noqa: ARG002 - hook signature
+        if out.requires_grad:
+            out.register_hook(self._note_grads_ready)
+
+    def _note_grads_ready(self, grad) -> None:  # noqa: ARG002 - hook signature
+        self.grads_ready_t = time.perf_counter()
+
+    def sync(self, last: bool):
+        """The context of one micro-batch's backward: gradients are reduced across ranks only after
+        the last micro-batch of a step."""
+        if self.name == "ddp" and not last:
+            return self.model.no_sync()
+        if self.sharded:
+            self.raw.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradients of the whole model to max_norm (0: no clipping); their global norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), max_norm if max_norm > 0 else math.inf)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def slots(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
+        """Every tensor of the model and the optimizer as this rank holds it, by a name that does not
+        depend on the strategy: `model.<parameter>`, `optim.<parameter>.<state>`."""
+        names = {}
+        out = []
+        if self.sharded:  # after a forward without backward (evaluation) the root may still be whole
+            for m in self.raw.modules():
+                if hasattr(m, "reshard"):
+                    m.reshard()
+        with torch.no_grad():
+            for name, p in self.raw.named_parameters():
+                names[p] = name
+                out.append(_slot(f"model.{name}", p))
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    out.extend(_slot(f"optim.{names[p]}.{k}", v) for k, v in optimizer.state[p].items())
+        return out
+
+    def aliases(self) -> dict[str, str]:
+        """State-dict names that are another parameter (tied weights): {alias: name}."""
+        first, out = {}, {}
+        for name, p in self.raw.named_parameters(remove_duplicate=False):
+            if p in first:
+                out[f"model.{name}"] = f"model.{first[p]}"
+            else:
+                first[p] = name
+        return out
+
+    def close(self) -> None:
+        self._hook.remove()
+
+
+def _slot(name: str, t: torch.Tensor) -> Slot:
+    t = t.detach()
+    if hasattr(t, "device_mesh"):  # an FSDP2 shard: rows [start, stop) of dimension 0
+        mesh, local = t.device_mesh, t.to_local()
+        start, stop = rows_of(n_rows(t.shape), mesh.size(), mesh.get_local_rank())
+        if n_rows(local.shape) != stop - start or not local.is_contiguous():
+            raise RuntimeError(f"{name}: FSDP holds {tuple(local.shape)} here, not rows {start}-{stop}")
+        return Slot(name, local, tuple(t.shape), start, sharded=True)
+    return Slot(name, t, tuple(t.shape))
+
+
+def parallelize(raw: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False) -> Parallel:
+    """Wrap a model built on the meta device for `strategy` ("ddp" or "fsdp"; one process runs it
+    plainly), materialise it on this rank's device, and initialise it from `seed` (None: leave it
+    uninitialised, for a snapshot that overwrites every value)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"trainer.parallel={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    device = torch.device(info.device)
+    if strategy == "fsdp" and info.distributed:
+        from torch.distributed.fsdp import fully_shard
+
+        # The logits are a view (the padded vocabulary sliced off); nothing changes them in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+
+        for block in raw.blocks:  # one all-gather per block: only one block is ever whole at a time
+            fully_shard(block)
+        fully_shard(raw)
+        raw.to_empty(device=device)
+        name = "fsdp"
+    else:
+        raw.to_empty(device=device)
+        raw.tie_weights()
+        name = "ddp" if info.distributed else "single"
+    if seed is not None:
+        raw.init_weights(seed)
+    model: nn.Module = torch.compile(raw) if compile else raw
+    if name == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
+            init_sync=False)  # every rank initialised the same values, or will load them
+    return Parallel(name, model, raw)

@@ -1,0 +1,110 @@
+"""How a snapshot's tensors are divided among its writers, and the slots a rank reads and writes.
+
+Every tensor of the training state (weights and optimizer moments) is cut along its first dimension
+into as many row ranges as there are writers, by FSDP's own rule (ceil(n / writers) rows each), and
+writer w writes range w of every tensor into its shard file. So each byte is written once, the
+writers' files are the same size to within a row per tensor, and a rank of an FSDP run writes
+exactly the rows it holds. The plan depends only on the tensors' names, shapes and dtypes and on
+the number of writers: every rank computes the same one, and the manifest records it.
+
+A `Slot` is one tensor as one rank holds it: all its rows (replicated: DDP, or one process) or
+its own range of rows (sharded: FSDP). Loading fills every slot's rows from whichever writers'
+pieces cover them, so a snapshot written by N ranks loads at any world size, into either strategy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SHARD_FORMAT = "shard-{:05d}-of-{:05d}.bin"
+EXTRA_FILE = "extra.pt"
+
+
+def rows_of(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Rows [start, stop) of part i when n rows are cut into `parts` parts of ceil(n / parts) rows
+    (the last parts may be shorter or empty): the rule of torch.chunk, which FSDP2 shards by."""
+    size = -(-n // parts)
+    start = min(i * size, n)
+    return start, min(start + size, n)
+
+
+def n_rows(shape) -> int:
+    """A tensor's rows: its first dimension, or 1 for a scalar."""
+    return int(shape[0]) if len(shape) else 1
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor seen as (rows, bytes per row) of uint8; a scalar is one row."""
+    rows = n_rows(t.shape)
+    return t.reshape(-1).view(torch.uint8).reshape(rows, -1) if t.numel() else t.reshape(rows, 0).view(torch.uint8)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor of the training state as this rank holds it: rows [start, start + len(local))."""
+    name: str
+    local: torch.Tensor  # contiguous; all rows (replicated) or this rank's range (sharded)
+    shape: tuple[int, ...]  # the whole tensor's shape
+    start: int = 0
+    sharded: bool = False
+
+    @property
+    def stop(self) -> int:
+        return self.start + n_rows(self.local.shape)
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.local.element_size()
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows [start, stop) of one tensor, at `offset` in writer `writer`'s shard file."""
+    writer: int
+    offset: int
+    start: int
+    stop: int
+    sha256: str = ""
+
+    def to_json(self) -> list:
+        return [self.writer, self.offset, self.start, self.stop, self.sha256]
+
+    @classmethod
+    def from_json(cls, row: list) -> "Piece":
+        return cls(*row)
+
+
+def plan(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int
+         ) -> tuple[dict[str, list[Piece]], list[int]]:
+    """({tensor name: its pieces}, each writer's file size) for tensors given as (name, shape, dtype),
+    in the order given (the same on every rank)."""
+    sizes = [0] * writers
+    pieces: dict[str, list[Piece]] = {}
+    for name, shape, dtype in specs:
+        rows = n_rows(shape)
+        row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        pieces[name] = []
+        for w in range(writers):
+            start, stop = rows_of(rows, writers, w)
+            if stop > start:
+                pieces[name].append(Piece(w, sizes[w], start, stop))
+                sizes[w] += (stop - start) * row_bytes
+    return pieces, sizes
+
+
+def specs_of(slots: list[Slot]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(s.name, tuple(s.shape), s.local.dtype) for s in slots]
