@@ -22,13 +22,15 @@ def main() -> None:
     try:
         run = assemble(cfg, info)
         run.train_step()
-        if info.distributed:
+        if run.parallel.name == "ddp":
             # a Python DDP comm hook leaves Python callbacks on gloo's threads: they abort the process
             # (SIGABRT) when they let go of them during interpreter shutdown
-            hook = run.model._get_ddp_logging_data().get("comm_hook")
+            hook = run.parallel.model._get_ddp_logging_data().get("comm_hook")
             assert not hook, f"a Python DDP comm hook ({hook}) is registered"
+        # an FSDP gradient is a shard: every rank joins in gathering it whole
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone())
+                 for n, p in run.parallel.raw.named_parameters()}
         if info.is_rank0:
-            grads = {n: p.grad.clone() for n, p in run.raw_model.named_parameters()}
             torch.save(grads, out)
     finally:
         if run is not None:

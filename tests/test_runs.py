@@ -15,6 +15,7 @@ from mingpt.distributed import DistInfo
 from mingpt.main import assemble
 from mingpt.snapshot.resume import MismatchError
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
+from mingpt.snapshot.layout import Slot
 
 TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
         "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "trainer.log_every=5",
@@ -71,7 +72,7 @@ def test_move_aside_starts_clean_and_keeps_the_earlier_run_whole(job, tmp_path):
     job(run_dir)
     old = snapshots(run_dir)
     trainer = job(run_dir, "snapshot.resume=never", "snapshot.move_aside=true", "snapshot.keep_last=1", steps=10)
-    assert trainer.step == 10
+    assert trainer.progress.step == 10
     new = snapshots(run_dir)
     # only the new run's snapshot: not pruned by the older run's higher steps, not overwriting one of them
     assert list(new) == [10] and new[10] not in old.values()
@@ -88,9 +89,9 @@ def test_move_aside_starts_clean_and_keeps_the_earlier_run_whole(job, tmp_path):
 def test_retention_never_deletes_the_newest_snapshot_of_this_run(tmp_path):
     store = SnapshotStore(str(tmp_path / "s"))
     for step in (100, 200):  # higher steps that are not this run's (e.g. a broken newer lineage)
-        store.save(step, {"w": torch.zeros(1)}, {})
+        store.save(step, {"model": {"w": torch.zeros(1)}}, {})
     snap = Snapshotter(store, keep_last=1)
-    snap.save(5, {"w": torch.ones(1)}, {})
+    snap.save(5, [Slot("model.w", torch.ones(1), (1,))], {}, {})
     snap.close()
     assert 5 in [s.step for s in store.list() if s.committed]
 
@@ -100,7 +101,7 @@ def test_a_restart_of_the_same_job_resumes_whatever_resume_says(job, tmp_path):
     run_dir = tmp_path / "run"
     job(run_dir, "snapshot.resume=never", steps=10, job_id="job-a")
     trainer = job(run_dir, "snapshot.resume=never", steps=20, job_id="job-a")  # the restart
-    assert trainer.step == 20 and sorted(snapshots(run_dir)) == [10, 20]
+    assert trainer.progress.step == 20 and sorted(snapshots(run_dir)) == [10, 20]
     assert len(set(snapshots(run_dir).values())) == 1  # one run
     with pytest.raises(SnapshotError, match="holds snapshots of another run"):  # another job: a new run
         job(run_dir, "snapshot.resume=never", steps=20, job_id="job-b")
@@ -114,14 +115,14 @@ def test_resuming_an_earlier_snapshot_while_later_ones_exist_is_refused(job, tmp
         job(run_dir, f"snapshot.resume={step10}", steps=30)
     lineage = snapshots(run_dir)
     trainer = job(run_dir, f"snapshot.resume={step10}", "snapshot.move_aside=true", steps=30)
-    assert trainer.step == 30
+    assert trainer.progress.step == 30
     now = snapshots(run_dir)
     assert sorted(now) == [10, 20, 30] and set(now.values()) == set(lineage.values())  # the same run, branched
     (aside,) = [p for p in run_dir.iterdir() if p.name.startswith("snapshots.aside-")]
     assert sorted(p.name for p in aside.iterdir()) == ["step_000000020", "step_000000030"]
     # an explicit snapshot of another store starts an empty store without complaint
     trainer = job(tmp_path / "branch", f"snapshot.resume={step10}", steps=15)
-    assert trainer.step == 15 and sorted(snapshots(tmp_path / "branch")) == [15]
+    assert trainer.progress.step == 15 and sorted(snapshots(tmp_path / "branch")) == [15]
 
 
 def test_metrics_of_an_earlier_run_without_snapshots_are_moved_aside(job, tmp_path, caplog):

@@ -7,13 +7,14 @@ from mingpt.main import open_store
 from mingpt.cli.snapshot import main as snapshot_cli
 from mingpt.cli.snapshot import weights_digest
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
+from mingpt.snapshot.layout import Slot
 
 
 def test_async_save_copies_state_before_training_goes_on(store_url):
     store = SnapshotStore(store_url)
     snap = Snapshotter(store, keep_last=2)
     w = torch.zeros(1000)
-    snap.save(1, {"model": {"w": w}}, {})
+    snap.save(1, [Slot("model.w", w, (1000,))], {}, {})
     w.add_(1.0)  # training continues and changes the live tensor
     snap.close()
     loaded, _ = store.load_latest()
@@ -25,13 +26,16 @@ def test_multipart_sized_snapshot_on_s3(s3_server):
     import s3fs
 
     s3fs.S3FileSystem().mkdir("multipart")
-    # 5 MiB parts (S3's minimum) instead of s3fs's 50 MiB, so a 24 MB state is a multipart upload
-    store = SnapshotStore("s3://multipart/run", {"default_block_size": 5 * 2**20})
-    big = {"model": {"w": torch.randn(6_000_000)}}
-    path = store.save(3, big, {})
-    loaded, manifest = store.load(path)
-    assert manifest["files"]["state.pt"]["size"] > 4 * 5 * 2**20
-    assert torch.equal(loaded["model"]["w"], big["model"]["w"])
+    big = {"model": {"w": torch.randn(12_000_000)}}  # 48 MB: three 16 MiB parts, in flight together
+    for uploader in ("s3fs", "boto3"):
+        store = SnapshotStore(f"s3://multipart/{uploader}", uploader=uploader)
+        path = store.save(3, big, {})
+        loaded, manifest = store.load(path)
+        assert manifest["files"]["shard-00000-of-00001.bin"]["size"] == 48_000_000
+        assert torch.equal(loaded["model"]["w"], big["model"]["w"])
+        key = path.split("/", 1)[1] + "/shard-00000-of-00001.bin"
+        etag = store.fs.call_s3("head_object", Bucket="multipart", Key=key)["ETag"]
+        assert etag.strip('"').endswith("-3"), etag  # S3 marks a multipart object's ETag with its part count
 
 
 def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server, caplog):
@@ -41,13 +45,13 @@ def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server,
     s3fs.S3FileSystem().mkdir("flaky")
     store = SnapshotStore("s3://flaky/run", {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
     snap = Snapshotter(store, keep_last=3, retries=1, backoff_s=0.1)
-    snap.save(1, {"model": {"w": torch.ones(10)}}, {})
+    snap.save(1, [Slot("model.w", torch.ones(10), (10,))], {}, {})
     snap.wait()
     server = s3_server["server"]
     server.stop()
     try:
         caplog.set_level(logging.WARNING)
-        snap.save(2, {"model": {"w": torch.full((10,), 2.0)}}, {})
+        snap.save(2, [Slot("model.w", torch.full((10,), 2.0), (10,))], {}, {})
         snap.wait()  # does not raise: the failure is reported
         assert snap.failures == 1 and snap.last_saved_step == 1
         assert "snapshot step 2 failed after 2 attempts" in caplog.text
@@ -90,8 +94,9 @@ def test_snapshot_cli_list_show_verify(tmp_path, capsys):
     assert weights_digest({"w": torch.zeros(3)}) in capsys.readouterr().out
     assert snapshot_cli(["show", str(tmp_path), "--step", "1"]) == 0
     assert '"step": 1' in capsys.readouterr().out
-    with open(f"{p2}/state.pt", "r+b") as fh:
+    with open(f"{p2}/shard-00000-of-00001.bin", "r+b") as fh:
         fh.seek(-4, 2)
         fh.write(b"oops")
     assert snapshot_cli(["verify", str(tmp_path), "--json"]) == 1
-    assert "FAILED" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "shard-00000-of-00001.bin fails its checksum" in out

@@ -81,10 +81,11 @@ def test_an_error_under_torchrun_is_printed_once_and_is_torchruns_root_cause(cor
     assert "Error executing job" not in out
 
 
-@pytest.mark.parametrize("batch, micro", [(8, 4), (5, 2)], ids=["even", "uneven"])
-def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, batch, micro):
+@pytest.mark.parametrize("batch, micro, parallel", [(8, 4, "ddp"), (5, 2, "ddp"), (5, 2, "fsdp")],
+                         ids=["even", "uneven", "uneven-fsdp"])
+def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, batch, micro, parallel):
     args = [*TINY, *common(corpus_file, tmp_path), f"trainer.batch_size={batch}", f"trainer.micro_batch_size={micro}",
-            "snapshot.resume=never"]
+            "snapshot.resume=never", f"trainer.parallel={parallel}"]
     one, two = tmp_path / "g1.pt", tmp_path / "g2.pt"
     run([sys.executable, "tests/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
     run(torchrun_cmd(2, "tests/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))

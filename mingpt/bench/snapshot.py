@@ -1,7 +1,13 @@
-"""Snapshot figures: blocking time, total save time and load time per model shape and store,
-and recovery from a SIGKILL under torchrun.
+"""Snapshot figures at model scale: for each shape, world size (1 or 2 ranks), strategy (DDP or
+FSDP) and store (local disk or S3 on loopback): blocking time per save, total save time, resume time
+(snapshot found to first step done) and peak RSS per rank; then SIGKILL recovery under torchrun.
 
-    python -m mingpt.bench snapshot [--shapes gpt-mini gpt2] [--no-s3] [--no-recovery]
+    python -m mingpt.bench snapshot [--shapes gpt2 gpt2-medium] [--no-s3] [--no-recovery]
+        [--uploaders s3fs boto3] [--layouts exchange direct]
+
+Each configuration is two real runs of `mingpt.bench.snapshot_worker`: one builds the model as
+main.py does, takes a step and saves 3 times; a new one (a restart) finds the snapshot, loads it
+and takes a step. "fresh RSS" is the saving process's peak after its step, before any save.
 """
 
 from __future__ import annotations
@@ -9,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,49 +23,42 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from mingpt.model import GPT, GPTConfig
-from mingpt.training.optim import build_optimizer
-from mingpt.snapshot import Snapshotter, SnapshotStore
-
-VOCAB = {"gpt-mini": 65, "gpt2": 50257}  # char-level Shakespeare and GPT-2 BPE
+CONFIGS = [(1, "ddp"), (2, "ddp"), (2, "fsdp")]  # (world size, strategy); one process runs plainly
 
 
-def training_state(shape: str) -> tuple[dict, float]:
-    """The state a trainer would save (model + AdamW after one step), and one step's time."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(preset=shape, vocab_size=VOCAB[shape], block_size=128))
-    opt = build_optimizer(model, 1e-3, (0.9, 0.99), 0.1)
-    x = torch.randint(0, VOCAB[shape], (32 if shape == "gpt-mini" else 1, 128))
-    times = []
-    for _ in range(5 if shape == "gpt-mini" else 1):
-        t0 = time.perf_counter()
-        opt.zero_grad()
-        _, loss = model(x, x)
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - t0)
-    step_s = sorted(times)[len(times) // 2]
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "trainer": {"step": 1}}, step_s
+def run_worker(world: int, *args: str, env: dict) -> list[dict]:
+    """Every rank's figures from one run of the worker."""
+    if world == 1:
+        cmd = [sys.executable, "-m", "mingpt.bench.snapshot_worker", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+               "-m", "mingpt.bench.snapshot_worker", *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def save_and_load(url: str, state: dict, options: dict | None = None, repeats: int = 3) -> dict:
-    """Median blocking and total save time over `repeats` saves, then one load."""
-    store = SnapshotStore(url, options)
-    snap = Snapshotter(store, keep_last=1)
-    totals = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        snap.save(i + 1, state, {})
-        snap.wait()
-        totals.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    store.load_latest()
-    load_s = time.perf_counter() - t0
-    snap.close()
-    return {"blocking_ms": 1000 * sorted(snap.blocking_s)[len(totals) // 2], "save_s": sorted(totals)[len(totals) // 2],
-            "load_s": load_s}
+def measure(shape: str, world: int, strategy: str, url: str, env: dict, uploader: str = "s3fs",
+            layout: str = "exchange", repeats: int = 3) -> dict:
+    saved = run_worker(world, "save", shape, strategy, url, uploader, layout, str(repeats), env=env)
+    resumed = run_worker(world, "resume", shape, strategy, url, uploader, layout, "0", env=env)
+    worst = lambda rows, key: max(r[key] for r in rows)  # noqa: E731 - the slowest / largest rank
+    return {"held_mb": worst(saved, "held_mb"), "blocking_ms": worst(saved, "blocking_ms"),
+            "save_s": saved[0]["save_s"], "failures": saved[0]["failures"], "fresh_rss_mb": worst(saved, "fresh_rss_mb"),
+            "restore_s": worst(resumed, "restore_s"), "resume_s": worst(resumed, "to_first_step_s"),
+            "resume_rss_mb": worst(resumed, "peak_rss_mb")}
+
+
+def failed(r: dict) -> str:
+    return f" ({r['failures']} failed)" if r["failures"] else ""
+
+
+def table_row(shape, world, strategy, store, r) -> str:
+    return (f"| {shape} | {world} | {strategy} | {store} | {r['held_mb']:,.0f} | {r['blocking_ms']:,.0f} | "
+            f"{r['save_s']:.2f} | {r['restore_s']:.2f} | {r['resume_s']:.2f} | {r['fresh_rss_mb']:,.0f} | "
+            f"{r['resume_rss_mb']:,.0f} ({r['resume_rss_mb'] / r['fresh_rss_mb']:.2f}x) |"
+            + (f" {r['failures']} failed |" if r["failures"] else ""))
 
 
 def recovery(tmp: Path, corpus: str) -> dict:
@@ -100,12 +100,18 @@ def recovery(tmp: Path, corpus: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mingpt.bench snapshot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=["gpt-mini", "gpt2"], choices=sorted(VOCAB))
+    ap.add_argument("--shapes", nargs="+", default=["gpt2", "gpt2-medium"])
+    ap.add_argument("--configs", nargs="+", default=[f"{w}:{s}" for w, s in CONFIGS],
+                    help="world:strategy pairs (default: 1:ddp 2:ddp 2:fsdp)")
     ap.add_argument("--no-s3", action="store_true", help="skip the loopback S3 server (moto)")
+    ap.add_argument("--uploaders", nargs="+", default=["s3fs", "boto3"],
+                    help="compare these S3 uploaders (gpt2, 2 DDP ranks)")
+    ap.add_argument("--layouts", nargs="+", default=["exchange", "direct"],
+                    help="compare these DDP load layouts (gpt2, 2 ranks, local and S3)")
     ap.add_argument("--no-recovery", action="store_true", help="skip the SIGKILL recovery measurement")
     ap.add_argument("--corpus", default="data/input.txt", help="corpus for the recovery run")
     args = ap.parse_args(argv)
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     server = None
     if not args.no_s3:
         from moto.server import ThreadedMotoServer
@@ -113,43 +119,50 @@ def main(argv: list[str] | None = None) -> None:
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
         host, port = server.get_host_and_port()
-        os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
-                          AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+        env.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                   AWS_DEFAULT_REGION="us-east-1")
+        os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                               "AWS_DEFAULT_REGION")})
         import s3fs
 
         s3fs.S3FileSystem().mkdir("bench")
-    print(f"{'shape':<9} {'store':<6} {'MB':>7} {'blocking ms':>12} {'% of step':>10} {'save s':>7} {'load s':>7}")
+    print("| shape | ranks | strategy | store | state MB per rank | blocking ms | save s | load s | resume s | "
+          "fresh RSS MB | resume RSS MB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    n = 0
     with tempfile.TemporaryDirectory() as tmp:
+        def url(store: str) -> str:
+            nonlocal n
+            n += 1
+            return f"{tmp}/s{n}" if store == "local" else f"s3://bench/s{n}"
+
+        stores = ["local"] + ([] if server is None else ["s3"])
         for shape in args.shapes:
-            state, step_s = training_state(shape)
-            mb = sum(t.numel() * t.element_size() for t in _tensors(state)) / 1e6
-            stores = [("local", f"{tmp}/{shape}", None)]
-            if server is not None:
-                stores.append(("s3", f"s3://bench/{shape}", None))
-            for name, url, opts in stores:
-                r = save_and_load(url, state, opts)
-                pct = f"{100 * r['blocking_ms'] / 1000 / step_s:9.1f}%" if shape == "gpt-mini" else f"{'-':>10}"
-                print(f"{shape:<9} {name:<6} {mb:7.1f} {r['blocking_ms']:12.1f} {pct} {r['save_s']:7.2f} "
-                      f"{r['load_s']:7.2f}", flush=True)
-            if shape == "gpt-mini":
-                print(f"  (gpt-mini training step, batch 32 x 128, CPU: {1000 * step_s:.0f} ms)")
-            del state
+            for config in args.configs:
+                world, strategy = config.split(":")
+                for store in stores:
+                    u = url(store)
+                    print(table_row(shape, world, strategy, store, measure(shape, int(world), strategy, u, env)),
+                          flush=True)
+                    if store == "local":
+                        shutil.rmtree(u, ignore_errors=True)
+        if server is not None and len(args.uploaders) > 1:
+            print("\nS3 uploaders (gpt2, 2 DDP ranks, 16 MiB parts, 8 in flight): total save time")
+            for uploader in args.uploaders:
+                r = measure("gpt2", 2, "ddp", url("s3"), env, uploader=uploader)
+                print(f"- {uploader}: {r['save_s']:.2f} s{failed(r)}",
+                      flush=True)
+        if len(args.layouts) > 1:
+            print("\nDDP load layouts (gpt2, 2 ranks): load s / resume s / resume RSS MB")
+            for store in stores:
+                for layout in args.layouts:
+                    r = measure("gpt2", 2, "ddp", url(store), env, layout=layout, repeats=1)
+                    print(f"- {store} {layout}: {r['restore_s']:.2f} / {r['resume_s']:.2f} / {r['resume_rss_mb']:,.0f}",
+                          flush=True)
         if not args.no_recovery:
             r = recovery(Path(tmp), args.corpus)
-            print(f"recovery (2 workers, gpt-mini, snapshot every 20 steps, SIGKILL at step {r['killed_at_step']}): "
+            print(f"\nrecovery (2 workers, gpt-mini, snapshot every 20 steps, SIGKILL at step {r['killed_at_step']}): "
                   f"{r['recovery_s']:.1f} s to the first resumed step, resumed from step {r['resumed_from_step']}, "
                   f"{r['steps_lost']} steps lost")
     if server is not None:
         server.stop()
-
-
-def _tensors(obj):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-

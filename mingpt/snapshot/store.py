@@ -231,16 +231,17 @@ class SnapshotStore:
             self.fs.pipe_file(f"{folder}/{MANIFEST_FILE}", data)
         return folder
 
-    def save(self, step: int, tensors: dict[str, torch.Tensor], extra: dict, manifest: dict) -> str:
-        """Write and commit a snapshot as one writer (tests, tools): `tensors` by name, `extra` plain."""
-        from mingpt.snapshot.snapshotter import ShardWriter
+    def save(self, step: int, state: dict, manifest: dict) -> str:
+        """Write and commit a snapshot as its only writer (tools, tests): the tensors of
+        state["model"] as shards, everything else as the small state."""
         from mingpt.snapshot.layout import Slot
+        from mingpt.snapshot.snapshotter import ShardWriter
 
-        slots = [Slot(k, v.detach().contiguous(), tuple(v.shape)) for k, v in tensors.items()]
+        slots = [Slot(f"model.{k}", v.detach().contiguous(), tuple(v.shape)) for k, v in state.get("model", {}).items()]
         writer = ShardWriter(0, 1)
-        image, extra_bytes = writer.copy(slots, extra)
+        image, extra = writer.copy(slots, {k: v for k, v in state.items() if k != "model"})
         self.begin(step)
-        record = writer.write(self, step, image, extra_bytes)
+        record = writer.write(self, step, image, extra)
         return self.commit(step, writer.manifest(manifest, [record]))
 
     # ------------------------------------------------------------------ reading

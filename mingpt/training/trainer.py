@@ -9,9 +9,11 @@ import math
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from mingpt.config import OptimConfig, TrainerConfig
 from mingpt.data.datasets import DocumentDataset, StreamDataset
@@ -75,12 +77,9 @@ class Saving:
 
 
 class Trainer:
-    """The training loop over parts that main.py builds: it runs no collective and builds nothing
-    when constructed, and does not know which parallel strategy runs (`parallel` answers for it).
-
-    What a snapshot holds is registered: the model's and optimizer's tensors (through `parallel`)
-    and the `stateful` parts, whose state_dict() go into the snapshot's small state.
-    """
+    """The training loop over parts that main.py builds (constructing it runs no collective). It does
+    not know the parallel strategy: `parallel` answers for it, and gives the tensors a snapshot holds;
+    the `stateful` parts' state_dict() make the rest."""
 
     def __init__(self, *, cfg: TrainerConfig, optim_cfg: OptimConfig, parallel: Parallel,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, data: TrainData, saving: Saving,
@@ -97,12 +96,12 @@ class Trainer:
     def train(self) -> bool:
         """Train to max_steps; False when stopped early by a preemption signal (after saving)."""
         p, cfg = self.progress, self.cfg
-        log.info("training from step %d to %d on %d rank%s (%s), precision %s", p.step, cfg.max_steps,
-                 self.dist.world_size, "" if self.dist.world_size == 1 else "s", self.parallel.name,
-                 self.amp_dtype or "fp32")
         if p.step >= cfg.max_steps:
             log.info("already at step %d of %d; nothing to train", p.step, cfg.max_steps)
             return True
+        log.info("training from step %d to %d on %d rank%s (%s), precision %s", p.step, cfg.max_steps,
+                 self.dist.world_size, "" if self.dist.world_size == 1 else "s", self.parallel.name,
+                 self.amp_dtype or "fp32")
         if self._agree_at_boundary()[0]:  # a stop requested during start-up: nothing new to save
             if self.dist.is_rank0:
                 log.warning("%s before the first step", self.preempt.describe())
@@ -121,8 +120,7 @@ class Trainer:
             stats = self.train_step()
             p.step, p.tokens_seen, steps_since = p.step + 1, p.tokens_seen + stats.tokens, steps_since + 1
             self.watchdog.beat(p.step)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
             last = p.step == cfg.max_steps
             if p.step % cfg.log_every == 0 or last:
                 self._log_train(stats, (time.perf_counter() - t_last) / steps_since)
@@ -149,8 +147,7 @@ class Trainer:
     def _agree_at_boundary(self) -> tuple[bool, bool]:
         """(stop, save now): any rank's preemption signal, or the save interval having passed; one
         tiny all-reduce per step, so that every rank takes the same decision at the same step."""
-        every = self.saving.every_s
-        timed = every > 0 and time.monotonic() - self._last_save_t >= every
+        timed = 0 < self.saving.every_s <= time.monotonic() - self._last_save_t
         flags = torch.tensor([float(self.preempt.requested), float(timed)], device=self.device)
         return tuple((all_reduce_sum(flags) > 0).tolist())
 
@@ -159,8 +156,7 @@ class Trainer:
         t0 = time.perf_counter()
         dist, data, step = self.dist, self.data.train, self.progress.step
         micro_batches = self.data.sampler.next_step()  # the global step's, the same for any world size
-        # The global count of real target tokens comes from the plan itself, which every rank
-        # knows: no collective is needed to normalise the loss exactly.
+        # every rank knows the global token count from the plan: no collective normalises the loss
         global_tokens = data.tokens_in(np.concatenate(micro_batches))
         split = self.data.sampler.split(micro_batches, dist.world_size)
         mine = split[dist.rank]
@@ -172,20 +168,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         for i, mb in enumerate(mine):
-            # A rank with no samples in this micro-step still runs one (weight 0), so that every
-            # rank joins the same gradient reductions.
+            # a rank with no samples here still runs one (weight 0): every rank joins every reduction
             weight = 1.0 if len(mb) else 0.0
             x, y = (t.to(self.device, non_blocking=True) for t in data.batch(mb if len(mb) else micro_batches[0][:1]))
             if self.parallel.raw.config.dropout > 0:
-                # Dropout noise as a function of (seed, step, first sample): identical after a
-                # resume and independent of which rank draws the micro-batch.
+                # dropout noise of (seed, step, first sample): the same after a resume, on any rank
                 torch.manual_seed(hash((self.cfg.seed, step, int(mb[0]) if len(mb) else -1)) & 0x7FFF_FFFF_FFFF)
             with self.parallel.sync(last=i == len(mine) - 1):
                 with _autocast(self.device.type, self.amp_dtype):
                     _, loss = model(x, y, reduction="sum")
-                # Gradients are averaged over ranks; scaling by world_size / global tokens makes the
-                # result the gradient of the mean token loss of the whole global batch, however
-                # unevenly the samples were split.
+                # gradients are averaged over ranks: world_size / global tokens makes them those of the
+                # mean token loss of the whole global batch, however unevenly the samples were split
                 self.scaler.scale(loss * (weight * dist.world_size / global_tokens)).backward()
             loss_sum += loss.detach().float() * weight
         compute_s = self.parallel.grads_ready_t - t0
@@ -195,24 +188,10 @@ class Trainer:
         self.scaler.update()
         return StepStats(loss_sum, global_tokens, grad_norm, lr, compute_s, split)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Validation loss over the fixed subset: sum of token losses / token count, across ranks."""
-        model, data = self.parallel.raw, self.data
-        model.eval()
-        sums = torch.zeros(2, device=self.device, dtype=torch.float64)  # (loss sum, tokens)
-        for batch in data.val_batches:
-            # an empty batch (a rank with fewer batches) still runs a forward pass, whose loss is not counted
-            x, y = (t.to(self.device, non_blocking=True) for t in data.val.batch(batch if len(batch) else np.zeros(1, int)))
-            with _autocast(self.device.type, self.amp_dtype):
-                _, loss = model(x, y, reduction="sum")
-            if len(batch):
-                sums[0] += loss.double()
-                sums[1] += data.val.tokens_in(batch)
-        all_reduce_sum(sums)
-        model.train()
-        val_loss = (sums[0] / sums[1]).item()
+        """Validation loss over the fixed subset, across ranks; the best one is kept."""
         p = self.progress
+        val_loss = validation_loss(self.parallel.raw, self.data, self.device, self.amp_dtype)
         p.best_val_loss = min(p.best_val_loss, val_loss)
         log.info("step %d | val loss %.4f | best %.4f", p.step, val_loss, p.best_val_loss)
         self.metrics.write({"kind": "eval", "step": p.step, "val_loss": val_loss})
@@ -244,21 +223,36 @@ class Trainer:
         loss = all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
         compute = [c[0] for c in all_gather_floats([stats.compute_s], self.dist.device)]
         if self.dist.is_rank0:
-            record = train_record(self.progress, stats, loss, step_s, compute, self.hosts, self.flops_per_token,
-                                  self.peak_flops)
+            record = train_record(self.progress, stats, loss, step_s, compute, self.hosts,
+                                  self.parallel.raw.flops_per_token(self.data.train.block_size),
+                                  peak_flops(self.cfg, self.dist, self.device))
             self.metrics.write({**record, "epoch": self.data.sampler.epoch, "world_size": self.dist.world_size,
                                 **self.data.train.batch_stats(stats.split)})
 
-    @property
-    def flops_per_token(self) -> float:
-        return self.parallel.raw.flops_per_token(self.data.train.block_size)
 
-    @property
-    def peak_flops(self) -> float:
-        d = self.dist
-        if self.device.type == "cpu":
-            return self.cfg.cpu_peak_flops * max(1, d.world_size // d.local_world_size)
-        return _gpu_peak(self.cfg.gpu_peak_flops, self.device) * d.world_size
+@torch.no_grad()
+def validation_loss(model: nn.Module, data: TrainData, device: torch.device, amp_dtype) -> float:
+    """Sum of token losses / token count over this rank's validation batches, summed across ranks."""
+    model.eval()
+    sums = torch.zeros(2, device=device, dtype=torch.float64)  # (loss sum, tokens)
+    for batch in data.val_batches:
+        # an empty batch (a rank with fewer batches) still runs a forward pass, whose loss is not counted
+        x, y = (t.to(device, non_blocking=True) for t in data.val.batch(batch if len(batch) else np.zeros(1, int)))
+        with _autocast(device.type, amp_dtype):
+            _, loss = model(x, y, reduction="sum")
+        if len(batch):
+            sums[0] += loss.double()
+            sums[1] += data.val.tokens_in(batch)
+    all_reduce_sum(sums)
+    model.train()
+    return (sums[0] / sums[1]).item()
+
+
+def peak_flops(cfg: TrainerConfig, d: DistInfo, device: torch.device) -> float:
+    """The job's peak FLOP/s for MFU: per machine on CPU, per GPU on GPUs."""
+    if device.type == "cpu":
+        return cfg.cpu_peak_flops * max(1, d.world_size // d.local_world_size)
+    return _gpu_peak(cfg.gpu_peak_flops, device) * d.world_size
 
 
 def train_record(p: Progress, stats: StepStats, loss: float, step_s: float, compute: list[float], hosts: list[str],
@@ -302,10 +296,10 @@ def _gpu_peak(configured: float, device: torch.device) -> float:
 
 @contextlib.contextmanager
 def _progress(enabled: bool, start: int, total: int):
-    """A progress bar on a terminal (else None). While it is shown, log lines are written through
-    it, so that a line never lands in the middle of the bar."""
+    """A progress bar on a terminal (else a stand-in that shows nothing). While it is shown, log
+    lines are written through it, so that a line never lands in the middle of the bar."""
     if not (enabled and sys.stderr.isatty()):
-        yield None
+        yield SimpleNamespace(update=lambda n: None)
         return
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
