@@ -210,3 +210,31 @@ def test_fsdp_sigkill_resumes_bitwise_and_loads_at_one_rank_under_ddp(tmp_path):
     losses = {s: r["loss"] for s, r in read_metrics(one_dir / "metrics.jsonl").items()}
     assert abs(losses[start.step + 1] - reference["losses"][start.step + 1]) < 1e-6
     assert max(abs(losses[s] - reference["losses"][s]) for s in losses) < 5e-3
+
+
+def test_a_damaged_or_missing_shard_makes_every_rank_fall_back_together(tmp_path):
+    """2 ranks: the newest snapshot has a shard with one byte changed (found by the ranks' checksums
+    while loading), the one before it lacks a shard (found by rank 0's listing); both ranks pass over
+    both, with warnings naming the shards, and resume from the third."""
+    from conftest import make_corpus
+
+    corpus = make_corpus(tmp_path)
+    run_dir = tmp_path / "run"
+    base = [a for a in args(corpus, tmp_path, run_dir) if "max_steps" not in a]
+    cmd = torchrun_cmd(2, "mingpt/main.py", *base, "trainer.max_steps=30")
+    proc = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    snaps = run_dir / "snapshots"
+    damaged = snaps / "step_000000030" / "shard-00001-of-00002.bin"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    (snaps / "step_000000020" / "shard-00000-of-00002.bin").unlink()
+    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *base, "trainer.max_steps=40"), cwd=REPO,
+                          env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "step_000000020 cannot be loaded (shard-00000-of-00002.bin is missing)" in out
+    assert "shard shard-00001-of-00002.bin fails its checksum" in out and "step_000000030 cannot be loaded" in out
+    assert "resumed from snapshot step 10" in out
+    assert json.loads((snaps / "step_000000040" / "manifest.json").read_text())["step"] == 40

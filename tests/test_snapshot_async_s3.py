@@ -26,12 +26,12 @@ def test_multipart_sized_snapshot_on_s3(s3_server):
     import s3fs
 
     s3fs.S3FileSystem().mkdir("multipart")
-    big = {"model": {"w": torch.randn(12_000_000)}}  # 48 MB: three 16 MiB parts, in flight together
+    big = {"model": {"w": torch.randn(20_000_000)}}  # 80 MB: three parts of up to 32 MiB, in flight together
     for uploader in ("s3fs", "boto3"):
         store = SnapshotStore(f"s3://multipart/{uploader}", uploader=uploader)
         path = store.save(3, big, {})
         loaded, manifest = store.load(path)
-        assert manifest["files"]["shard-00000-of-00001.bin"]["size"] == 48_000_000
+        assert manifest["files"]["shard-00000-of-00001.bin"]["size"] == 80_000_000
         assert torch.equal(loaded["model"]["w"], big["model"]["w"])
         key = path.split("/", 1)[1] + "/shard-00000-of-00001.bin"
         etag = store.fs.call_s3("head_object", Bucket="multipart", Key=key)["ETag"]

@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     server = None
     if not args.no_s3:
+        import logging
+
         from moto.server import ThreadedMotoServer
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
 
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         server.start()
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                     if store == "local":
                         shutil.rmtree(u, ignore_errors=True)
         if server is not None and len(args.uploaders) > 1:
-            print("\nS3 uploaders (gpt2, 2 DDP ranks, 16 MiB parts, 8 in flight): total save time")
+            print("\nS3 uploaders (gpt2, 2 DDP ranks, 32 MiB parts, 8 in flight): total save time")
             for uploader in args.uploaders:
                 r = measure("gpt2", 2, "ddp", url("s3"), env, uploader=uploader)
                 print(f"- {uploader}: {r['save_s']:.2f} s{failed(r)}",
