@@ -62,8 +62,11 @@ class ShardWriter:
     def write(self, store: SnapshotStore, step: int, image: torch.Tensor, extra: bytes | None) -> dict:
         """Write this writer's files durably; returns what the manifest records of them."""
         view = memoryview(image.numpy()) if image.numel() else memoryview(b"")
-        hashes = [sha256(view[p.offset:p.offset + (p.stop - p.start) * self._row_bytes[name]]) for name, p in self.mine()]
-        store.write_file(step, SHARD_FORMAT.format(self.writer, self.writers), view)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-hash") as pool:  # beside the write
+            hashing = pool.submit(lambda: [sha256(view[p.offset:p.offset + (p.stop - p.start) * self._row_bytes[name]])
+                                           for name, p in self.mine()])
+            store.write_file(step, SHARD_FORMAT.format(self.writer, self.writers), view)
+            hashes = hashing.result()
         record = {"writer": self.writer, "size": len(view), "sha256": hashes}
         if extra is not None:
             store.write_file(step, EXTRA_FILE, extra)

@@ -426,20 +426,28 @@ def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list) -> 
         except Exception as e:  # noqa: BLE001 - any read failure names the shard
             failed[i] = f"shard {fname(piece)} cannot be read ({e.__class__.__name__}: {e})"
 
+    def copy(chunk, pos: int, data) -> None:
+        """Bytes [pos, pos + len(data)) of a chunk's file into the pieces they belong to."""
+        for i in chunk[3]:
+            _, piece, view = views[i]
+            lo, hi = max(pos, piece.offset), min(pos + len(data), piece.offset + len(view))
+            if lo < hi:
+                view[lo - piece.offset:hi - piece.offset] = data[lo - pos:hi - pos]
+
     def ranged(chunk: tuple[str, int, int, list[int]]) -> None:
         file, start, end, members = chunk
         try:
-            data = store.fs.cat_file(f"{path}/{file}", start=start, end=end)
-            if len(data) != end - start:
-                raise SnapshotError(f"{file} ends before byte {end}")
-        except Exception as e:  # noqa: BLE001
+            if hasattr(store.fs, "_call_s3"):  # S3: stream the range, a few MiB in memory at a time
+                fsspec.asyn.sync(store.fs.loop, _stream_s3, store.fs, f"{path}/{file}", start, end,
+                                 lambda pos, data: copy(chunk, pos, data))
+            else:
+                data = store.fs.cat_file(f"{path}/{file}", start=start, end=end)
+                if len(data) != end - start:
+                    raise SnapshotError(f"{file} ends before byte {end}")
+                copy(chunk, start, data)
+        except Exception as e:  # noqa: BLE001 - any read failure names the shard
             for i in members:
                 failed[i] = f"shard {file} cannot be read ({e.__class__.__name__}: {e})"
-            return
-        for i in members:
-            _, piece, view = views[i]
-            lo, hi = max(start, piece.offset), min(end, piece.offset + len(view))
-            view[lo - piece.offset:hi - piece.offset] = data[lo - start:hi - start]
 
     def check(i: int) -> str | None:
         name, piece, view = views[i]
@@ -453,8 +461,25 @@ def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list) -> 
         if store.local:
             list(pool.map(local, range(len(views))))
         else:
-            list(pool.map(ranged, _chunks(views, fname)))
+            with ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapshot-get") as gets:
+                list(gets.map(ranged, _chunks(views, fname)))
         return sorted({m for m in pool.map(check, range(len(views))) if m})
+
+
+async def _stream_s3(fs, path: str, start: int, end: int, sink) -> None:
+    """GET bytes [start, end) of an S3 object and hand them to sink(position, bytes) as they arrive."""
+    bucket, key, _ = fs.split_path(path)
+    resp = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+    body, pos = resp["Body"], start
+    try:
+        while pos < end:
+            data = await body.read(min(8 * 2**20, end - pos))
+            if not data:
+                raise SnapshotError(f"{path} ends before byte {end}")
+            sink(pos, data)
+            pos += len(data)
+    finally:
+        body.close()
 
 
 READ_BYTES = 256 * 2**20
