@@ -9,7 +9,6 @@ It prints one JSON line from rank 0 with every rank's figures.
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
@@ -27,7 +26,10 @@ from mingpt.training.optim import build_optimizer, init_state
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory (VmHWM; ru_maxrss would also count the pages of the
+    parent at fork, such as the moto server's objects in the bench process)."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM")) / 1024
 
 
 def step(par, opt, vocab: int) -> None:
