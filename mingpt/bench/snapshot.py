@@ -100,7 +100,7 @@ def recovery(tmp: Path, corpus: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mingpt.bench snapshot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=["gpt2", "gpt2-medium"])
+    ap.add_argument("--shapes", nargs="*", default=["gpt2", "gpt2-medium"], help="none: only the other figures")
     ap.add_argument("--configs", nargs="+", default=[f"{w}:{s}" for w, s in CONFIGS],
                     help="world:strategy pairs (default: 1:ddp 2:ddp 2:fsdp)")
     ap.add_argument("--no-s3", action="store_true", help="skip the loopback S3 server (moto)")
