@@ -1,4 +1,6 @@
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -94,6 +96,9 @@ def test_snapshot_cli_list_show_verify(tmp_path, capsys):
     assert weights_digest({"w": torch.zeros(3)}) in capsys.readouterr().out
     assert snapshot_cli(["show", str(tmp_path), "--step", "1"]) == 0
     assert '"step": 1' in capsys.readouterr().out
+    listed = subprocess.run([sys.executable, "-m", "mingpt.snapshot", "list", str(tmp_path)], capture_output=True,
+                            text=True, check=True).stdout  # the package runs the same tool
+    assert "committed" in listed and "incomplete" in listed
     with open(f"{p2}/shard-00000-of-00001.bin", "r+b") as fh:
         fh.seek(-4, 2)
         fh.write(b"oops")
