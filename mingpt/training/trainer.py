@@ -125,12 +125,10 @@ class Trainer:
             if p.step % cfg.log_every == 0 or last:
                 self._log_train(stats, (time.perf_counter() - t_last) / steps_since)
                 t_last, steps_since = time.perf_counter(), 0
-            evaluate = cfg.eval_every and (p.step % cfg.eval_every == 0 or last)
-            if evaluate:
+            if evaluate := cfg.eval_every and (p.step % cfg.eval_every == 0 or last):
                 self.evaluate()
             stop, timed = self._agree_at_boundary()
-            save = stop or timed or last or (every and p.step % every == 0)
-            if save:
+            if save := stop or timed or last or (every and p.step % every == 0):
                 self.save_snapshot()
                 self.watchdog.beat(p.step)
             if stop and not last:
@@ -145,8 +143,7 @@ class Trainer:
         return True
 
     def _agree_at_boundary(self) -> tuple[bool, bool]:
-        """(stop, save now): any rank's preemption signal, or the save interval having passed; one
-        tiny all-reduce per step, so that every rank takes the same decision at the same step."""
+        """(stop, save now) by one tiny all-reduce per step: every rank decides alike, at one step."""
         timed = 0 < self.saving.every_s <= time.monotonic() - self._last_save_t
         flags = torch.tensor([float(self.preempt.requested), float(timed)], device=self.device)
         return tuple((all_reduce_sum(flags) > 0).tolist())
@@ -207,8 +204,8 @@ class Trainer:
     def save_snapshot(self) -> None:
         """Every rank writes its share of the state; the first commits it."""
         self._last_save_t = time.monotonic()
-        p, world = self.progress, self.dist.world_size
-        manifest = {**self.saving.meta, "tokens_seen": p.tokens_seen, "world_size": world,
+        p = self.progress
+        manifest = {**self.saving.meta, "tokens_seen": p.tokens_seen, "world_size": self.dist.world_size,
                     "parallel": self.parallel.name, "aliases": self.parallel.aliases()}
         extra = {name: part.state_dict() for name, part in self.stateful.items()}
         self.saving.snapshotter.save(p.step, self.parallel.slots(self.optimizer), extra, manifest)
