@@ -210,14 +210,19 @@ class GPT(nn.Module):
         cfg = cfg.resolved()
         self.config = cfg
         V = cfg.padded_vocab_size
-        self.wte = nn.Embedding(V, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        # On the meta device (parallelize initialises later) no value is drawn: normal_ on a meta
+        # tensor goes through torch._refs, whose first call imports torch._dynamo (1 s per process).
+        meta = torch.empty(0).is_meta
+        self.wte = nn.Embedding(V, cfg.n_embd, _weight=torch.empty(V, cfg.n_embd) if meta else None)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd,
+                                _weight=torch.empty(cfg.block_size, cfg.n_embd) if meta else None)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)
         self.tie_weights()
-        self.apply(self._init_weights)
+        if not meta:
+            self.apply(self._init_weights)
 
     def tie_weights(self) -> None:
         """One matrix embeds tokens and predicts them, as in GPT-2 (again after `to_empty`, which
