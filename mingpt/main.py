@@ -13,6 +13,8 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
+from mingpt.training.ledger import Ledger  # noqa: I001 - first: nothing heavy, and the clock starts
+
 import hydra
 import numpy as np
 import torch
@@ -34,6 +36,7 @@ from mingpt.snapshot.restore import restore, restore_newest
 from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start, set_aside
 from mingpt.storage import write_json_atomic
 from mingpt.tokenizer import TokenizerError
+from mingpt.training.ledger import mean_record
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
 from mingpt.training.trainer import Saving, TrainData, Trainer
@@ -117,9 +120,12 @@ def with_pretrained_shape(cfg: RunConfig, directory: Path) -> RunConfig:
                                       n_embd=hf["n_embd"], bias=True))
 
 
-def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None) -> Trainer:
+def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None,
+             ledger: Ledger | None = None) -> Trainer:
     """Build every object of the run from the typed config; resume if a snapshot exists."""
     tcfg, sc = cfg.trainer, cfg.snapshot
+    ledger = ledger or Ledger()
+    ledger.switch("data_load")
     torch.set_num_threads(tcfg.threads or distributed.default_threads(info.local_world_size))
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
@@ -159,6 +165,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                             f"corpus and tokenizer give {model_cfg.vocab_size}: resume with the snapshot's data, or "
                             "start a new run in its own directory: trainer.run_dir=runs/NEW")
 
+    ledger.switch("model")
     with torch.device("meta"):  # no memory and no initialisation until the strategy has placed it
         raw = GPT(model_cfg)
     # A snapshot to resume overwrites every value: the weights are initialised only for a new run.
@@ -184,17 +191,21 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     if info.is_rank0:
         write_json_atomic(run_dir / "tokenizer.json", corpus.tokenizer.state_dict())
     snapshotter = Snapshotter(store, writer=info.rank, writers=info.world_size, group=distributed.side_group(),
-                              keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries)
+                              keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries, events=metrics.write)
     hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]
     trainer = Trainer(cfg=tcfg, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer, scaler=scaler,
                       data=TrainData(corpus.train, corpus.val, sampler, mine),
                       saving=Saving(snapshotter, sc.every_steps, sc.every_seconds, meta), metrics=metrics, dist=info,
                       hosts=hosts, preempt=preempt or PreemptionFlag(),
-                      watchdog=Watchdog(tcfg.watchdog_s, f"rank {info.rank} ({info.hostname}:{info.local_rank})"))
+                      watchdog=Watchdog(tcfg.watchdog_s, f"rank {info.rank} ({info.hostname}:{info.local_rank})"),
+                      ledger=ledger)
     if found:
+        ledger.switch("restore")
         resume(cfg, trainer, store if source == store.url else SnapshotStore(source, store.storage_options), found)
+    every = distributed.all_gather_floats([ledger.start_epoch, *ledger.totals()], info.device)
     metrics.write({"kind": "start", "run_id": run_id, "job_id": info.job_id, "step": trainer.progress.step,
-                   "world_size": info.world_size, "restart": info.restart_count})
+                   "world_size": info.world_size, "restart": info.restart_count, "parallel": parallel.name,
+                   "hosts": hosts, **mean_record(every)})
     return trainer
 
 
@@ -226,8 +237,9 @@ def preflight(cfg: RunConfig, info: DistInfo) -> None:
              "" if info.world_size == 1 else "s", seconds)
 
 
-def train_process(dcfg: DictConfig) -> int:
+def train_process(dcfg: DictConfig, ledger: Ledger | None = None) -> int:
     """The whole job of one process; returns its exit code. Every error ends here, as one line."""
+    ledger = ledger or Ledger()
     distributed.die_with_parent()
     info = DistInfo.from_env()
     setup_logging(info)
@@ -235,12 +247,14 @@ def train_process(dcfg: DictConfig) -> int:
     trainer = None
     try:
         cfg = from_dict(OmegaConf.to_container(dcfg, resolve=True))
+        ledger.switch("process_group")
         distributed.init(info, cfg.dist.timeout_s)
+        ledger.switch("preflight")
         logging.getLogger("mingpt.node").info(
             "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",
             info.hostname, info.local_world_size, info.rank, info.world_size, info.restart_count)
         preflight(cfg, info)
-        trainer = assemble(cfg, info, preempt)
+        trainer = assemble(cfg, info, preempt, ledger)
         finished = trainer.train()
         trainer.close()
         trainer = None
@@ -251,6 +265,8 @@ def train_process(dcfg: DictConfig) -> int:
         return distributed.report_error(info, str(e), code=2, let_rank0_report=True)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit
         if distributed.is_peer_failure(e):
+            if trainer is not None:
+                trainer.record_fault(distributed.first_line(e))
             return distributed.report_error(
                 info, f"lost contact with a peer ({distributed.first_line(e)[:300]}); exiting so that torchrun restarts the workers "
                 "from the latest snapshot", code=1, each_node=True, level=logging.WARNING)
@@ -264,6 +280,8 @@ def train_process(dcfg: DictConfig) -> int:
 
 @record
 def main() -> None:
+    ledger = Ledger()  # the process's age so far (interpreter, imports) is its launch
+    ledger.switch("config")
     register()
     code = 0
     overrides = sys.argv[1:]
@@ -280,7 +298,7 @@ def main() -> None:
     @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
     def _hydra_entry(dcfg: DictConfig) -> None:
         nonlocal code
-        code = train_process(dcfg)
+        code = train_process(dcfg, ledger)
 
     _hydra_entry()
     distributed.exit_process(code, had_process_group=DistInfo.from_env(cuda=False).distributed)

@@ -106,6 +106,21 @@ def _slot(name: str, t: torch.Tensor) -> Slot:
     return Slot(name, t, tuple(t.shape))
 
 
+def _materialise(module: nn.Module, device: torch.device) -> None:
+    """`module.to_empty(device)` without its cost: on meta tensors `empty_like` runs through torch._refs,
+    whose first use imports sympy and more (0.45 s of every start)."""
+    new: dict[int, torch.Tensor] = {}  # a tensor shared by two modules stays shared
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in new:
+                    empty = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    new[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                table[name] = new[id(t)]
+
+
 def parallelize(raw: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False) -> Parallel:
     """Wrap a model built on the meta device for `strategy` ("ddp" or "fsdp"; one process runs it
     plainly), materialise it on this rank's device, and initialise it from `seed` (None: leave it
@@ -125,7 +140,7 @@ def parallelize(raw: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
         raw.to_empty(device=device)
         name = "fsdp"
     else:
-        raw.to_empty(device=device)
+        _materialise(raw, device)
         raw.tie_weights()
         name = "ddp" if info.distributed else "single"
     if seed is not None:

@@ -8,6 +8,7 @@ import io
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -93,13 +94,17 @@ class Snapshotter:
     then writes its shard; the writers' records meet in an all-gather on `group` (a gloo group of
     their own, so that it never races the training loop's collectives), and writer 0 commits the
     manifest only when every shard is durable and hashed, then prunes. A failed save is logged and
-    training goes on: the previous snapshot stays the latest committed one.
+    training goes on: the previous snapshot stays the latest committed one. Writer 0 reports each
+    save's outcome (committed, failed, retried) to `events` as a metrics record.
     """
 
     def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, group=None, keep_last: int = 3,
-                 keep_every: int = 0, retries: int = 3, backoff_s: float = 1.0):
+                 keep_every: int = 0, retries: int = 3, backoff_s: float = 1.0,
+                 events: Callable[[dict], None] | None = None):
         self.store, self.keep_last, self.keep_every = store, keep_last, keep_every
         self.retries, self.backoff_s, self.group = retries, backoff_s, group
+        self._events = events or (lambda record: None)
+        self._retried_now = 0  # retries of the save in flight, by this writer
         self.shard = ShardWriter(writer, writers)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._pending: Future | None = None
@@ -127,30 +132,40 @@ class Snapshotter:
         self._pending = self._pool.submit(self._write, step, image, extra_bytes, manifest, t0)
 
     def _write(self, step: int, image: torch.Tensor, extra: bytes | None, manifest: dict, t0: float) -> None:
+        self._retried_now = 0
         ready = not self.committer or self._retried(step, "preparing", lambda: self.store.begin(step) or True)
         if not all(self._gather(bool(ready))):  # nobody writes before the folder is uncommitted
-            self.failures += 1
-            return
+            return self._failed(step, t0, "the snapshot folder could not be prepared")
         record = self._retried(step, "writing its shard", lambda: self.shard.write(self.store, step, image, extra))
+        if record is not None:
+            record["retries"] = self._retried_now
         records = self._gather(record)
         if any(r is None for r in records):
-            self.failures += 1
+            bad = [SHARD_FORMAT.format(i, self.shard.writers) for i, r in enumerate(records) if r is None]
             if self.committer:
-                bad = [SHARD_FORMAT.format(i, self.shard.writers) for i, r in enumerate(records) if r is None]
                 log.error("snapshot step %d not committed: %s could not be written; training goes on and the "
                           "previous snapshot stays the latest", step, ", ".join(bad))
-            return
+            return self._failed(step, t0, f"{', '.join(bad)} could not be written")
         if self.committer:
             path = self._retried(step, "committing", lambda: self.store.commit(step, self.shard.manifest(manifest, records)))
             if path is None:
-                self.failures += 1
-                return
+                return self._failed(step, t0, "the manifest could not be committed")
             pruned = self.store.prune(self.keep_last, self.keep_every, protect=step)
+            total = time.perf_counter() - t0
             log.info("snapshot step %d committed to %s by %d writer%s in %.2fs (%.0f ms blocking)%s", step, path,
-                     self.shard.writers, "" if self.shard.writers == 1 else "s", time.perf_counter() - t0,
+                     self.shard.writers, "" if self.shard.writers == 1 else "s", total,
                      1000 * self.blocking_s[-1], f", pruned {len(pruned)}" if pruned else "")
+            self._events({"kind": "snapshot", "step": step, "status": "committed", "total_s": round(total, 4),
+                          "blocking_s": round(self.blocking_s[-1], 4), "bytes": sum(r["size"] for r in records),
+                          "writers": self.shard.writers, "retries": sum(r["retries"] for r in records)})
         self.last_saved_step = step
         self.save_s.append(time.perf_counter() - t0)
+
+    def _failed(self, step: int, t0: float, why: str) -> None:
+        self.failures += 1
+        if self.committer:
+            self._events({"kind": "snapshot", "step": step, "status": "failed", "reason": why,
+                          "total_s": round(time.perf_counter() - t0, 4), "blocking_s": round(self.blocking_s[-1], 4)})
 
     def _retried(self, step: int, what: str, fn):
         """fn() with retries and backoff; None (logged) when every attempt failed."""
@@ -163,6 +178,9 @@ class Snapshotter:
                               "previous snapshot stays the latest", step, attempt + 1, what, e.__class__.__name__, e)
                     return None
                 delay = self.backoff_s * 2**attempt
+                self._retried_now += 1
+                self._events({"kind": "snapshot", "step": step, "status": "retry", "what": what, "attempt": attempt + 1,
+                              "error": f"{e.__class__.__name__}: {e}"[:200]})
                 log.warning("snapshot step %d: attempt %d %s failed (%s: %s); retrying in %.1fs", step, attempt + 1,
                             what, e.__class__.__name__, e, delay)
                 time.sleep(delay)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ class MetricsWriter:
         self.path = Path(run_dir) / "metrics.jsonl"
         self._fh = None
         self._tb = None
+        self._lock = threading.Lock()  # the snapshot thread writes its records too
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "a", buffering=1)
@@ -30,8 +32,14 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         if not self.enabled:
             return
-        self._fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
-        if self._tb is not None and "step" in record:
+        with self._lock:
+            if self._fh is None:  # closed: a save finishing after the end of training
+                return
+            self._fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            self._write_tb(record)
+
+    def _write_tb(self, record: dict) -> None:
+        if self._tb is not None and record.get("kind") in ("train", "eval"):
             for k, v in record.items():
                 if isinstance(v, (int, float)) and k not in ("step", "time"):
                     self._tb.add_scalar(k, v, record["step"])
@@ -67,6 +75,10 @@ class MetricsWriter:
         return moved
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None

@@ -21,6 +21,7 @@ from mingpt.data.samplers import LengthGroupedSampler, StreamSampler
 from mingpt.distributed import DistInfo, PreemptionFlag, all_gather_floats, all_reduce_sum
 from mingpt.parallel import Parallel
 from mingpt.snapshot import Snapshotter
+from mingpt.training.ledger import Ledger, mean_record
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import lr_at
 from mingpt.training.watchdog import Watchdog
@@ -84,10 +85,11 @@ class Trainer:
     def __init__(self, *, cfg: TrainerConfig, optim_cfg: OptimConfig, parallel: Parallel,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, data: TrainData, saving: Saving,
                  metrics: MetricsWriter, dist: DistInfo, hosts: list[str], preempt: PreemptionFlag,
-                 watchdog: Watchdog):
+                 watchdog: Watchdog, ledger: Ledger | None = None):
         self.cfg, self.optim_cfg, self.parallel, self.optimizer, self.scaler = cfg, optim_cfg, parallel, optimizer, scaler
         self.data, self.saving, self.metrics, self.dist, self.hosts = data, saving, metrics, dist, hosts
         self.preempt, self.watchdog, self.progress = preempt, watchdog, Progress()
+        self.ledger = ledger or Ledger()  # where this process's time goes (records: "time")
         self.stateful = {"scaler": scaler, "sampler": data.sampler, "trainer": self.progress}
         self.device = torch.device(dist.device)
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
@@ -107,6 +109,7 @@ class Trainer:
                 log.warning("%s before the first step", self.preempt.describe())
             return False
         self.watchdog.start()
+        self.ledger.switch("first_step")
         try:
             with _progress(self.dist.is_rank0 and cfg.progress, p.step, cfg.max_steps) as bar:
                 return self._loop(bar)
@@ -121,26 +124,51 @@ class Trainer:
             p.step, p.tokens_seen, steps_since = p.step + 1, p.tokens_seen + stats.tokens, steps_since + 1
             self.watchdog.beat(p.step)
             bar.update(1)
-            last = p.step == cfg.max_steps
-            if p.step % cfg.log_every == 0 or last:
-                self._log_train(stats, (time.perf_counter() - t_last) / steps_since)
+            last, first = p.step == cfg.max_steps, not self.ledger.steady
+            if logged := p.step % cfg.log_every == 0 or last:
+                with self.ledger.during("log"):
+                    self._log_train(stats, (time.perf_counter() - t_last) / steps_since)
                 t_last, steps_since = time.perf_counter(), 0
             if evaluate := cfg.eval_every and (p.step % cfg.eval_every == 0 or last):
-                self.evaluate()
+                with self.ledger.during("eval"):
+                    self.evaluate()
             stop, timed = self._agree_at_boundary()
             if save := stop or timed or last or (every and p.step % every == 0):
-                self.save_snapshot()
+                with self.ledger.during("snapshot"):
+                    self.save_snapshot()
                 self.watchdog.beat(p.step)
+            if first or logged or evaluate or save:
+                self.record_time()
             if stop and not last:
-                self.saving.snapshotter.wait()
+                with self.ledger.during("snapshot"):
+                    self.saving.snapshotter.wait()
+                self.record_time()
                 if self.dist.is_rank0:  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
                                 self.preempt.describe(), p.step)
                 return False
             if evaluate or save:  # keep evaluation and saving out of the step-time figures
                 t_last, steps_since = time.perf_counter(), 0
-        self.saving.snapshotter.wait()
+        with self.ledger.during("snapshot"):
+            self.saving.snapshotter.wait()
+        self.record_time()
         return True
+
+    def record_time(self) -> None:
+        """The "time" record: every rank's seconds per state so far, averaged (a collective). The
+        first one ends the start-up: later steps count as steps."""
+        if not self.ledger.steady:
+            self.ledger.started()
+        with self.ledger.during("log"):
+            mine = [self.ledger.start_epoch, *self.ledger.totals()]
+            every = all_gather_floats(mine, self.dist.device)
+            self.metrics.write({"kind": "time", "step": self.progress.step, **mean_record(every)})
+
+    def record_fault(self, message: str) -> None:
+        """A "fault" record of this rank alone (no collective can run now): where its time went up to
+        the failure, so that the report can tell the work lost after the last record from the restart."""
+        self.metrics.write({"kind": "fault", "step": self.progress.step, "error": message[:200],
+                            **mean_record([[self.ledger.start_epoch, *self.ledger.totals()]])})
 
     def _agree_at_boundary(self) -> tuple[bool, bool]:
         """(stop, save now) by one tiny all-reduce per step: every rank decides alike, at one step."""
@@ -151,6 +179,7 @@ class Trainer:
     def train_step(self) -> StepStats:
         """One optimizer step over the next global batch, split over ranks and micro-batches."""
         t0 = time.perf_counter()
+        self.ledger.switch("step_data")
         dist, data, step = self.dist, self.data.train, self.progress.step
         micro_batches = self.data.sampler.next_step()  # the global step's, the same for any world size
         # every rank knows the global token count from the plan: no collective normalises the loss
@@ -167,7 +196,9 @@ class Trainer:
         for i, mb in enumerate(mine):
             # a rank with no samples here still runs one (weight 0): every rank joins every reduction
             weight = 1.0 if len(mb) else 0.0
+            self.ledger.switch("step_data")
             x, y = (t.to(self.device, non_blocking=True) for t in data.batch(mb if len(mb) else micro_batches[0][:1]))
+            self.ledger.switch("step_compute")
             if self.parallel.raw.config.dropout > 0:
                 # dropout noise of (seed, step, first sample): the same after a resume, on any rank
                 torch.manual_seed(hash((self.cfg.seed, step, int(mb[0]) if len(mb) else -1)) & 0x7FFF_FFFF_FFFF)

@@ -1,0 +1,155 @@
+"""A job's time, from its metrics alone: where every second went, across restarts and world sizes.
+
+The records (see mingpt.training.ledger): every process start writes "start", then "time" records at
+every log, evaluation and save (cumulative seconds per state since the process started, the mean over
+ranks), and a surviving rank 0 writes "fault" when a peer fails. Nothing is written at a SIGKILL, so
+the accounting of an attempt (the processes of one torchrun start) ends at its last record, and
+the time until the next attempt's processes started is the restart ("down": failure detection,
+torchrun's restart, and any work after the last record). Steps trained after the snapshot that a
+later attempt resumed from were trained again: their time is "lost". Goodput is the step compute
+of the steps kept, over the wall time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mingpt.training.ledger import STARTUP, STATES
+
+# the job's categories, in the order the report shows them
+CATEGORIES = ("training", "lost", "down", "startup", "data_wait", "eval", "snapshot", "log")
+LABELS = {"training": "training, kept", "lost": "training, lost (steps trained again)",
+          "down": "restart (detection to new processes)", "startup": "start-up", "data_wait": "waiting on data",
+          "eval": "evaluation", "snapshot": "snapshot (blocking)", "log": "logging and records"}
+STEP = ("step_data", "step_compute")
+
+
+@dataclass
+class Attempt:
+    """The processes of one start of the job (one torchrun restart, or a new job)."""
+    start: dict
+    ledgers: list[dict] = field(default_factory=list)  # start, time and fault records, in order
+    fault: dict | None = None
+
+    @property
+    def t0(self) -> float:
+        return self.start["t0"]
+
+    @property
+    def first_step(self) -> int:
+        return self.start["step"]
+
+    @property
+    def last(self) -> dict:
+        return self.ledgers[-1]
+
+    @property
+    def end(self) -> float:
+        """When the last record's figures were taken (its start plus its age)."""
+        return self.t0 + sum(self.last["s"].values())
+
+    @property
+    def last_step(self) -> int:
+        return self.last["step"]
+
+    def seconds_at(self, step: int, state: str) -> float:
+        """Cumulative seconds in `state` when `step` was done (interpolated between records where
+        none was written at that step)."""
+        points = [(r["step"], r["s"][state]) for r in self.ledgers]
+        at = [v for s, v in points if s == step]
+        if at:
+            return at[0]
+        below = [(s, v) for s, v in points if s < step]
+        above = [(s, v) for s, v in points if s > step]
+        if not below:
+            return 0.0
+        if not above:
+            return below[-1][1]
+        (s0, v0), (s1, v1) = below[-1], above[0]
+        return v0 + (v1 - v0) * (step - s0) / (s1 - s0)
+
+
+@dataclass
+class Account:
+    """Seconds per category over the whole job (CATEGORIES), start-up by phase, and per attempt."""
+    wall: float
+    seconds: dict[str, float]
+    startup: dict[str, float]
+    attempts: list[Attempt]
+    kept_steps: list[tuple[int, int]]  # per attempt: first and last kept step
+    lost_steps: list[int]
+    gaps: list[float]  # per attempt: the restart before it (0 for the first of a job)
+
+    @property
+    def goodput(self) -> float:
+        return self.seconds["training"] / self.wall if self.wall > 0 else 0.0
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """The records of a metrics file; a line cut short by a kill is skipped."""
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def attempts_of(records: list[dict]) -> list[Attempt]:
+    """The attempts that recorded their start-up (records of formats without ledgers are skipped)."""
+    out: list[Attempt] = []
+    for r in records:
+        kind = r.get("kind")
+        if kind == "start":
+            out.append(Attempt(r))
+            if "s" in r:
+                out[-1].ledgers.append(r)
+        elif kind in ("time", "fault") and out and "s" in r:
+            out[-1].ledgers.append(r)
+            if kind == "fault":
+                out[-1].fault = r
+    return [a for a in out if a.ledgers]
+
+
+def account(records: list[dict]) -> Account:
+    """Where the job's wall time went. Attempts of one torchrun job are joined by their restarts;
+    the time between two jobs (a new command) is not the job's and is left out."""
+    attempts = attempts_of(records)
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    startup = dict.fromkeys(STARTUP, 0.0)
+    kept_steps, lost_steps, gaps, wall = [], [], [], 0.0
+    for i, a in enumerate(attempts):
+        # the steps of this attempt that no later attempt trained again
+        later = [b.first_step for b in attempts[i + 1:]]
+        kept_until = min([a.last_step, *later])
+        s = a.last["s"]
+        kept = {state: a.seconds_at(kept_until, state) if kept_until > a.first_step else 0.0 for state in STEP}
+        seconds["training"] += kept["step_compute"]
+        seconds["data_wait"] += kept["step_data"]
+        seconds["lost"] += sum(s[state] - kept[state] for state in STEP)
+        for phase in STARTUP:
+            startup[phase] += s[phase]
+            seconds["startup"] += s[phase]
+        for state in ("eval", "snapshot", "log"):
+            seconds[state] += s[state]
+        kept_steps.append((a.first_step, max(a.first_step, kept_until)))
+        lost_steps.append(max(0, a.last_step - max(kept_until, a.first_step)))
+        same_job = i > 0 and attempts[i - 1].start.get("job_id") == a.start.get("job_id")
+        gap = max(0.0, a.t0 - attempts[i - 1].end) if same_job else 0.0
+        gaps.append(gap)
+        seconds["down"] += gap
+        wall += gap + (a.end - a.t0)
+    return Account(wall, seconds, startup, attempts, kept_steps, lost_steps, gaps)
+
+
+def check_states() -> None:
+    """The categories cover every ledger state exactly once (an import-time guard for new states)."""
+    covered = set(STARTUP) | set(STEP) | {"eval", "snapshot", "log"}
+    assert covered == set(STATES), covered ^ set(STATES)
+
+
+check_states()

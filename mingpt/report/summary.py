@@ -1,0 +1,127 @@
+"""The one-screen text summary of a run, from its metrics file (no plotting library needed)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from mingpt.report.goodput import CATEGORIES, LABELS, Account, account
+
+PHASES = {"launch": "launch", "config": "config", "process_group": "process group", "preflight": "preflight",
+          "data_load": "data", "model": "model", "restore": "restore", "first_step": "first step"}
+
+
+@dataclass
+class Run:
+    """What the report shows, derived from the records once."""
+    records: list[dict]
+    account: Account
+    train: dict[int, dict]  # step -> its last train record (a step trained again is logged again)
+    evals: dict[int, dict]
+    snapshots: list[dict]
+    hosts: list[list[str]]  # per train record in file order: the hosts of its ranks
+
+    @classmethod
+    def of(cls, records: list[dict]) -> Run:
+        train, evals, snapshots, hosts, current = {}, {}, [], [], []
+        for r in records:
+            kind = r.get("kind")
+            if kind == "start":
+                current = r.get("hosts") or []
+            elif kind == "train":
+                train[r["step"]] = r
+                hosts.append(current)
+            elif kind == "eval":
+                evals[r["step"]] = r
+            elif kind == "snapshot":
+                snapshots.append(r)
+        return cls(records, account(records), dict(sorted(train.items())), dict(sorted(evals.items())), snapshots,
+                   hosts)
+
+    def slowest(self, top: int = 3) -> list[tuple[str, float, float]]:
+        """(host:local rank, share of logged steps where it was the slowest, its mean compute time
+        over the step's median), slowest first."""
+        ratios, slowest, steps = defaultdict(list), defaultdict(int), 0
+        for r, hosts in zip((r for r in self.records if r.get("kind") == "train"), self.hosts):
+            compute = r.get("compute_ms") or []
+            if len(compute) < 2 or len(hosts) != len(compute):
+                continue
+            steps += 1
+            median = max(float(np.median(compute)), 1e-9)
+            for host, c in zip(hosts, compute):
+                ratios[host].append(c / median)
+            slowest[hosts[int(np.argmax(compute))]] += 1
+        rows = [(h, slowest[h] / steps, float(np.mean(v))) for h, v in ratios.items()]
+        return sorted(rows, key=lambda row: (-row[2], -row[1]))[:top]
+
+
+def _s(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.1f} s"
+
+
+def summary(run: Run, name: str) -> str:
+    """The text a person reads first: progress, restarts, goodput and where the rest went."""
+    acc, lines = run.account, []
+    attempts = acc.attempts
+    lines.append(f"run {name}")
+    if run.train:
+        last = run.train[max(run.train)]
+        lines.append(f"  steps {last['step']:,}   tokens {last.get('tokens_seen', 0):,}   last train loss "
+                     f"{last['loss']:.4f}")
+    if run.evals:
+        best = min(run.evals.values(), key=lambda r: r["val_loss"])
+        lines.append(f"  best val loss {best['val_loss']:.4f} at step {best['step']:,}")
+    if not attempts:
+        lines.append("  no time records (a run of an older version?): no goodput")
+        return "\n".join(lines)
+    jobs = len({a.start.get("job_id") for a in attempts})
+    sizes = [a.start["world_size"] for a in attempts]
+    changes = [str(sizes[0])] + [str(b) for a, b in zip(sizes, sizes[1:]) if a != b]
+    lines.append(f"  starts {len(attempts)} ({len(attempts) - jobs} restart{'s' * (len(attempts) - jobs != 1)}, "
+                 f"{jobs} job{'s' * (jobs != 1)})   world size {' -> '.join(changes)}   "
+                 f"{attempts[-1].start.get('parallel', '')}")
+    lines.append("")
+    lines.append(f"  goodput {100 * acc.goodput:.1f}% of {_s(acc.wall)} wall time")
+    width = max(len(LABELS[c]) for c in CATEGORIES)
+    for c in CATEGORIES:
+        v = acc.seconds[c]
+        share = v / acc.wall if acc.wall else 0.0
+        bar = "#" * round(30 * share)
+        lines.append(f"    {LABELS[c]:<{width}} {_s(v):>9} {100 * share:5.1f}% {bar}")
+    phases = " | ".join(f"{PHASES[p]} {acc.startup[p]:.1f}" for p in PHASES if acc.startup[p] >= 0.05)
+    lines.append(f"    start-up by phase (s): {phases}")
+    restarts = [(i, a) for i, a in enumerate(attempts) if acc.gaps[i] > 0]
+    if restarts:
+        lines.append("")
+        lines.append("  restarts (from the last record before it to the first step after it):")
+        for i, a in restarts[-5:]:
+            prev = attempts[i - 1]
+            start = sum(a.ledgers[1]["s"][p] for p in PHASES) if len(a.ledgers) > 1 else float("nan")
+            lines.append(f"    at step {prev.last_step:,} (world {prev.start['world_size']} -> "
+                         f"{a.start['world_size']}): down {acc.gaps[i]:.1f} s, start-up {start:.1f} s, resumed "
+                         f"at step {a.first_step:,}, {acc.lost_steps[i - 1]} step(s) trained again")
+        if len(restarts) > 5:
+            lines.append(f"    ... and {len(restarts) - 5} earlier")
+    slow = run.slowest()
+    if slow:
+        lines.append("")
+        lines.append("  slowest ranks (step compute against the step's median):")
+        for host, share, ratio in slow:
+            lines.append(f"    {host:<20} {ratio:.2f}x median, slowest in {100 * share:.0f}% of logged steps")
+    if run.snapshots:
+        done = [s for s in run.snapshots if s["status"] == "committed"]
+        failed = sum(s["status"] == "failed" for s in run.snapshots)
+        retries = sum(s["status"] == "retry" for s in run.snapshots)
+        line = f"  snapshots: {len(done)} committed, {failed} failed, {retries} retried attempt(s)"
+        if done:
+            line += (f"; blocking {1000 * np.mean([s['blocking_s'] for s in done]):.0f} ms, committed "
+                     f"{np.mean([s['total_s'] for s in done]):.2f} s after the copy (means)")
+        lines.append("")
+        lines.append(line)
+    return "\n".join(lines)
