@@ -13,7 +13,11 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from mingpt.training.ledger import Ledger  # noqa: I001 - first: nothing heavy, and the clock starts
+from mingpt import warm  # noqa: I001 - first: a restarted worker hands over to a warm process here
+from mingpt.training.ledger import Ledger
+
+if __name__ == "__main__":  # torchrun's worker (python mingpt/main.py or -m mingpt.main), not an import
+    warm.handoff()
 
 import hydra
 import numpy as np
