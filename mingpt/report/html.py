@@ -1,0 +1,222 @@
+"""The run's report as one self-contained HTML page: the summary, and plots embedded as PNG data
+(matplotlib, the optional `report` extra; no network, no scripts from elsewhere)."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from mingpt.report.goodput import CATEGORIES, LABELS  # noqa: E402
+from mingpt.report.summary import Run, summary  # noqa: E402
+
+COLORS = {"training": "#2a9d3f", "lost": "#e76f51", "down": "#b5179e", "startup": "#f4a261", "data_wait": "#8ecae6",
+          "eval": "#457b9d", "snapshot": "#6c757d", "log": "#ced4da"}
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{title}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }}
+pre {{ background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 13px; }}
+figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }} figcaption {{ color: #555; font-size: 14px; }}
+</style></head>
+<body>
+<h1>{title}</h1>
+<pre>{summary}</pre>
+{figures}
+<script>
+window.addEventListener("error", e => {{ document.body.dataset.errors = (document.body.dataset.errors || "") + e.message + ";"; }});
+window.addEventListener("load", () => {{
+  const imgs = [...document.images];
+  document.body.dataset.plots = imgs.filter(i => i.complete && i.naturalWidth > 0).length + "/" + imgs.length;
+}});
+</script>
+</body></html>
+"""
+
+
+def _png(fig) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _figure(fig, name: str, caption: str, points: int) -> str:
+    return (f'<figure id="{name}"><img alt="{html.escape(caption)}" data-points="{points}" '
+            f'src="data:image/png;base64,{_png(fig)}"><figcaption>{html.escape(caption)}</figcaption></figure>')
+
+
+def _mark_restarts(ax, run: Run, x_of) -> None:
+    """A dashed line at every start after the first, labelled with its world size."""
+    for a in run.account.attempts[1:]:
+        x = x_of(a)
+        if x is None:
+            continue
+        ax.axvline(x, color="#b5179e", ls="--", lw=0.8, alpha=0.7)
+        ax.text(x, 1.0, f" ws {a.start['world_size']}", transform=ax.get_xaxis_transform(), fontsize=7,
+                color="#b5179e", va="top")
+
+
+def loss_figure(run: Run) -> str:
+    fig, (by_step, by_tokens) = plt.subplots(1, 2, figsize=(12, 4))
+    steps = list(run.train)
+    loss = [run.train[s]["loss"] for s in steps]
+    tokens = [run.train[s].get("tokens_seen", 0) for s in steps]
+    by_step.plot(steps, loss, lw=1, label="train")
+    by_tokens.plot(tokens, loss, lw=1, label="train")
+    if run.evals:
+        es = list(run.evals)
+        ev = [run.evals[s]["val_loss"] for s in es]
+        by_step.plot(es, ev, "o-", ms=3, label="validation")
+        tok_at = dict(zip(steps, tokens))
+        pairs = [(tok_at[s], v) for s, v in zip(es, ev) if s in tok_at]
+        if pairs:
+            by_tokens.plot(*zip(*pairs), "o-", ms=3, label="validation")
+    _mark_restarts(by_step, run, lambda a: a.first_step)
+    tok_at = dict(zip(steps, tokens))
+    _mark_restarts(by_tokens, run, lambda a: tok_at.get(a.first_step))
+    by_step.set(xlabel="step", ylabel="loss", title="loss by step (dashed: restarts, with the new world size)")
+    by_tokens.set(xlabel="tokens", ylabel="loss", title="loss by tokens")
+    for ax in (by_step, by_tokens):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _figure(fig, "loss", "Training and validation loss against step and tokens; restarts marked.", len(steps))
+
+
+def _job_start(run: Run) -> float:
+    attempts = run.account.attempts
+    return attempts[0].t0 if attempts else min(r["time"] for r in run.records if "time" in r)
+
+
+def throughput_figure(run: Run) -> str:
+    t0 = _job_start(run)
+    recs = [r for r in run.records if r.get("kind") == "train"]
+    minutes = [(r["time"] - t0) / 60 for r in recs]
+    fig, ax = plt.subplots(figsize=(12, 3.5))
+    ax.plot(minutes, [r["tokens_per_s"] for r in recs], ".", ms=3, color="#1d3557")
+    ax.set(xlabel="wall time (min)", ylabel="tokens/s", title="throughput and MFU (shaded: from a fault to "
+           "the next start)")
+    # MFU is tokens/s times a constant of the model and hardware: a second scale, not a second series
+    per_token = [100 * r["mfu"] / r["tokens_per_s"] for r in recs if r.get("mfu") and r.get("tokens_per_s")]
+    if per_token:
+        mfu = ax.twinx()
+        low, high = ax.get_ylim()
+        mfu.set_ylim(low * float(np.median(per_token)), high * float(np.median(per_token)))
+        mfu.set_ylabel("MFU (%)")
+    acc = run.account
+    for i, a in enumerate(acc.attempts):
+        if acc.gaps[i] > 0:
+            ax.axvspan((a.t0 - acc.gaps[i] - t0) / 60, (a.t0 - t0) / 60, color="#b5179e", alpha=0.25)
+    ax.grid(alpha=0.3)
+    return _figure(fig, "throughput", "Tokens/s (dots, left) and MFU (right) of every logged step over wall time.",
+                   len(recs))
+
+
+def heatmap_figure(run: Run) -> str:
+    recs = [(r, h) for r, h in zip((r for r in run.records if r.get("kind") == "train"), run.hosts)
+            if r.get("compute_ms") and len(r["compute_ms"]) == len(h)]
+    rows = sorted({host for _, h in recs for host in h})
+    grid = np.full((len(rows), len(recs)), np.nan)
+    index = {host: i for i, host in enumerate(rows)}
+    for j, (r, hosts) in enumerate(recs):
+        median = max(float(np.median(r["compute_ms"])), 1e-9)
+        for host, c in zip(hosts, r["compute_ms"]):
+            grid[index[host], j] = c / median
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.35 * max(1, len(rows))))
+    spread = max(0.1, float(np.nanmax(np.abs(grid - 1))) if recs else 0.1)
+    im = ax.imshow(grid, aspect="auto", cmap="coolwarm", vmin=1 - spread, vmax=1 + spread, interpolation="nearest")
+    ax.set_yticks(range(len(rows)), rows)
+    ticks = np.linspace(0, max(0, len(recs) - 1), min(10, max(1, len(recs)))).astype(int)
+    ax.set_xticks(ticks, [recs[t][0]["step"] for t in ticks] if recs else [])
+    kept = {id(r) for r, _ in recs}
+    starts, column = [], 0
+    for r in run.records:  # the column of the first record after each start but the first
+        if r.get("kind") == "start" and column:
+            starts.append(column)
+        column += id(r) in kept
+    for j in sorted(set(starts)):  # a restart: the steps after it were logged again
+        ax.axvline(j - 0.5, color="black", lw=1.5)
+    ax.set(xlabel="logged step (black lines: restarts, after which steps are trained again)",
+           title="compute time per logged step, each rank against the step's median (red: slower)")
+    fig.colorbar(im, ax=ax, fraction=0.02, label="x median")
+    return _figure(fig, "ranks", "Each rank's step compute time over the step's median, per logged step: a slow "
+                   "host is a red row.", int(np.isfinite(grid).sum()))
+
+
+def snapshot_figure(run: Run) -> str:
+    t0 = _job_start(run)
+    fig, ax = plt.subplots(figsize=(12, 3))
+    done = [s for s in run.snapshots if s["status"] == "committed"]
+    failed = [s for s in run.snapshots if s["status"] == "failed"]
+    retries = [s for s in run.snapshots if s["status"] == "retry"]
+    for s in done:  # a segment from the copy to the commit
+        end = (s["time"] - t0) / 60
+        ax.plot([end - s["total_s"] / 60, end], [s["total_s"]] * 2, color="#2a9d3f", lw=3, solid_capstyle="butt")
+    ax.plot([(s["time"] - t0) / 60 for s in done], [s["blocking_s"] for s in done], "v", ms=4, color="#1d3557",
+            label="blocking (copy)")
+    if failed:
+        ax.plot([(s["time"] - t0) / 60 for s in failed], [s["total_s"] for s in failed], "x", ms=8, color="red",
+                label="failed")
+    if retries:
+        ax.plot([(s["time"] - t0) / 60 for s in retries], [0] * len(retries), "^", ms=6, color="orange",
+                label="retried")
+    ax.plot([], [], color="#2a9d3f", lw=3, label="save, copy to commit")
+    end = max(r["time"] for r in run.records if "time" in r)
+    ax.set_xlim(0, max((end - t0) / 60, 1e-3))
+    ax.set(xlabel="wall time (min)", ylabel="seconds", title="snapshots: duration of every save")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    return _figure(fig, "snapshots", "Every save from its copy to its commit (height: its duration), the "
+                   "blocking part, failures and retries.", len(run.snapshots))
+
+
+def goodput_figure(run: Run) -> str:
+    acc = run.account
+    fig, (bar, timeline) = plt.subplots(2, 1, figsize=(12, 3.6), gridspec_kw={"height_ratios": [1, 1.4]})
+    left = 0.0
+    for c in CATEGORIES:
+        share = acc.seconds[c] / acc.wall if acc.wall else 0.0
+        bar.barh(0, share, left=left, color=COLORS[c], label=f"{LABELS[c]} {100 * share:.1f}%")
+        if share > 0.04:
+            bar.text(left + share / 2, 0, f"{100 * share:.0f}%", ha="center", va="center", fontsize=8)
+        left += share
+    bar.set(xlim=(0, 1), yticks=[], xticks=[], title=f"goodput {100 * acc.goodput:.1f}% of {acc.wall:.0f} s")
+    bar.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
+    t0 = _job_start(run)
+    for i, a in enumerate(acc.attempts):  # each start: down, start-up, then training until its last record
+        first = a.ledgers[1] if len(a.ledgers) > 1 else a.ledgers[0]
+        start_s = sum(first["s"][p] for p in ("launch", "config", "process_group", "preflight", "data_load", "model",
+                                               "restore", "first_step"))
+        if acc.gaps[i]:
+            timeline.barh(0, acc.gaps[i], left=a.t0 - acc.gaps[i] - t0, color=COLORS["down"])
+        timeline.barh(0, start_s, left=a.t0 - t0, color=COLORS["startup"])
+        timeline.barh(0, a.end - a.t0 - start_s, left=a.t0 - t0 + start_s, color=COLORS["training"])
+    timeline.set(yticks=[], xlabel="wall time (s)", title="starts: restart (purple), start-up (orange), then "
+                 "training with its evaluations and saves (green)")
+    fig.subplots_adjust(hspace=1.4)
+    return _figure(fig, "goodput", "Where the wall time went, and the life of the job start by start.",
+                   len(acc.attempts))
+
+
+def write_html(run: Run, path: Path, name: str) -> None:
+    figures = []
+    if run.train:
+        figures += [loss_figure(run), throughput_figure(run), heatmap_figure(run)]
+    if run.snapshots:
+        figures.append(snapshot_figure(run))
+    if run.account.attempts:
+        figures.append(goodput_figure(run))
+    page = PAGE.format(title=html.escape(f"mingpt run {name}"), summary=html.escape(summary(run, name)),
+                       figures="\n".join(figures))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(page)
+    tmp.replace(path)
