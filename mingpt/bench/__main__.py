@@ -5,6 +5,7 @@
     batching    length-grouped against random batching of documents, 2 ranks
     generate    generation tokens/s with and without the KV cache
     plan        epoch planning time and memory of the samplers at 10^7 pieces and 10^9 tokens
+    goodput     a 2-worker job SIGKILLed every T seconds: goodput and its breakdown by snapshot interval
     data        prepare throughput, start-up time and memory by dataset size, S3 against local disk
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data")
+BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput")
 
 
 def main(argv: list[str] | None = None) -> None:
