@@ -209,7 +209,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     every = distributed.all_gather_floats([ledger.start_epoch, *ledger.totals()], info.device)
     metrics.write({"kind": "start", "run_id": run_id, "job_id": info.job_id, "step": trainer.progress.step,
                    "world_size": info.world_size, "restart": info.restart_count, "parallel": parallel.name,
-                   "hosts": hosts, **mean_record(every)})
+                   "hosts": hosts, "warm": warm.forked(), **mean_record(every)})
     return trainer
 
 

@@ -36,6 +36,11 @@ def enabled() -> bool:
             and "MINGPT_WARM_SERVER" not in os.environ)
 
 
+def forked() -> bool:
+    """Whether this process is a warm server's child (a restart that skipped the imports)."""
+    return "MINGPT_WARM_CHILD" in os.environ
+
+
 def address(agent_pid: int) -> str:
     """The server's abstract socket (per user, torchrun agent, interpreter and network namespace)."""
     return f"\0mingpt-warm-{os.getuid()}-{agent_pid}-{zlib.crc32(sys.executable.encode()):08x}"
@@ -135,9 +140,10 @@ def _start_server(agent: int) -> None:
                      env={**os.environ, "MINGPT_WARM_SERVER": "1"})
 
 
-def warm_up() -> None:
-    """Import what a worker imports, and what its first steps import lazily, without starting a
-    thread (the server forks)."""
+def warm_up() -> bool:
+    """Import what a worker imports, and what its first steps import lazily, without touching a GPU
+    (CUDA does not survive a fork). False where a forked child could not use the GPUs."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() without initialising CUDA
     import torch
 
     torch.set_num_threads(1)
@@ -154,6 +160,25 @@ def warm_up() -> None:
     model(x, x)[1].backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return not torch.cuda.is_initialized() and _forked_child_sees_gpus()
+
+
+def _forked_child_sees_gpus() -> bool:
+    """On a GPU node, a forked child must be able to start CUDA: try it once (one small tensor)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return True
+    pid = os.fork()
+    if pid == 0:
+        try:
+            torch.zeros(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - any failure means: do not serve
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 def serve(agent: int) -> None:
@@ -164,7 +189,11 @@ def serve(agent: int) -> None:
     except OSError:
         return  # another server serves this agent
     listener.listen(64)  # requests wait here while the server warms up
-    warm_up()
+    if not warm_up():  # keep the address, and send every worker back to run cold
+        while _agent_alive(agent):
+            if select.select([listener], [], [], 1.0)[0]:
+                listener.accept()[0].close()
+        return
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
@@ -185,12 +214,18 @@ def serve(agent: int) -> None:
                 pid, conn = conns[r.fileno()]
                 _forward(pid, signal.SIGKILL)
         _reap(children)
-        try:
-            os.kill(agent, 0)
-        except ProcessLookupError:
+        if not _agent_alive(agent):
             for pid in children:
                 _forward(pid, signal.SIGKILL)
             return
+
+
+def _agent_alive(agent: int) -> bool:
+    try:
+        os.kill(agent, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _reap(children: dict[int, socket.socket]) -> None:

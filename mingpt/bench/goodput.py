@@ -3,7 +3,10 @@ SIGKILLed every T seconds, snapshots every N steps. For each (T, N): the job's w
 and where the rest went (from the run's metrics alone, as `python -m mingpt.report` computes it), and
 whether the final weights equal those of the same job run without faults.
 
-    python -m mingpt.bench goodput [--kill-every 30 60] [--snapshot-every 5 10 25 50] [--steps 500]
+    python -m mingpt.bench goodput [--kill-every 30 60] [--snapshot-every 5 10 25] [--steps 500] [--keep DIR]
+
+With --keep, every job's run directory (metrics, snapshots, console.log) stays in DIR: look at one
+with `python -m mingpt.report DIR/t60-n10`.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ def trainers(agent: int) -> list[int]:
         except OSError:
             return []
 
-    servers = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p))[-2:] == ["mingpt.warm", str(agent)]]
+    servers = [int(p) for p in os.listdir("/proc")
+               if p.isdigit() and _cmdline(int(p))[-2:] == ["mingpt.warm", str(agent)]]
     forked = [c for s in servers for c in children(s)]
     return forked or children(agent)
 
@@ -98,13 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mingpt.bench goodput", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kill-every", nargs="+", type=float, default=[30, 60], help="seconds between SIGKILLs")
-    ap.add_argument("--snapshot-every", nargs="+", type=int, default=[5, 10, 25, 50], help="steps between snapshots")
+    ap.add_argument("--snapshot-every", nargs="+", type=int, default=[5, 10, 25], help="steps between snapshots")
     ap.add_argument("--steps", type=int, default=500, help="the job's length in steps (gpt-mini: ~0.4 s each here)")
     ap.add_argument("--corpus", default=str(REPO / "data" / "input.txt"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--keep", help="keep every job's run directory here (default: a temporary one)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory(prefix="mingpt-goodput-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mingpt-goodput-") as scratch:
+        tmp = args.keep or scratch
         print(f"gpt-mini, 2 workers (torchrun --standalone, gloo), {args.steps} steps, log every 10 steps, no "
               f"evaluation; {os.cpu_count()} CPUs", flush=True)
         header = ("| fault every | snapshot every (steps) | SIGKILLs | restarts | wall s (outside) | goodput % | "
@@ -117,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         for t in args.kill_every:
             for n in args.snapshot_every:
                 r = job(Path(tmp) / f"t{t:g}-n{n}", args.corpus, args.steps, n, t, rng)
-                same = r["step"] == ref["step"] and all(torch.equal(v, ref["weights"][k]) for k, v in r["weights"].items())
+                same = r["step"] == ref["step"] and all(torch.equal(v, ref["weights"][k])
+                                                        for k, v in r["weights"].items())
                 print(row(f"{t:g} s", n, r, same), flush=True)
                 if r["account"].goodput > best.get(t, (0, 0))[1]:
                     best[t] = (n, r["account"].goodput)

@@ -32,7 +32,9 @@ figure {{ margin: 1.5em 0; }} img {{ max-width: 100%; }} figcaption {{ color: #5
 <pre>{summary}</pre>
 {figures}
 <script>
-window.addEventListener("error", e => {{ document.body.dataset.errors = (document.body.dataset.errors || "") + e.message + ";"; }});
+window.addEventListener("error", e => {{
+  document.body.dataset.errors = (document.body.dataset.errors || "") + e.message + ";";
+}});
 window.addEventListener("load", () => {{
   const imgs = [...document.images];
   document.body.dataset.plots = imgs.filter(i => i.complete && i.naturalWidth > 0).length + "/" + imgs.length;
