@@ -269,8 +269,11 @@ def train_process(dcfg: DictConfig, ledger: Ledger | None = None) -> int:
         return distributed.report_error(info, str(e), code=2, let_rank0_report=True)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit
         if distributed.is_peer_failure(e):
-            if trainer is not None:
-                trainer.record_fault(distributed.first_line(e))
+            if trainer is not None and info.rank < 2:  # where its time went up to the failure (rank 1
+                # too, in case rank 0 is the one lost); no collective can run now
+                trainer.ledger.record(lambda rec: MetricsWriter.append(trainer.cfg.run_dir, rec),
+                                      trainer.progress.step, kind="fault", rank=info.rank,
+                                      error=distributed.first_line(e)[:200])
             return distributed.report_error(
                 info, f"lost contact with a peer ({distributed.first_line(e)[:300]}); exiting so that torchrun restarts the workers "
                 "from the latest snapshot", code=1, each_node=True, level=logging.WARNING)

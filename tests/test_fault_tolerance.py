@@ -155,6 +155,7 @@ def test_workers_die_with_a_sigkilled_agent(reference, tmp_path):
     wait_for_step(run_dir / "metrics.jsonl", 5, agent)
     workers = list(workers_of(agent.pid).values())
     assert len(workers) == 2
+    assert warm_servers(agent.pid), "no warm server was started for this agent's restarts"
     agent.kill()
     agent.wait()
     deadline = time.time() + 10
@@ -165,6 +166,23 @@ def test_workers_die_with_a_sigkilled_agent(reference, tmp_path):
     for p in alive:
         os.kill(p, signal.SIGKILL)
     assert alive == [], "workers outlived their agent"
+    # the node's warm server (started beside the first workers, for restarts) ends with the agent too
+    deadline = time.time() + 10
+    while time.time() < deadline and warm_servers(agent.pid):
+        time.sleep(0.1)
+    assert warm_servers(agent.pid) == [], "the warm server outlived its agent"
+
+
+def warm_servers(agent_pid: int) -> list[int]:
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"mingpt.warm" in cmd and str(agent_pid).encode() in cmd:
+            out.append(int(pid))
+    return out
 
 
 def test_fsdp_sigkill_resumes_bitwise_and_loads_at_one_rank_under_ddp(tmp_path):

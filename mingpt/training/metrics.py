@@ -45,6 +45,15 @@ class MetricsWriter:
                     self._tb.add_scalar(k, v, record["step"])
 
     @staticmethod
+    def append(run_dir: str | Path, record: dict) -> None:
+        """One record from a rank that does not write the metrics (a survivor's "fault" record),
+        added to an existing metrics file only: one short line, appended whole."""
+        path = Path(run_dir) / "metrics.jsonl"
+        if path.is_file():
+            with open(path, "a") as fh:
+                fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+
+    @staticmethod
     def existing(run_dir: str | Path, job_id: str | None) -> str | None:
         """What an earlier run left in run_dir (a description), or None: nothing, or only records of
         this same torchrun job (a restart before its first snapshot)."""

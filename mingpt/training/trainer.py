@@ -4,6 +4,7 @@ with the Trainer (the parallel strategy's tensors and the `stateful` parts)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import sys
@@ -21,7 +22,7 @@ from mingpt.data.samplers import LengthGroupedSampler, StreamSampler
 from mingpt.distributed import DistInfo, PreemptionFlag, all_gather_floats, all_reduce_sum
 from mingpt.parallel import Parallel
 from mingpt.snapshot import Snapshotter
-from mingpt.training.ledger import Ledger, mean_record
+from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import lr_at
 from mingpt.training.watchdog import Watchdog
@@ -77,6 +78,17 @@ class Saving:
     meta: dict  # plain data recorded in every manifest (config, tokenizer, run id)
 
 
+def _charged(state: str):
+    """A Trainer method whose time the ledger charges to `state`."""
+    def wrap(method):
+        @functools.wraps(method)
+        def charged(self, *args, **kwargs):
+            with self.ledger.during(state):
+                return method(self, *args, **kwargs)
+        return charged
+    return wrap
+
+
 class Trainer:
     """The training loop over parts that main.py builds (constructing it runs no collective). It does
     not know the parallel strategy: `parallel` answers for it, and gives the tensors a snapshot holds;
@@ -126,49 +138,35 @@ class Trainer:
             bar.update(1)
             last, first = p.step == cfg.max_steps, not self.ledger.steady
             if logged := p.step % cfg.log_every == 0 or last:
-                with self.ledger.during("log"):
-                    self._log_train(stats, (time.perf_counter() - t_last) / steps_since)
+                self._log_train(stats, (time.perf_counter() - t_last) / steps_since)
                 t_last, steps_since = time.perf_counter(), 0
             if evaluate := cfg.eval_every and (p.step % cfg.eval_every == 0 or last):
-                with self.ledger.during("eval"):
-                    self.evaluate()
+                self.evaluate()
             stop, timed = self._agree_at_boundary()
             if save := stop or timed or last or (every and p.step % every == 0):
-                with self.ledger.during("snapshot"):
-                    self.save_snapshot()
+                self.save_snapshot()
                 self.watchdog.beat(p.step)
             if first or logged or evaluate or save:
                 self.record_time()
             if stop and not last:
-                with self.ledger.during("snapshot"):
-                    self.saving.snapshotter.wait()
-                self.record_time()
+                self._finish_saving()
                 if self.dist.is_rank0:  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
                                 self.preempt.describe(), p.step)
                 return False
             if evaluate or save:  # keep evaluation and saving out of the step-time figures
                 t_last, steps_since = time.perf_counter(), 0
-        with self.ledger.during("snapshot"):
-            self.saving.snapshotter.wait()
-        self.record_time()
+        self._finish_saving()
         return True
 
-    def record_time(self) -> None:
-        """The "time" record: every rank's seconds per state so far, averaged (a collective). The
-        first one ends the start-up: later steps count as steps."""
-        if not self.ledger.steady:
-            self.ledger.started()
-        with self.ledger.during("log"):
-            mine = [self.ledger.start_epoch, *self.ledger.totals()]
-            every = all_gather_floats(mine, self.dist.device)
-            self.metrics.write({"kind": "time", "step": self.progress.step, **mean_record(every)})
+    @_charged("snapshot")
+    def _finish_saving(self) -> None:
+        self.saving.snapshotter.wait()
+        self.record_time()
 
-    def record_fault(self, message: str) -> None:
-        """A "fault" record of this rank alone (no collective can run now): where its time went up to
-        the failure, so that the report can tell the work lost after the last record from the restart."""
-        self.metrics.write({"kind": "fault", "step": self.progress.step, "error": message[:200],
-                            **mean_record([[self.ledger.start_epoch, *self.ledger.totals()]])})
+    def record_time(self) -> None:
+        """The "time" record: every rank's seconds by state so far, averaged (a collective)."""
+        self.ledger.record(self.metrics.write, self.progress.step, lambda v: all_gather_floats(v, self.dist.device))
 
     def _agree_at_boundary(self) -> tuple[bool, bool]:
         """(stop, save now) by one tiny all-reduce per step: every rank decides alike, at one step."""
@@ -216,6 +214,7 @@ class Trainer:
         self.scaler.update()
         return StepStats(loss_sum, global_tokens, grad_norm, lr, compute_s, split)
 
+    @_charged("eval")
     def evaluate(self) -> float:
         """Validation loss over the fixed subset, across ranks; the best one is kept."""
         p = self.progress
@@ -232,6 +231,7 @@ class Trainer:
         self.metrics.close()
         self.parallel.close()
 
+    @_charged("snapshot")
     def save_snapshot(self) -> None:
         """Every rank writes its share of the state; the first commits it."""
         self._last_save_t = time.monotonic()
@@ -247,6 +247,7 @@ class Trainer:
             if extra.get(name):  # a disabled GradScaler saves nothing
                 part.load_state_dict(extra[name])
 
+    @_charged("log")
     def _log_train(self, stats: StepStats, step_s: float) -> None:
         loss = all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
         compute = [c[0] for c in all_gather_floats([stats.compute_s], self.dist.device)]
