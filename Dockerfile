@@ -2,7 +2,7 @@
 # Two instances, same command on each (see README, "Multi-node"):
 #   docker run --gpus all --network host --ipc host -e AWS_ACCESS_KEY_ID -e AWS_SECRET_ACCESS_KEY -e AWS_DEFAULT_REGION \
 #     mingpt --nnodes=2 --nproc_per_node=gpu --rdzv_backend=c10d --rdzv_endpoint=HOST1:29500 --rdzv_id=run1 \
-#     --rdzv_conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,read_timeout=10 --max-restarts=3 \
+#     --rdzv_conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10 --max-restarts=3 \
 #     -m mingpt.main trainer.run_dir=runs/run1 snapshot=s3 snapshot.dir=s3://my-bucket/mingpt/run1
 FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
 

@@ -221,11 +221,18 @@ class SnapshotConfig:
     load_layout: str = "exchange"
     """How ranks that each hold all the weights (DDP) load them: "exchange" (each reads 1/world of
     the snapshot and the ranks broadcast their parts) or "direct" (every rank reads all of it)."""
+    node_cache: str = "auto"
+    """Keep a copy of what each node wrote of the two newest snapshots in node-local memory, so that a
+    restart on the same node loads from RAM: "on", "off", or "auto" (on for object stores: a local
+    disk is served from the page cache already)."""
+    node_cache_dir: str = "/dev/shm"
+    """Where the node cache lives: a tmpfs (memory)."""
 
     def __post_init__(self) -> None:
         _check(self.uploader in ("s3fs", "boto3"), f"snapshot.uploader={self.uploader!r}: use s3fs or boto3")
         _check(self.load_layout in ("exchange", "direct"),
                f"snapshot.load_layout={self.load_layout!r}: use exchange or direct")
+        _check(self.node_cache in ("auto", "on", "off"), f"snapshot.node_cache={self.node_cache!r}: use auto, on or off")
         _check(self.every_steps >= 0, f"snapshot.every_steps must be >= 0, got {self.every_steps}")
         _check(self.keep_last >= 1, f"snapshot.keep_last must be >= 1, got {self.keep_last}")
         _check(self.every_seconds >= 0 and self.keep_every >= 0 and self.retries >= 0,

@@ -36,6 +36,7 @@ from mingpt.parallel import parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
+from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore, restore_newest
 from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start, set_aside
 from mingpt.storage import write_json_atomic
@@ -194,8 +195,11 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
             "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source}
     if info.is_rank0:
         write_json_atomic(run_dir / "tokenizer.json", corpus.tokenizer.state_dict())
+    cache = NodeCache(sc.node_cache_dir, store.url) if sc.node_cache == "on" or (
+        sc.node_cache == "auto" and not store.local) else None
     snapshotter = Snapshotter(store, writer=info.rank, writers=info.world_size, group=distributed.side_group(),
-                              keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries, events=metrics.write)
+                              keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries, events=metrics.write,
+                              cache=cache)
     hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]
     trainer = Trainer(cfg=tcfg, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer, scaler=scaler,
                       data=TrainData(corpus.train, corpus.val, sampler, mine),
@@ -221,9 +225,11 @@ def resume(cfg: RunConfig, trainer: Trainer, store: SnapshotStore, found: list[t
     slots = trainer.parallel.slots(optimizer)
     t0 = time.perf_counter()
 
+    cache = trainer.saving.snapshotter.cache if store.url == trainer.saving.snapshotter.store.url else None
+
     def load(path: str, manifest: dict) -> dict:
         return restore(store, path, manifest, slots, rank=info.rank, world=info.world_size,
-                       layout=cfg.snapshot.load_layout, optimizer_names=order)
+                       layout=cfg.snapshot.load_layout, optimizer_names=order, cache=cache)
 
     manifest, extra = restore_newest(store, found, load, lambda m: m is first or check_compatible(cfg, m))
     trainer.load_state(extra)
@@ -261,8 +267,12 @@ def train_process(dcfg: DictConfig, ledger: Ledger | None = None) -> int:
         trainer = assemble(cfg, info, preempt, ledger)
         finished = trainer.train()
         trainer.close()
-        trainer = None
+        cache, trainer = trainer.saving.snapshotter.cache, None
         if finished:
+            if cache is not None:  # the job is done: give the node's memory back
+                distributed.barrier()
+                if info.local_rank == 0:
+                    cache.clear()
             return 0
         return distributed.EXIT_INTERRUPTED if preempt.interrupted else distributed.EXIT_PREEMPTED
     except USER_ERRORS as e:

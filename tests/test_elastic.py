@@ -17,7 +17,7 @@ from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow
 
-RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,read_timeout=10"
+RDZV_CONF = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10"
 MAX_STEPS = 300
 CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=64",
        "trainer.batch_size=8", "trainer.micro_batch_size=4", "trainer.log_every=1", "trainer.eval_every=0",

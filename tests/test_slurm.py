@@ -62,7 +62,7 @@ def test_torchrun_command_line_for_the_allocation(fake_slurm, tmp_path, nodes):
     assert "--nproc_per_node=8" in args
     assert f"--rdzv_endpoint={nodes[0]}:29500" in args
     assert "--rdzv_id=4242" in args and "--rdzv_backend=c10d" in args
-    assert "--rdzv_conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,read_timeout=10" in args
+    assert "--rdzv_conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10" in args
     assert "--max-restarts=3" in args
     i = args.index("-m")
     assert args[i + 1] == "mingpt.main"

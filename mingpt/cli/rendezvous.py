@@ -6,7 +6,7 @@ stable machine (a login or head node) instead, and give every agent `is_host=0`:
 
     mingpt-rendezvous --host 0.0.0.0 --port 29400
     torchrun --nnodes=1:4 --rdzv_backend=c10d --rdzv_endpoint=STORE_HOST:29400 \\
-        --rdzv_conf=is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2,read_timeout=10 ...
+        --rdzv_conf=is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10 ...
 
 For a fully replicated store, use torchrun's etcd backend (`--rdzv_backend=etcd-v2`) with an etcd cluster.
 """

@@ -28,7 +28,7 @@ LAYOUTS = ("exchange", "direct")
 
 
 def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], *, rank: int, world: int,
-            layout: str = "exchange", optimizer_names: list[str] | None = None) -> dict:
+            layout: str = "exchange", optimizer_names: list[str] | None = None, cache=None) -> dict:
     """Fill every slot from the committed snapshot `path`; returns its small state (sampler,
     counters, GradScaler). Raises SnapshotError, on every rank alike, naming the damaged shard."""
     if manifest["format_version"] == 1:
@@ -63,7 +63,7 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
                 whole = torch.empty((piece.stop - piece.start, rows.shape[1]), dtype=torch.uint8)
                 jobs.append((slot.name, piece, whole))
                 later.append((rows[start - slot.start:stop - slot.start], whole[start - piece.start:stop - piece.start]))
-    errors = read_pieces(store, path, manifest, jobs)
+    errors = read_pieces(store, path, manifest, jobs, cache)
     try:
         extra = store.read_extra(path, manifest)
     except Exception as e:  # noqa: BLE001 - any failure to read it makes the snapshot unusable

@@ -100,10 +100,11 @@ class Snapshotter:
 
     def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, group=None, keep_last: int = 3,
                  keep_every: int = 0, retries: int = 3, backoff_s: float = 1.0,
-                 events: Callable[[dict], None] | None = None):
+                 events: Callable[[dict], None] | None = None, cache=None):
         self.store, self.keep_last, self.keep_every = store, keep_last, keep_every
         self.retries, self.backoff_s, self.group = retries, backoff_s, group
         self._events = events or (lambda record: None)
+        self.cache = cache  # a NodeCache: this node's copy of what this writer wrote
         self._retried_now = 0  # retries of the save in flight, by this writer
         self.shard = ShardWriter(writer, writers)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
@@ -139,6 +140,8 @@ class Snapshotter:
         record = self._retried(step, "writing its shard", lambda: self.shard.write(self.store, step, image, extra))
         if record is not None:
             record["retries"] = self._retried_now
+            if self.cache is not None:
+                self.cache.put(step, SHARD_FORMAT.format(self.shard.writer, self.shard.writers), image.numpy())
         records = self._gather(record)
         if any(r is None for r in records):
             bad = [SHARD_FORMAT.format(i, self.shard.writers) for i, r in enumerate(records) if r is None]

@@ -267,16 +267,7 @@ class SnapshotStore:
 
     def read_into(self, path: str, name: str, offset: int, out: memoryview) -> None:
         """Fill `out` with the bytes of local file `name` of snapshot `path` from `offset` on."""
-        fd = os.open(f"{path}/{name}", os.O_RDONLY)
-        try:
-            done = 0
-            while done < len(out):
-                n = os.preadv(fd, [out[done:]], offset + done)
-                if n == 0:
-                    raise SnapshotError(f"snapshot {path}: {name} ends before byte {offset + len(out)}")
-                done += n
-        finally:
-            os.close(fd)
+        pread_into(f"{path}/{name}", offset, out)
 
     def read_extra(self, path: str, manifest: dict) -> dict:
         """The small state (sampler, counters, GradScaler), checksum verified."""
@@ -406,14 +397,56 @@ def load_from(path: str, storage_options: dict | None = None) -> tuple[dict, dic
     return found
 
 
-def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list) -> list[str]:
+def pread_into(file: str, offset: int, out: memoryview) -> None:
+    """Fill `out` with the bytes of a local file from `offset` on."""
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(out):
+            n = os.preadv(fd, [out[done:]], offset + done)
+            if n == 0:
+                raise SnapshotError(f"{file} ends before byte {offset + len(out)}")
+            done += n
+    finally:
+        os.close(fd)
+
+
+def _read_cached(cache, manifest: dict, jobs: list) -> list:
+    """Fill the pieces that the node cache holds (each checked against its sha256); returns the jobs
+    left for the store: not cached, or a damaged copy."""
+    fname = lambda piece: SHARD_FORMAT.format(piece.writer, manifest["writers"])  # noqa: E731
+
+    def one(job) -> bool:
+        _, piece, out = job
+        name = fname(piece)
+        file = cache.file(manifest["step"], name, manifest["files"][name]["size"])
+        if file is None or not out.numel():
+            return file is not None
+        view = memoryview(out.numpy()).cast("B")
+        try:
+            pread_into(file, piece.offset, view)
+        except (OSError, SnapshotError):
+            return False
+        return sha256(view) == piece.sha256
+
+    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="snapshot-cache") as pool:
+        done = list(pool.map(one, jobs))
+    if any(done):
+        log.info("node cache: %d of %d pieces read from %s", sum(done), len(jobs), cache.dir)
+    return [job for job, ok in zip(jobs, done) if not ok]
+
+
+def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list, cache=None) -> list[str]:
     """Read pieces (tensor name, Piece, uint8 rows view of the piece's rows) in parallel, each
-    verified against its sha256; returns one message per damaged piece, naming its shard.
+    verified against its sha256; returns one message per damaged piece, naming its shard. Pieces
+    that the node `cache` holds intact are read from it; the others from the store.
 
     Locally every piece is one positioned read straight into its tensor. From an object store the
     pieces of a file are read in few large ranged GETs (neighbouring pieces merged, up to
     READ_BYTES each) whose bytes are copied into the pieces: a GET has a fixed cost, and some
     servers (moto among them) read the whole object to answer any range."""
+    if cache is not None and cache.enabled:
+        jobs = _read_cached(cache, manifest, jobs)
     views = [(name, piece, memoryview(out.numpy()).cast("B") if out.numel() else memoryview(b""))
              for name, piece, out in jobs]
     fname = lambda piece: SHARD_FORMAT.format(piece.writer, manifest["writers"])  # noqa: E731
