@@ -15,6 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mingpt.report.goodput import CATEGORIES, LABELS  # noqa: E402
+from mingpt.training.ledger import STARTUP  # noqa: E402
 from mingpt.report.summary import Run, summary  # noqa: E402
 
 COLORS = {"training": "#2a9d3f", "lost": "#e76f51", "down": "#b5179e", "startup": "#f4a261", "data_wait": "#8ecae6",
@@ -104,8 +105,8 @@ def throughput_figure(run: Run) -> str:
     minutes = [(r["time"] - t0) / 60 for r in recs]
     fig, ax = plt.subplots(figsize=(12, 3.5))
     ax.plot(minutes, [r["tokens_per_s"] for r in recs], ".", ms=3, color="#1d3557")
-    ax.set(xlabel="wall time (min)", ylabel="tokens/s", title="throughput and MFU (shaded: from a fault to "
-           "the next start)")
+    ax.set(xlabel="wall time (min)", ylabel="tokens/s", title="throughput and MFU (shaded: restarts, from the "
+           "last record before a fault to the first step after it)")
     # MFU is tokens/s times a constant of the model and hardware: a second scale, not a second series
     per_token = [100 * r["mfu"] / r["tokens_per_s"] for r in recs if r.get("mfu") and r.get("tokens_per_s")]
     if per_token:
@@ -116,7 +117,8 @@ def throughput_figure(run: Run) -> str:
     acc = run.account
     for i, a in enumerate(acc.attempts):
         if acc.gaps[i] > 0:
-            ax.axvspan((a.t0 - acc.gaps[i] - t0) / 60, (a.t0 - t0) / 60, color="#b5179e", alpha=0.25)
+            up = a.t0 + _startup_s(a)
+            ax.axvspan((a.t0 - acc.gaps[i] - t0) / 60, (up - t0) / 60, color="#b5179e", alpha=0.25)
     ax.grid(alpha=0.3)
     return _figure(fig, "throughput", "Tokens/s (dots, left) and MFU (right) of every logged step over wall time.",
                    len(recs))
@@ -194,9 +196,7 @@ def goodput_figure(run: Run) -> str:
     bar.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
     t0 = _job_start(run)
     for i, a in enumerate(acc.attempts):  # each start: down, start-up, then training until its last record
-        first = a.ledgers[1] if len(a.ledgers) > 1 else a.ledgers[0]
-        start_s = sum(first["s"][p] for p in ("launch", "config", "process_group", "preflight", "data_load", "model",
-                                               "restore", "first_step"))
+        start_s = _startup_s(a)
         if acc.gaps[i]:
             timeline.barh(0, acc.gaps[i], left=a.t0 - acc.gaps[i] - t0, color=COLORS["down"])
         timeline.barh(0, start_s, left=a.t0 - t0, color=COLORS["startup"])
@@ -206,6 +206,12 @@ def goodput_figure(run: Run) -> str:
     fig.subplots_adjust(hspace=1.4)
     return _figure(fig, "goodput", "Where the wall time went, and the life of the job start by start.",
                    len(acc.attempts))
+
+
+def _startup_s(a) -> float:
+    """A start's start-up: from its processes' start to its first step done (its first time record)."""
+    first = a.ledgers[1] if len(a.ledgers) > 1 else a.ledgers[0]
+    return sum(first["s"][p] for p in STARTUP)
 
 
 def write_html(run: Run, path: Path, name: str) -> None:

@@ -95,7 +95,8 @@ def summary(run: Run, name: str) -> str:
         bar = "#" * round(30 * share)
         lines.append(f"    {LABELS[c]:<{width}} {_s(v):>9} {100 * share:5.1f}% {bar}")
     phases = " | ".join(f"{PHASES[p]} {acc.startup[p]:.1f}" for p in PHASES if acc.startup[p] >= 0.05)
-    lines.append(f"    start-up by phase (s): {phases}")
+    lines.append("    start-up by phase, all starts (s):")
+    lines.append(f"      {phases}")
     restarts = [(i, a) for i, a in enumerate(attempts) if acc.gaps[i] > 0]
     if restarts:
         lines.append("")
