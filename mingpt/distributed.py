@@ -85,13 +85,9 @@ def die_with_parent() -> None:
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    import ctypes
+    from mingpt.warm import die_with
 
-    PR_SET_PDEATHSIG = 1
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the agent died before prctl took effect
-        os._exit(1)
+    die_with(os.getppid())
 
 
 def init(info: DistInfo, timeout_s: float) -> None:

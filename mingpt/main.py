@@ -41,7 +41,6 @@ from mingpt.snapshot.restore import restore, restore_newest
 from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start, set_aside
 from mingpt.storage import write_json_atomic
 from mingpt.tokenizer import TokenizerError
-from mingpt.training.ledger import mean_record
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
 from mingpt.training.trainer import Saving, TrainData, Trainer
@@ -210,10 +209,9 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     if found:
         ledger.switch("restore")
         resume(cfg, trainer, store if source == store.url else SnapshotStore(source, store.storage_options), found)
-    every = distributed.all_gather_floats([ledger.start_epoch, *ledger.totals()], info.device)
-    metrics.write({"kind": "start", "run_id": run_id, "job_id": info.job_id, "step": trainer.progress.step,
-                   "world_size": info.world_size, "restart": info.restart_count, "parallel": parallel.name,
-                   "hosts": hosts, "warm": warm.forked(), **mean_record(every)})
+    ledger.record(metrics.write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
+                  kind="start", run_id=run_id, job_id=info.job_id, world_size=info.world_size,
+                  restart=info.restart_count, parallel=parallel.name, hosts=hosts, warm=warm.forked())
     return trainer
 
 

@@ -80,7 +80,7 @@ def handoff() -> None:
     from mingpt.training.ledger import process_start_epoch
 
     agent = os.getppid()
-    _die_with(agent)
+    die_with(agent)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.connect(address(agent))
@@ -117,12 +117,12 @@ def handoff() -> None:
     os._exit(code)
 
 
-def _die_with(parent: int) -> None:
-    """SIGKILL this process when its parent (the torchrun agent) dies."""
+def die_with(parent: int) -> None:
+    """Make the kernel SIGKILL this process when its parent (the torchrun agent) dies (Linux)."""
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 

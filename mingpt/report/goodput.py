@@ -2,7 +2,7 @@
 
 The records (see mingpt.training.ledger): every process start writes "start", then "time" records at
 every log, evaluation and save (cumulative seconds per state since the process started, the mean over
-ranks), and a surviving rank 0 writes "fault" when a peer fails. Nothing is written at a SIGKILL, so
+ranks), and surviving ranks 0 and 1 write "fault" when a peer fails. Nothing is written at a SIGKILL, so
 the accounting of an attempt (the processes of one torchrun start) ends at its last record, and
 the time until the next attempt's processes started is the restart ("down": failure detection,
 torchrun's restart, and any work after the last record). Steps trained after the snapshot that a
@@ -31,7 +31,6 @@ class Attempt:
     """The processes of one start of the job (one torchrun restart, or a new job)."""
     start: dict
     ledgers: list[dict] = field(default_factory=list)  # start, time and fault records, in order
-    fault: dict | None = None
 
     @property
     def t0(self) -> float:
@@ -53,6 +52,12 @@ class Attempt:
     @property
     def last_step(self) -> int:
         return self.last["step"]
+
+    @property
+    def startup_s(self) -> float:
+        """From its processes' start to its first step done (its first record after the start's)."""
+        first = self.ledgers[1] if len(self.ledgers) > 1 else self.ledgers[0]
+        return sum(first["s"][p] for p in STARTUP)
 
     def seconds_at(self, step: int, state: str) -> float:
         """Cumulative seconds in `state` when `step` was done (interpolated between records where
@@ -78,7 +83,6 @@ class Account:
     seconds: dict[str, float]
     startup: dict[str, float]
     attempts: list[Attempt]
-    kept_steps: list[tuple[int, int]]  # per attempt: first and last kept step
     lost_steps: list[int]
     gaps: list[float]  # per attempt: the restart before it (0 for the first of a job)
 
@@ -110,8 +114,6 @@ def attempts_of(records: list[dict]) -> list[Attempt]:
                 out[-1].ledgers.append(r)
         elif kind in ("time", "fault") and out and "s" in r:
             out[-1].ledgers.append(r)
-            if kind == "fault":
-                out[-1].fault = r
     return [a for a in out if a.ledgers]
 
 
@@ -121,7 +123,7 @@ def account(records: list[dict]) -> Account:
     attempts = attempts_of(records)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     startup = dict.fromkeys(STARTUP, 0.0)
-    kept_steps, lost_steps, gaps, wall = [], [], [], 0.0
+    lost_steps, gaps, wall = [], [], 0.0
     for i, a in enumerate(attempts):
         # the steps of this attempt that no later attempt trained again
         later = [b.first_step for b in attempts[i + 1:]]
@@ -136,14 +138,13 @@ def account(records: list[dict]) -> Account:
             seconds["startup"] += s[phase]
         for state in ("eval", "snapshot", "log"):
             seconds[state] += s[state]
-        kept_steps.append((a.first_step, max(a.first_step, kept_until)))
         lost_steps.append(max(0, a.last_step - max(kept_until, a.first_step)))
         same_job = i > 0 and attempts[i - 1].start.get("job_id") == a.start.get("job_id")
         gap = max(0.0, a.t0 - attempts[i - 1].end) if same_job else 0.0
         gaps.append(gap)
         seconds["down"] += gap
         wall += gap + (a.end - a.t0)
-    return Account(wall, seconds, startup, attempts, kept_steps, lost_steps, gaps)
+    return Account(wall, seconds, startup, attempts, lost_steps, gaps)
 
 
 def check_states() -> None:

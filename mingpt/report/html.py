@@ -15,7 +15,6 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mingpt.report.goodput import CATEGORIES, LABELS  # noqa: E402
-from mingpt.training.ledger import STARTUP  # noqa: E402
 from mingpt.report.summary import Run, summary  # noqa: E402
 
 COLORS = {"training": "#2a9d3f", "lost": "#e76f51", "down": "#b5179e", "startup": "#f4a261", "data_wait": "#8ecae6",
@@ -117,7 +116,7 @@ def throughput_figure(run: Run) -> str:
     acc = run.account
     for i, a in enumerate(acc.attempts):
         if acc.gaps[i] > 0:
-            up = a.t0 + _startup_s(a)
+            up = a.t0 + a.startup_s
             ax.axvspan((a.t0 - acc.gaps[i] - t0) / 60, (up - t0) / 60, color="#b5179e", alpha=0.25)
     ax.grid(alpha=0.3)
     return _figure(fig, "throughput", "Tokens/s (dots, left) and MFU (right) of every logged step over wall time.",
@@ -125,8 +124,7 @@ def throughput_figure(run: Run) -> str:
 
 
 def heatmap_figure(run: Run) -> str:
-    recs = [(r, h) for r, h in zip((r for r in run.records if r.get("kind") == "train"), run.hosts)
-            if r.get("compute_ms") and len(r["compute_ms"]) == len(h)]
+    recs = [(r, h) for r, h in run.logged if r.get("compute_ms") and len(r["compute_ms"]) == len(h)]
     rows = sorted({host for _, h in recs for host in h})
     grid = np.full((len(rows), len(recs)), np.nan)
     index = {host: i for i, host in enumerate(rows)}
@@ -196,7 +194,7 @@ def goodput_figure(run: Run) -> str:
     bar.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
     t0 = _job_start(run)
     for i, a in enumerate(acc.attempts):  # each start: down, start-up, then training until its last record
-        start_s = _startup_s(a)
+        start_s = a.startup_s
         if acc.gaps[i]:
             timeline.barh(0, acc.gaps[i], left=a.t0 - acc.gaps[i] - t0, color=COLORS["down"])
         timeline.barh(0, start_s, left=a.t0 - t0, color=COLORS["startup"])
@@ -206,12 +204,6 @@ def goodput_figure(run: Run) -> str:
     fig.subplots_adjust(hspace=1.4)
     return _figure(fig, "goodput", "Where the wall time went, and the life of the job start by start.",
                    len(acc.attempts))
-
-
-def _startup_s(a) -> float:
-    """A start's start-up: from its processes' start to its first step done (its first time record)."""
-    first = a.ledgers[1] if len(a.ledgers) > 1 else a.ledgers[0]
-    return sum(first["s"][p] for p in STARTUP)
 
 
 def write_html(run: Run, path: Path, name: str) -> None:

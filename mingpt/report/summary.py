@@ -21,30 +21,30 @@ class Run:
     train: dict[int, dict]  # step -> its last train record (a step trained again is logged again)
     evals: dict[int, dict]
     snapshots: list[dict]
-    hosts: list[list[str]]  # per train record in file order: the hosts of its ranks
+    logged: list[tuple[dict, list[str]]]  # every train record in file order, with the hosts of its ranks
 
     @classmethod
     def of(cls, records: list[dict]) -> Run:
-        train, evals, snapshots, hosts, current = {}, {}, [], [], []
+        train, evals, snapshots, logged, current = {}, {}, [], [], []
         for r in records:
             kind = r.get("kind")
             if kind == "start":
                 current = r.get("hosts") or []
             elif kind == "train":
                 train[r["step"]] = r
-                hosts.append(current)
+                logged.append((r, current))
             elif kind == "eval":
                 evals[r["step"]] = r
             elif kind == "snapshot":
                 snapshots.append(r)
         return cls(records, account(records), dict(sorted(train.items())), dict(sorted(evals.items())), snapshots,
-                   hosts)
+                   logged)
 
     def slowest(self, top: int = 3) -> list[tuple[str, float, float]]:
         """(host:local rank, share of logged steps where it was the slowest, its mean compute time
         over the step's median), slowest first."""
         ratios, slowest, steps = defaultdict(list), defaultdict(int), 0
-        for r, hosts in zip((r for r in self.records if r.get("kind") == "train"), self.hosts):
+        for r, hosts in self.logged:
             compute = r.get("compute_ms") or []
             if len(compute) < 2 or len(hosts) != len(compute):
                 continue
@@ -103,9 +103,8 @@ def summary(run: Run, name: str) -> str:
         lines.append("  restarts (from the last record before it to the first step after it):")
         for i, a in restarts[-5:]:
             prev = attempts[i - 1]
-            start = sum(a.ledgers[1]["s"][p] for p in PHASES) if len(a.ledgers) > 1 else float("nan")
             lines.append(f"    at step {prev.last_step:,} (world {prev.start['world_size']} -> "
-                         f"{a.start['world_size']}): down {acc.gaps[i]:.1f} s, start-up {start:.1f} s, resumed "
+                         f"{a.start['world_size']}): down {acc.gaps[i]:.1f} s, start-up {a.startup_s:.1f} s, resumed "
                          f"at step {a.first_step:,}, {acc.lost_steps[i - 1]} step(s) trained again")
         if len(restarts) > 5:
             lines.append(f"    ... and {len(restarts) - 5} earlier")

@@ -411,14 +411,17 @@ def pread_into(file: str, offset: int, out: memoryview) -> None:
         os.close(fd)
 
 
+def _shard_of(piece: Piece, manifest: dict) -> str:
+    """The name of the shard file that holds `piece`."""
+    return SHARD_FORMAT.format(piece.writer, manifest["writers"])
+
+
 def _read_cached(cache, manifest: dict, jobs: list) -> list:
     """Fill the pieces that the node cache holds (each checked against its sha256); returns the jobs
     left for the store: not cached, or a damaged copy."""
-    fname = lambda piece: SHARD_FORMAT.format(piece.writer, manifest["writers"])  # noqa: E731
-
     def one(job) -> bool:
         _, piece, out = job
-        name = fname(piece)
+        name = _shard_of(piece, manifest)
         file = cache.file(manifest["step"], name, manifest["files"][name]["size"])
         if file is None or not out.numel():
             return file is not None
@@ -449,7 +452,7 @@ def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list, cac
         jobs = _read_cached(cache, manifest, jobs)
     views = [(name, piece, memoryview(out.numpy()).cast("B") if out.numel() else memoryview(b""))
              for name, piece, out in jobs]
-    fname = lambda piece: SHARD_FORMAT.format(piece.writer, manifest["writers"])  # noqa: E731
+    fname = lambda piece: _shard_of(piece, manifest)  # noqa: E731
     failed: dict[int, str] = {}
 
     def local(i: int) -> None:

@@ -35,7 +35,7 @@ class MetricsWriter:
         with self._lock:
             if self._fh is None:  # closed: a save finishing after the end of training
                 return
-            self._fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            self._fh.write(_line(record))
             self._write_tb(record)
 
     def _write_tb(self, record: dict) -> None:
@@ -51,7 +51,7 @@ class MetricsWriter:
         path = Path(run_dir) / "metrics.jsonl"
         if path.is_file():
             with open(path, "a") as fh:
-                fh.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+                fh.write(_line(record))
 
     @staticmethod
     def existing(run_dir: str | Path, job_id: str | None) -> str | None:
@@ -94,6 +94,11 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _line(record: dict) -> str:
+    """One record as a JSON line, stamped with the time."""
+    return json.dumps({"time": round(time.time(), 3), **record}) + "\n"
 
 
 def read_metrics(path: str | Path, kind: str = "train") -> dict[int, dict]:
