@@ -81,13 +81,17 @@ def die_with_parent() -> None:
     """Under torchrun, make the kernel SIGKILL this worker when its agent dies.
 
     torchrun starts workers in their own session, so a SIGKILLed agent would leave orphans that
-    keep training at the old world size (and hold the cores). Linux only; a no-op elsewhere.
+    keep training at the old world size (and hold the cores). Linux only; a no-op elsewhere. A worker
+    whose agent died before this ran is an orphan already: it exits at once.
     """
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
-    from mingpt.warm import die_with
+    import ctypes
 
-    die_with(os.getppid())
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the agent died before prctl took effect
+        os._exit(1)
 
 
 def init(info: DistInfo, timeout_s: float) -> None:
@@ -310,3 +314,5 @@ class PreemptionFlag:
 # attempt as unfinished and torchrun / SLURM can restart it.
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM / SIGUSR1, try again later
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention for Ctrl-C
+# The snapshot a run stopped with (at the end, or on preemption) could not be saved after its retries.
+EXIT_SAVE_FAILED = 74  # EX_IOERR

@@ -13,11 +13,11 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-from mingpt import warm  # noqa: I001 - first: a restarted worker hands over to a warm process here
-from mingpt.training.ledger import Ledger
+from mingpt.training.ledger import Ledger  # noqa: I001 - first: the clock of this process's start-up
+from mingpt import distributed
 
-if __name__ == "__main__":  # torchrun's worker (python mingpt/main.py or -m mingpt.main), not an import
-    warm.handoff()
+if __name__ == "__main__":  # torchrun's worker: die with the agent from the first moment on
+    distributed.die_with_parent()
 
 import hydra
 import numpy as np
@@ -25,7 +25,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mingpt import distributed
 from mingpt.compose import compose, config_dir, register
 from mingpt.config import ConfigError, RunConfig, from_dict
 from mingpt.data import Corpus, DataError, load_corpus
@@ -35,7 +34,7 @@ from mingpt.model import GPT
 from mingpt.parallel import parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
-from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
+from mingpt.snapshot import SaveFailedError, SnapshotError, Snapshotter, SnapshotStore
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore, restore_newest
 from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start, set_aside
@@ -211,7 +210,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
         resume(cfg, trainer, store if source == store.url else SnapshotStore(source, store.storage_options), found)
     ledger.record(metrics.write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
                   kind="start", run_id=run_id, job_id=info.job_id, world_size=info.world_size,
-                  restart=info.restart_count, parallel=parallel.name, hosts=hosts, warm=warm.forked())
+                  restart=info.restart_count, parallel=parallel.name, hosts=hosts)
     return trainer
 
 
@@ -248,7 +247,6 @@ def preflight(cfg: RunConfig, info: DistInfo) -> None:
 def train_process(dcfg: DictConfig, ledger: Ledger | None = None) -> int:
     """The whole job of one process; returns its exit code. Every error ends here, as one line."""
     ledger = ledger or Ledger()
-    distributed.die_with_parent()
     info = DistInfo.from_env()
     setup_logging(info)
     preempt = PreemptionFlag(announce=info.is_rank0).install()
@@ -273,6 +271,8 @@ def train_process(dcfg: DictConfig, ledger: Ledger | None = None) -> int:
                     cache.clear()
             return 0
         return distributed.EXIT_INTERRUPTED if preempt.interrupted else distributed.EXIT_PREEMPTED
+    except SaveFailedError as e:
+        return distributed.report_error(info, str(e), code=distributed.EXIT_SAVE_FAILED)
     except USER_ERRORS as e:
         return distributed.report_error(info, str(e), code=2, let_rank0_report=True)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit

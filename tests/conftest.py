@@ -94,3 +94,22 @@ def make_docs_corpus(directory: Path, n: int = 400) -> Path:
     p = directory / "docs.txt"
     p.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
     return p
+
+
+
+NOBODY = 65534  # a second local user, as on a shared node
+
+
+def as_nobody():
+    """preexec_fn for subprocess: run the child as the user nobody (the tests run as root). Only for
+    small stand-alone programs: nobody cannot reach root's interpreter under /root."""
+    def drop():
+        os.setgroups([])
+        os.setgid(NOBODY)
+        os.setuid(NOBODY)
+    return drop
+
+
+# A child in a user namespace of its own keeps its files' owner but loses root's power to ignore
+# permissions: a 0555 directory is read-only to it, as it is to any user on a cluster.
+WITHOUT_CAPABILITIES = ["unshare", "--user"]

@@ -146,8 +146,10 @@ def test_sigterm_to_the_agent_saves_at_the_current_step_and_resume_is_exact(refe
         assert torch.equal(weights[name], ref), name
 
 
-def test_workers_die_with_a_sigkilled_agent(reference, tmp_path):
-    """torchrun starts workers in their own session; without PR_SET_PDEATHSIG they would be orphans."""
+def test_workers_die_with_a_sigkilled_agent_and_no_process_of_the_job_listens(reference, tmp_path):
+    """torchrun starts workers in their own session; without PR_SET_PDEATHSIG they would be orphans.
+    On a shared node nothing of the job may listen on a local socket another user can reach (the
+    warm-restart server of earlier versions did, and outlived its agent), and nothing outlives the job."""
     run_dir = tmp_path / "run"
     long_run = [a for a in args(reference["corpus"], tmp_path, run_dir) if "max_steps" not in a]
     agent = subprocess.Popen(torchrun_cmd(2, "mingpt/main.py", *long_run, "trainer.max_steps=1000000"),
@@ -155,34 +157,62 @@ def test_workers_die_with_a_sigkilled_agent(reference, tmp_path):
     wait_for_step(run_dir / "metrics.jsonl", 5, agent)
     workers = list(workers_of(agent.pid).values())
     assert len(workers) == 2
-    assert warm_servers(agent.pid), "no warm server was started for this agent's restarts"
+    run_id = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
+    run_id = next(e for e in run_id if e.startswith(b"TORCHELASTIC_RUN_ID="))
+    job = processes_with(run_id)
+    assert set(workers) <= set(job)
+    assert unix_listeners(job) == [], "a process of the job listens on a unix socket"
     agent.kill()
     agent.wait()
     deadline = time.time() + 10
-    while time.time() < deadline and any(Path(f"/proc/{p}").exists() and
-                                         "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2] for p in workers):
+    while time.time() < deadline and alive(processes_with(run_id)):
         time.sleep(0.05)
-    alive = [p for p in workers if Path(f"/proc/{p}").exists() and "Z" not in Path(f"/proc/{p}/stat").read_text().split()[2]]
-    for p in alive:
+    left = alive(processes_with(run_id))
+    for p in left:
         os.kill(p, signal.SIGKILL)
-    assert alive == [], "workers outlived their agent"
-    # the node's warm server (started beside the first workers, for restarts) ends with the agent too
-    deadline = time.time() + 10
-    while time.time() < deadline and warm_servers(agent.pid):
-        time.sleep(0.1)
-    assert warm_servers(agent.pid) == [], "the warm server outlived its agent"
+    assert left == [], "processes of the job outlived their agent"
 
 
-def warm_servers(agent_pid: int) -> list[int]:
+def processes_with(env_entry: bytes) -> list[int]:
+    """The processes whose environment holds env_entry (this job's TORCHELASTIC_RUN_ID=...)."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if env_entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                out.append(int(pid))
         except OSError:
             continue
-        if b"mingpt.warm" in cmd and str(agent_pid).encode() in cmd:
-            out.append(int(pid))
     return out
+
+
+def alive(pids: list[int]) -> list[int]:
+    out = []
+    for p in pids:
+        try:
+            if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(p)
+        except OSError:
+            continue
+    return out
+
+
+def unix_listeners(pids: list[int]) -> list[str]:
+    """The listening unix sockets (abstract or file) that these processes hold."""
+    listening = {}
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        parts = line.split()
+        if int(parts[3], 16) & 0x10000:  # __SO_ACCEPTCON: a listening socket
+            listening[parts[6]] = parts[7] if len(parts) > 7 else "?"
+    held = []
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:[") and target[8:-1] in listening:
+                    held.append(f"pid {pid}: {listening[target[8:-1]]}")
+        except OSError:
+            continue
+    return held
 
 
 def test_fsdp_sigkill_resumes_bitwise_and_loads_at_one_rank_under_ddp(tmp_path):

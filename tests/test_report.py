@@ -99,8 +99,6 @@ def test_a_sigkilled_job_is_accounted_from_its_metrics_alone(faulted_run):
     acc = account(records)
     starts = [r for r in records if r["kind"] == "start"]
     assert len(acc.attempts) == 2 and len(starts) == 2
-    # the restarted workers were forked by the node's warm server, which had imported everything
-    assert [s["warm"] for s in starts] == [False, True]
     assert acc.gaps[0] == 0 and acc.gaps[1] > 0
     # resumed from the snapshot of step 20 or 10; the steps trained after it were lost
     resumed = acc.attempts[1].first_step

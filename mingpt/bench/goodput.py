@@ -30,22 +30,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def trainers(agent: int) -> list[int]:
-    """The processes that train: the warm server's children where it forked them, else the agent's."""
-    def children(pid: int) -> list[int]:
-        try:
-            return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-        except OSError:
-            return []
-
-    servers = [int(p) for p in os.listdir("/proc")
-               if p.isdigit() and _cmdline(int(p))[-2:] == ["mingpt.warm", str(agent)]]
-    forked = [c for s in servers for c in children(s)]
-    return forked or children(agent)
-
-
-def _cmdline(pid: int) -> list[str]:
+    """The processes that train: the agent's children."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+        return [int(c) for c in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
     except OSError:
         return []
 

@@ -19,6 +19,11 @@ from mingpt.snapshot.store import SnapshotStore, sha256
 log = logging.getLogger(__name__)
 
 
+class SaveFailedError(RuntimeError):
+    """The snapshot a run stops with (its last, or a preemption's) was not saved; the message says
+    what to do. The process exits with distributed.EXIT_SAVE_FAILED."""
+
+
 class ShardWriter:
     """One writer's part of a snapshot: the plan's rows of every tensor for writer `writer`, copied
     into one flat CPU buffer laid out as the shard file (reused from save to save), then hashed and
@@ -110,6 +115,7 @@ class Snapshotter:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._pending: Future | None = None
         self.last_saved_step: int | None = None
+        self.last_ok: bool | None = None  # the outcome of the newest save (None: none yet)
         self._requested_step: int | None = None
         self.failures = 0
         self.blocking_s: list[float] = []
@@ -132,7 +138,9 @@ class Snapshotter:
         self.blocking_s.append(time.perf_counter() - t0)
         self._pending = self._pool.submit(self._write, step, image, extra_bytes, manifest, t0)
 
-    def _write(self, step: int, image: torch.Tensor, extra: bytes | None, manifest: dict, t0: float) -> None:
+    def _write(self, step: int, image: torch.Tensor, extra: bytes | None, manifest: dict, t0: float) -> bool:
+        """Write this writer's share and, on the committer, commit; whether the save succeeded as far
+        as this writer can tell (the committer: committed; the others: every shard written)."""
         self._retried_now = 0
         ready = not self.committer or self._retried(step, "preparing", lambda: self.store.begin(step) or True)
         if not all(self._gather(bool(ready))):  # nobody writes before the folder is uncommitted
@@ -163,12 +171,14 @@ class Snapshotter:
                           "writers": self.shard.writers, "retries": sum(r["retries"] for r in records)})
         self.last_saved_step = step
         self.save_s.append(time.perf_counter() - t0)
+        return True
 
-    def _failed(self, step: int, t0: float, why: str) -> None:
+    def _failed(self, step: int, t0: float, why: str) -> bool:
         self.failures += 1
         if self.committer:
             self._events({"kind": "snapshot", "step": step, "status": "failed", "reason": why,
                           "total_s": round(time.perf_counter() - t0, 4), "blocking_s": round(self.blocking_s[-1], 4)})
+        return False
 
     def _retried(self, step: int, what: str, fn):
         """fn() with retries and backoff; None (logged) when every attempt failed."""
@@ -196,11 +206,17 @@ class Snapshotter:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) has committed or failed."""
+    def wait(self) -> bool | None:
+        """Block until the save in flight (if any) has committed or failed; the outcome of the newest
+        save (None when nothing was saved yet). A failed save raises nothing: the caller decides."""
         if self._pending is not None:
-            self._pending.result()
+            try:
+                self.last_ok = bool(self._pending.result())
+            except Exception as e:  # noqa: BLE001 - a bug or a broken side group: the save did not happen
+                log.error("snapshot step %d failed (%s: %s)", self._requested_step, e.__class__.__name__, e)
+                self.last_ok = False
             self._pending = None
+        return self.last_ok
 
     def close(self, wait: bool = True) -> None:
         """Finish (wait=True) or abandon the save in flight: after a peer failure a save can never

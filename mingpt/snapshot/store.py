@@ -121,12 +121,16 @@ class SnapshotStore:
         return f"step_{step:09d}"
 
     def check(self) -> None:
-        """Raise if the store cannot be reached (e.g. the bucket is missing or the endpoint down)."""
+        """Raise if this process cannot use the store: the bucket is missing, the endpoint is down, or
+        it may list but not write (a probe file is written with the configured uploader and deleted)."""
         if self.local:
             self.fs.makedirs(self.root, exist_ok=True)
         else:
             self.fs.info(self.root.split("/", 1)[0])  # the bucket itself
         self.list()
+        probe = self._path(f".mingpt-probe-{uuid.uuid4().hex}")
+        self.put(probe, b"mingpt write probe")
+        self.fs.rm(probe)
 
     def list(self) -> list[SnapshotInfo]:
         """Every step folder in the store, oldest first, with whether it is committed."""
@@ -156,9 +160,13 @@ class SnapshotStore:
     def write_file(self, step: int, name: str, data) -> None:
         """Write one file of a snapshot durably (local: fsynced under a temporary name, then renamed;
         object store: a PUT, or a multipart upload with several parts in flight)."""
-        folder = self._path(self.name(step))
+        self.put(self._path(self.name(step), name), data)
+
+    def put(self, path: str, data) -> None:
+        """Write one file of the store durably, through the configured uploader."""
         view = memoryview(data).cast("B")
         if self.local:
+            folder, name = path.rsplit("/", 1)
             os.makedirs(folder, exist_ok=True)
             tmp = f"{folder}/.{name}.{uuid.uuid4().hex[:8]}"
             try:
@@ -166,15 +174,15 @@ class SnapshotStore:
                     fh.write(view)
                     fh.flush()
                     os.fsync(fh.fileno())
-                os.replace(tmp, f"{folder}/{name}")
+                os.replace(tmp, path)
             except BaseException:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
                 raise
         elif self.uploader == "boto3":
-            self._upload_boto3(f"{folder}/{name}", view)
+            self._upload_boto3(path, view)
         else:
-            self._upload_s3fs(f"{folder}/{name}", view)
+            self._upload_s3fs(path, view)
 
     def _upload_s3fs(self, path: str, view: memoryview) -> None:
         if len(view) < 2 * PART_BYTES:

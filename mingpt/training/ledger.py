@@ -38,8 +38,7 @@ class Ledger:
     until `started()` (the first step done), the step states count as "first_step"."""
 
     def __init__(self, start_epoch: float | None = None):
-        self.start_epoch = start_epoch if start_epoch is not None else float(
-            os.environ.get("MINGPT_PROCESS_START") or process_start_epoch())
+        self.start_epoch = start_epoch if start_epoch is not None else process_start_epoch()
         self.seconds = dict.fromkeys(STATES, 0.0)
         self.state = "launch"
         self.steady = False

@@ -21,7 +21,7 @@ from mingpt.data.datasets import DocumentDataset, StreamDataset
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler
 from mingpt.distributed import DistInfo, PreemptionFlag, all_gather_floats, all_reduce_sum
 from mingpt.parallel import Parallel
-from mingpt.snapshot import Snapshotter
+from mingpt.snapshot import SaveFailedError, Snapshotter
 from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import lr_at
@@ -149,20 +149,29 @@ class Trainer:
             if first or logged or evaluate or save:
                 self.record_time()
             if stop and not last:
-                self._finish_saving()
+                self._finish_saving(self.preempt.describe())
                 if self.dist.is_rank0:  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
                                 self.preempt.describe(), p.step)
                 return False
             if evaluate or save:  # keep evaluation and saving out of the step-time figures
                 t_last, steps_since = time.perf_counter(), 0
-        self._finish_saving()
+        self._finish_saving(f"the run reached step {p.step}")
         return True
 
     @_charged("snapshot")
-    def _finish_saving(self) -> None:
-        self.saving.snapshotter.wait()
+    def _finish_saving(self, why: str) -> None:
+        """Wait for the last save, and agree on every rank whether it committed: a run must never
+        stop as if saved when its last snapshot is not (SaveFailedError, exit code 74)."""
+        ok = self.saving.snapshotter.wait() is not False
+        failed = all_reduce_sum(torch.tensor([0.0 if ok else 1.0], device=self.device)).item() > 0
         self.record_time()
+        if failed:
+            raise SaveFailedError(
+                f"{why}, but the snapshot of step {self.progress.step} could not be saved to "
+                f"{self.saving.snapshotter.store.url} (the errors above say why): the previous snapshot stays the "
+                "newest. Fix the store (permissions, space, credentials) and run the same command: it resumes from "
+                "the newest snapshot")
 
     def record_time(self) -> None:
         """The "time" record: every rank's seconds by state so far, averaged (a collective)."""
