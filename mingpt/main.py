@@ -193,7 +193,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
             "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source}
     if info.is_rank0:
         write_json_atomic(run_dir / "tokenizer.json", corpus.tokenizer.state_dict())
-    cache = NodeCache(sc.node_cache_dir, store.url) if sc.node_cache == "on" or (
+    cache = NodeCache(sc.node_cache_dir, store.url, info.job_id) if sc.node_cache == "on" or (
         sc.node_cache == "auto" and not store.local) else None
     snapshotter = Snapshotter(store, writer=info.rank, writers=info.world_size, group=distributed.side_group(),
                               keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries, events=metrics.write,
@@ -267,8 +267,7 @@ def train_process(dcfg: DictConfig, ledger: Ledger | None = None) -> int:
         if finished:
             if cache is not None:  # the job is done: give the node's memory back
                 distributed.barrier()
-                if info.local_rank == 0:
-                    cache.clear()
+                cache.clear() if info.local_rank == 0 else cache.close()
             return 0
         return distributed.EXIT_INTERRUPTED if preempt.interrupted else distributed.EXIT_PREEMPTED
     except SaveFailedError as e:

@@ -41,10 +41,10 @@ def flip_byte(fs_write, data: bytes, at: int = 7):
 
 def test_a_restart_reads_the_node_copy_and_falls_back_to_the_store_piece_by_piece(store_url, tmp_path, caplog):
     store = SnapshotStore(store_url)
-    cache = NodeCache(str(tmp_path / "shm"), store.url)
+    cache = NodeCache(str(tmp_path / "shm"), store.url, "job1")
     for step in (1, 2, 3):
         manifest, path = save(store, cache, step)
-    assert sorted(p.name for p in cache.dir.iterdir()) == ["step_000000002", "step_000000003"]  # the 2 newest
+    assert sorted(p.name for p in cache.dir.glob("step_*")) == ["step_000000002", "step_000000003"]  # the 2 newest
     copy = cache.folder(3) / SHARD
     assert copy.read_bytes() == store.fs.cat_file(f"{path}/{SHARD}")
     # the store's shard damaged, the node's copy intact: loaded from the copy, bitwise
@@ -69,10 +69,92 @@ def test_a_node_without_room_turns_the_cache_off_and_saves_go_on(tmp_path, caplo
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("x")  # the cache cannot create its folder under a file: like a full /dev/shm
     store = SnapshotStore(str(tmp_path / "snapshots"))
-    cache = NodeCache(str(blocker), store.url)
+    cache = NodeCache(str(blocker), store.url, "job1")
     with caplog.at_level(logging.WARNING):
         manifest, path = save(store, cache, 4)
-    assert not cache.enabled and "node cache off: cannot keep" in caplog.text
+    assert not cache.enabled and "node cache off: cannot use" in caplog.text
     assert store.list()[-1].committed and store.verify(path) == []
     _, got = load(store, path, manifest, cache)
     assert all(torch.equal(got[k], v) for k, v in tensors(4).items())
+
+
+@pytest.fixture
+def shm(tmp_path_factory):
+    """A directory like /dev/shm: every user may create entries, only their owner may remove them."""
+    import os
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as a second user (CI and the dev machines run as root)")
+    d = tempfile.mkdtemp(prefix="mingpt-shm-")
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_the_copies_are_private_to_the_user(shm, tmp_path):
+    """Another user on the node can neither read the copies nor list them (they hold the weights
+    and the optimizer state)."""
+    import os
+    import stat
+    import subprocess
+
+    from conftest import as_nobody
+
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    cache = NodeCache(shm, store.url, "job1")
+    save(store, cache, 1)
+    copy = cache.folder(1) / SHARD
+    assert copy.is_file()
+    for p in (copy.parent, cache.dir, cache.dir.parent):
+        assert stat.S_IMODE(os.lstat(p).st_mode) == 0o700, p
+    assert stat.S_IMODE(os.lstat(copy).st_mode) == 0o600
+    other = subprocess.run(["cat", str(copy)], preexec_fn=as_nobody(), capture_output=True)
+    assert other.returncode != 0 and b"Permission denied" in other.stderr
+
+
+def test_a_path_planted_by_another_user_is_refused_and_nothing_is_written_through_it(shm, tmp_path, caplog):
+    """Another user creates the cache's directories first, with symlinks to a file of ours: the job
+    refuses them (the cache goes off with a warning, saving goes on) and the file is untouched."""
+    import hashlib
+    import os
+    import subprocess
+
+    from conftest import as_nobody
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o600)
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    older = f"mingpt-snapshots-{os.getuid()}-{hashlib.sha1(store.url.encode()).hexdigest()[:12]}"  # earlier layout
+    plant = (f"umask 022; for d in {shm}/{older}/step_000000001 {shm}/mingpt-{os.getuid()}; do mkdir -p $d; "
+             f"ln -s {victim} $d/{SHARD}; done")
+    subprocess.run(["sh", "-c", plant], preexec_fn=as_nobody(), check=True)
+    with caplog.at_level(logging.WARNING):
+        cache = NodeCache(shm, store.url, "job1")
+        manifest, path = save(store, cache, 1)
+    assert not cache.enabled and "belongs to uid 65534" in caplog.text
+    assert victim.read_bytes() == b"precious"
+    assert store.verify(path) == []
+
+
+def test_stale_copies_are_reclaimed_by_the_next_job_and_by_the_command(shm, tmp_path):
+    """A job that failed or was cancelled leaves its copies; the next start of any job of the user
+    reclaims them, a running job's copies stay, and `mingpt-snapshot clean-cache` does the same."""
+    from mingpt.cli.snapshot import main as snapshot_cli
+
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    running = NodeCache(shm, store.url, "running-job")
+    save(store, running, 1)
+    dead = NodeCache(shm, store.url, "dead-job")
+    save(store, dead, 2)
+    dead.close()  # the process died: its lock is gone, its files stay
+    assert dead.dir.exists() and running.dir.exists()
+    new = NodeCache(shm, store.url, "new-job")
+    assert not dead.dir.exists(), "a failed job's copies were left in memory"
+    assert running.dir.exists() and new.dir.exists()
+    new.close()
+    running.close()
+    assert snapshot_cli(["clean-cache", "--dir", shm]) == 0
+    assert not running.dir.exists() and not new.dir.exists()

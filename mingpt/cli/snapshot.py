@@ -1,7 +1,9 @@
-"""Inspect a snapshot store (local or s3://): list, show, verify.
+"""Inspect a snapshot store (local or s3://): list, show, verify; and clean up after dead jobs.
 
     mingpt-snapshot list runs/default/snapshots
     mingpt-snapshot verify s3://bucket/run1 --endpoint-url http://minio:9000
+    mingpt-snapshot uploads s3://bucket/run1 --abort      # multipart uploads that dead processes left
+    mingpt-snapshot clean-cache                           # this user's node-cache copies of ended jobs
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 import torch
 
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.nodecache import reclaim
 from mingpt.snapshot.store import SnapshotInfo
 
 
@@ -49,18 +52,49 @@ def _describe(store: SnapshotStore, info: SnapshotInfo, verify: bool) -> dict:
     return row
 
 
+def _uploads(store: SnapshotStore, older_than_s: float, abort: bool) -> int:
+    found = store.uploads(older_than_s)
+    for u in found:
+        if abort:
+            store.abort_upload(u)
+        print(f"{'aborted' if abort else 'unfinished'}: s3://{u['bucket']}/{u['key']} (begun {u['age_s'] / 3600:.1f} h "
+              f"ago, upload id {u['upload_id'][:16]}...)")
+    hint = "" if abort or not found else " (add --abort to abort them)"
+    print(f"{len(found)} unfinished multipart upload{'' if len(found) == 1 else 's'} older than "
+          f"{older_than_s / 3600:g} h under {store.url}{' aborted' if abort and found else ''}{hint}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mingpt-snapshot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("command", choices=["list", "show", "verify"],
+    ap.add_argument("command", choices=["list", "show", "verify", "uploads", "clean-cache"],
                     help="list: one row per snapshot; show: one manifest (newest by default); "
-                         "verify: checksums and weights digests")
-    ap.add_argument("store", help="local directory or s3://bucket/prefix")
+                         "verify: checksums and weights digests; uploads: unfinished multipart uploads (with "
+                         "--abort: abort them); clean-cache: remove this user's node-cache copies of jobs that "
+                         "no longer run")
+    ap.add_argument("store", nargs="?", help="local directory or s3://bucket/prefix (not for clean-cache)")
+    ap.add_argument("--abort", action="store_true", help="with uploads: abort the ones listed")
+    ap.add_argument("--older-than", type=float, default=1.0, metavar="HOURS",
+                    help="with uploads: only those begun this long ago (default 1: a running save's upload is "
+                         "younger)")
+    ap.add_argument("--dir", default="/dev/shm", help="with clean-cache: snapshot.node_cache_dir (default /dev/shm)")
     ap.add_argument("--step", type=int, default=None, help="with show: which step")
     ap.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
     args = ap.parse_args(argv)
+    if args.command == "clean-cache":
+        gone = reclaim(args.dir)
+        for path, size in gone:
+            print(f"removed {path} ({size / 1e6:.1f} MB)")
+        print(f"{len(gone)} stale node-cache director{'y' if len(gone) == 1 else 'ies'} removed from {args.dir}; the "
+              "copies of running jobs were left")
+        return 0
+    if args.store is None:
+        ap.error(f"{args.command} needs a STORE")
     store = SnapshotStore(args.store, {"endpoint_url": args.endpoint_url} if args.endpoint_url else None)
+    if args.command == "uploads":
+        return _uploads(store, args.older_than * 3600, args.abort)
     snaps = store.list()
     if args.command == "show":
         committed = [s for s in snaps if s.committed and (args.step is None or s.step == args.step)]

@@ -1,4 +1,5 @@
-"""The newest snapshots' files that this node wrote, kept in node-local memory.
+"""The newest snapshots' files that this node wrote, kept in node-local memory, private to the user
+and the job.
 
 After a writer has written its shard to the store, it also writes the same bytes to a tmpfs
 (`/dev/shm` by default): a restart on the same node then reads those pieces from RAM instead of the
@@ -6,25 +7,113 @@ store (most restarts: a worker died, the node lives). Nothing is trusted: a copy
 size the manifest gives, every piece read from it is checked against the manifest's sha256, and a
 missing or damaged copy is read from the store instead. The two newest steps are kept; a node
 without room (a container's small /dev/shm) turns the cache off with one warning.
+
+On a node shared with other users the copies are the job's weights and optimizer state, so:
+
+    <root>/mingpt-<uid>/                 0700, this user's; refused if it is a symlink, someone else's,
+                                         or open to others (then the cache is off, with a warning)
+    <root>/mingpt-<uid>/job-<key>/       one job (store URL and torchrun job id); `.lock` is held
+                                         shared by every process of the job while it runs
+    <root>/mingpt-<uid>/job-<key>/step_000000500/shard-00000-of-00002.bin   0600
+
+A job's copies go when it finishes; a job that failed or was cancelled leaves them behind, and they
+are reclaimed by the next start of any job of the same user on the node (a job directory whose lock
+nobody holds is stale), or by `mingpt-snapshot clean-cache`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import shutil
+import stat
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
+LOCK = ".lock"
+
+
+class UnsafeDirectory(OSError):
+    """A directory the cache would use is not private to this user."""
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory that only this user can use: created 0700, or an existing one that is
+    ours, not a symlink, and closed to others. Raises UnsafeDirectory otherwise."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)  # never follows a symlink planted under this name
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeDirectory(f"{path} is not a directory (a symlink?)")
+    if st.st_uid != os.getuid():
+        raise UnsafeDirectory(f"{path} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})")
+    if st.st_mode & 0o077:
+        raise UnsafeDirectory(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o})")
+    return path
+
+
+def user_dir(root: str) -> Path:
+    return Path(root) / f"mingpt-{os.getuid()}"
+
+
+def reclaim(root: str, keep: Path | None = None) -> list[tuple[Path, int]]:
+    """Remove this user's job directories under `root` that no running process holds (their lock can
+    be taken exclusively), except `keep`; returns (directory, bytes) of each one removed."""
+    base = user_dir(root)
+    try:
+        private_dir(base) if base.exists() else None
+    except (UnsafeDirectory, OSError):
+        return []
+    removed = []
+    for job in sorted(base.glob("job-*")):
+        if job == keep or job.is_symlink() or not job.is_dir():
+            continue
+        try:
+            fd = os.open(job / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a job of this user runs with it
+            continue
+        finally:
+            os.close(fd)
+        size = sum(f.stat().st_size for f in job.rglob("*") if f.is_file() and not f.is_symlink())
+        shutil.rmtree(job, ignore_errors=True)
+        removed.append((job, size))
+    return removed
+
 
 class NodeCache:
-    def __init__(self, root: str, store_url: str, keep: int = 2):
-        key = hashlib.sha1(store_url.rstrip("/").encode()).hexdigest()[:12]
-        self.dir = Path(root) / f"mingpt-snapshots-{os.getuid()}-{key}"
-        self.keep, self.enabled = keep, True
+    def __init__(self, root: str, store_url: str, job_id: str | None, keep: int = 2):
+        job = job_id if job_id is not None else f"pid-{os.getpid()}"
+        key = hashlib.sha256(f"{store_url.rstrip('/')}\0{job}".encode()).hexdigest()[:16]
+        self.dir = user_dir(root) / f"job-{key}"
+        self.keep, self.enabled, self._lock = keep, True, None
+        try:
+            os.makedirs(root, exist_ok=True)  # /dev/shm is always there; another root may not be yet
+            private_dir(user_dir(root))
+            private_dir(self.dir)
+            self._lock = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(self._lock, fcntl.LOCK_SH)  # in use: no other start reclaims it
+        except OSError as e:
+            self._off(f"cannot use {self.dir} ({e})")
+            return
+        gone = reclaim(root, keep=self.dir)
+        if gone:
+            log.info("node cache: reclaimed %.1f MB of stale snapshot copies (%s)",
+                     sum(size for _, size in gone) / 1e6, ", ".join(p.name for p, _ in gone))
+
+    def _off(self, why: str) -> None:
+        self.enabled = False
+        log.warning("node cache off: %s; restarts read snapshots from the store (set snapshot.node_cache=off to "
+                    "silence this)", why)
 
     def folder(self, step: int) -> Path:
         return self.dir / f"step_{step:09d}"
@@ -36,34 +125,43 @@ class NodeCache:
         folder = self.folder(step)
         tmp = folder / f".{name}.{os.getpid()}"
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "wb") as fh:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with open(fd, "wb") as fh:
                 fh.write(memoryview(data).cast("B"))
             os.replace(tmp, folder / name)
         except OSError as e:
-            self.enabled = False
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
             shutil.rmtree(folder, ignore_errors=True)
-            log.warning("node cache off: cannot keep %s in %s (%s); restarts read snapshots from the store (set "
-                        "snapshot.node_cache=off to silence this, or give the container a larger /dev/shm)",
-                        name, self.dir, e.strerror or e)
+            self._off(f"cannot keep {name} in {self.dir} ({e.strerror or e}; a container may need a larger "
+                      "/dev/shm: docker run --shm-size=...)")
             return
         self.prune()
 
     def prune(self) -> None:
         """Keep the `keep` newest steps."""
-        steps = sorted(p for p in self.dir.glob("step_*") if p.is_dir())
+        steps = sorted(p for p in self.dir.glob("step_*") if p.is_dir() and not p.is_symlink())
         for old in steps[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
     def file(self, step: int, name: str, size: int) -> str | None:
         """The path of the copy of `name` of snapshot `step`, if there is one of that size."""
+        if not self.enabled:
+            return None
         path = self.folder(step) / name
         try:
-            return str(path) if path.stat().st_size == size else None
+            st = os.lstat(path)
+            return str(path) if stat.S_ISREG(st.st_mode) and st.st_size == size else None
         except OSError:
             return None
 
     def clear(self) -> None:
+        """The job is done: give the node's memory back."""
         shutil.rmtree(self.dir, ignore_errors=True)
+        self.close()
+
+    def close(self) -> None:
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None

@@ -201,16 +201,45 @@ class SnapshotStore:
                                             PartNumber=i + 1, Body=bytes(view[start:start + PART_BYTES]))
                 return {"PartNumber": i + 1, "ETag": out["ETag"]}
 
+            # Every part ends (uploaded or failed) before an abort: a part still in flight when the
+            # upload is aborted may be stored after it, and would be billed as an orphan.
+            results = await asyncio.gather(*(part(i, s) for i, s in enumerate(range(0, len(view), PART_BYTES))),
+                                           return_exceptions=True)
+            failed = next((r for r in results if isinstance(r, BaseException)), None)
             try:
-                parts = await asyncio.gather(*(part(i, s) for i, s in enumerate(range(0, len(view), PART_BYTES))))
+                if failed is not None:
+                    raise failed
                 await fs._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"],
-                                  MultipartUpload={"Parts": list(parts)})
+                                  MultipartUpload={"Parts": list(results)})
             except BaseException:
                 await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=mpu["UploadId"])
                 raise
 
         fsspec.asyn.sync(fs.loop, upload)
         fs.invalidate_cache(path)
+
+    def uploads(self, older_than_s: float = 0.0) -> list[dict]:
+        """Multipart uploads under this store begun more than `older_than_s` ago and never completed
+        nor aborted (a process that died mid-upload leaves one: its parts are stored, and billed,
+        until it is aborted). [] for a local store."""
+        if self.local:
+            return []
+        bucket, _, prefix = self.root.partition("/")
+        out, marker = [], {}
+        while True:
+            page = fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "list_multipart_uploads", Bucket=bucket,
+                                    Prefix=prefix + "/" if prefix else "", **marker)
+            for u in page.get("Uploads", []):
+                age = time.time() - u["Initiated"].timestamp()
+                if age >= older_than_s:
+                    out.append({"bucket": bucket, "key": u["Key"], "upload_id": u["UploadId"], "age_s": age})
+            if not page.get("IsTruncated"):
+                return out
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+    def abort_upload(self, upload: dict) -> None:
+        fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, "abort_multipart_upload", Bucket=upload["bucket"],
+                         Key=upload["key"], UploadId=upload["upload_id"])
 
     def _upload_boto3(self, path: str, view: memoryview) -> None:
         import boto3
