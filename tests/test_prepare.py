@@ -298,3 +298,59 @@ def test_verify_names_a_damaged_local_shard(inputs, tmp_path, capsys):
     assert main(["--verify", str(tmp_path / "ds")]) == 1
     err = capsys.readouterr().err
     assert f"damaged: {m['shards'][2]['name']} fails its checksum" in err and err.count("damaged:") == 1
+
+
+def test_the_shard_cache_survives_a_copy_vanishing_under_another_local_rank(inputs, tmp_path, s3_server,
+                                                                             monkeypatch):
+    """Local ranks share the cache and each evicts: a file listed by one may be gone when it looks at
+    it. Usage and eviction go on (they used to raise FileNotFoundError from stat)."""
+    from pathlib import Path
+
+    import s3fs
+
+    from mingpt.data.prepare import DatasetDir
+    from mingpt.data.prepared import ShardCache
+
+    s3fs.S3FileSystem().mkdir("prep-race")
+    m = prepare([str(inputs / "b.jsonl")], "s3://prep-race/ds", Settings(unit_bytes=8192, shard_bytes=512),
+                ranks_file=RANKS, workers=1)
+    a, b, c = [s for s in m["shards"] if s["bytes"] == 512][:3]
+    cache = ShardCache(DatasetDir("s3://prep-race/ds"), tmp_path / "cache", limit=a["bytes"] + b["bytes"])
+    cache.get(a)
+    cache.get(b)
+    glob, is_file, gone = Path.glob, Path.is_file, []
+
+    def racing_glob(self, pattern):  # another rank removes the first copy right after it was listed
+        found = list(glob(self, pattern))
+        if self == cache.dir and found:
+            found[0].unlink(missing_ok=True)
+            gone.append(found[0])
+        return iter(found)
+
+    monkeypatch.setattr(Path, "glob", racing_glob)
+    monkeypatch.setattr(Path, "is_file", lambda self: self in gone or is_file(self))  # it was there when checked
+    assert cache.usage() <= a["bytes"] + b["bytes"]
+    assert cache.get(c).stat().st_size == c["bytes"]  # evicts among files that vanish meanwhile
+
+
+def test_a_failing_background_copy_is_reported_by_the_next_read(inputs, tmp_path, s3_server, monkeypatch):
+    """An unexpected error in the thread that copies shards (a full disk, a bug) stops the run at the
+    next read, named; it used to end the thread silently."""
+    import s3fs
+
+    from mingpt.data.prepared import ShardCache
+
+    s3fs.S3FileSystem().mkdir("prep-thread")
+    m = prepare([str(inputs / "b.jsonl")], "s3://prep-thread/ds", SMALL, ranks_file=RANKS, workers=1)
+
+    def broken(self, entry):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ShardCache, "try_get", broken)
+    ds = PreparedData("s3://prep-thread/ds", str(tmp_path / "cache"), 1)
+    deadline = time.monotonic() + 30
+    with pytest.raises(DataError, match="No space left on device"):
+        while time.monotonic() < deadline:
+            ds.tokens.read(0, m["tokens"])
+            time.sleep(0.05)
+    ds.close()

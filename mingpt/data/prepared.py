@@ -48,17 +48,21 @@ class ShardCache:
         return self.dir / name.replace("/", "__")
 
     def usage(self) -> int:
-        return sum(p.stat().st_size for p in self.dir.glob("*.bin") if p.is_file())
+        return sum(_size(p) for p in self.dir.glob("*.bin"))
 
     def get(self, entry: dict) -> Path:
         """The local copy of `entry` (name, bytes, sha256), downloaded if missing."""
         path = self._path(entry["name"])
-        if not self._present(path, entry):
-            with file_lock(self.dir / f".{path.name}.lock"):
-                if not self._present(path, entry):
-                    self._download(entry, path)
-        os.utime(path)  # recently used
-        return path
+        while True:
+            if not self._present(path, entry):
+                with file_lock(self.dir / f".{path.name}.lock"):
+                    if not self._present(path, entry):
+                        self._download(entry, path)
+            try:
+                os.utime(path)  # recently used
+                return path
+            except FileNotFoundError:  # another local rank evicted it in between: fetch it again
+                continue
 
     def try_get(self, entry: dict) -> bool:
         """Download `entry` unless it is here or another process on this node is at it; never waits."""
@@ -118,13 +122,29 @@ class ShardCache:
 
     def _evict(self, need: int) -> None:
         """Make room for `need` more bytes: remove the least recently used copies. A process that
-        has one mapped keeps reading it (the file lives on until unmapped)."""
-        files = sorted((p for p in self.dir.glob("*.bin") if p.is_file()), key=lambda p: p.stat().st_mtime)
-        total = sum(p.stat().st_size for p in files)
+        has one mapped keeps reading it (the file lives on until unmapped). Other local ranks evict
+        too: a file may vanish between the listing and its stat."""
+        files = []
+        for p in self.dir.glob("*.bin"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_mtime, st.st_size, p))
+        files.sort()
+        total = sum(size for _, size, _ in files)
         while files and total + need > self.limit:
-            victim = files.pop(0)
-            total -= victim.stat().st_size
+            _, size, victim = files.pop(0)
+            total -= size
             victim.unlink(missing_ok=True)
+
+
+def _size(p: Path) -> int:
+    """A file's size, 0 when another process removed it meanwhile."""
+    try:
+        return p.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 class TokenStream:
@@ -185,8 +205,11 @@ class RemoteShard:
         if data.error is not None:
             raise data.error
         if self.copy is None and ShardCache._present(self.path, self.entry):
-            self.copy = np.memmap(self.path, dtype=data.dtype, mode="r")
-            os.utime(self.path)
+            try:  # another local rank may evict it at any moment; once mapped, it stays readable
+                self.copy = np.memmap(self.path, dtype=data.dtype, mode="r")
+                os.utime(self.path)
+            except FileNotFoundError:
+                pass
         if self.copy is not None:
             return self.copy[sl]
         if self.k not in data._asked:
@@ -271,6 +294,10 @@ class PreparedData:
                 self.cache.try_get(entry)
             except DataError as e:
                 self.error = e
+                return
+            except Exception as e:  # noqa: BLE001 - anything else would end this thread silently
+                self.error = DataError(f"copying shard {entry['name']} of {self.place.url} into {self.cache.dir} "
+                                       f"failed ({e.__class__.__name__}: {e})")
                 return
 
     def close(self) -> None:

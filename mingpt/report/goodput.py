@@ -12,11 +12,10 @@ of the steps kept, over the wall time.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from mingpt.training.ledger import STARTUP, STATES
+from mingpt.training.metrics import read_records  # noqa: F401 - the report's reader
 
 # the job's categories, in the order the report shows them
 CATEGORIES = ("training", "lost", "down", "startup", "data_wait", "eval", "snapshot", "log")
@@ -90,17 +89,6 @@ class Account:
     def goodput(self) -> float:
         return self.seconds["training"] / self.wall if self.wall > 0 else 0.0
 
-
-def read_records(path: str | Path) -> list[dict]:
-    """The records of a metrics file; a line cut short by a kill is skipped."""
-    out = []
-    with open(path) as fh:
-        for line in fh:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return out
 
 
 def attempts_of(records: list[dict]) -> list[Attempt]:

@@ -27,10 +27,17 @@ log = logging.getLogger("mingpt")
 LAYOUTS = ("exchange", "direct")
 
 
+STAGING_BYTES = 256 * 2**20  # the pinned host buffer that pieces bound for an accelerator pass through
+
+
 def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], *, rank: int, world: int,
-            layout: str = "exchange", optimizer_names: list[str] | None = None, cache=None) -> dict:
+            layout: str = "exchange", optimizer_names: list[str] | None = None, cache=None,
+            stage: bool | None = None, staging_bytes: int = STAGING_BYTES) -> dict:
     """Fill every slot from the committed snapshot `path`; returns its small state (sampler,
-    counters, GradScaler). Raises SnapshotError, on every rank alike, naming the damaged shard."""
+    counters, GradScaler). Raises SnapshotError, on every rank alike, naming the damaged shard.
+
+    Pieces of tensors on an accelerator (`stage`: None decides by the device) are read through one
+    reused pinned buffer of `staging_bytes` (or the largest piece), never the whole state at once."""
     if manifest["format_version"] == 1:
         return _restore_v1(store, path, slots, optimizer_names or [])
     entries = manifest["tensors"]
@@ -39,31 +46,28 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
                  if s.name in entries and entries[s.name]["shape"] != list(s.shape)]
     if problems:
         raise SnapshotError(f"snapshot {path} does not fit this model and optimizer: {'; '.join(problems[:5])}")
-    jobs, later, sends = [], [], []
-    staged = []  # (slot, CPU rows) for tensors on an accelerator
+    jobs, staged, later, sends = [], [], [], []
     for slot in slots:
         rows = as_rows(slot.local)
-        if rows.device.type != "cpu":
-            cpu = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
-            staged.append((slot, cpu))
-            rows = cpu
+        into = staged if (rows.device.type != "cpu" if stage is None else stage) else jobs
         for piece in map(Piece.from_json, entries[slot.name]["pieces"]):
             if not slot.sharded and layout == "exchange" and world > 1:
                 reader = piece.writer % world
                 sends.append((slot, piece, reader))
                 if reader == rank:
-                    jobs.append((slot.name, piece, rows[piece.start:piece.stop]))
+                    into.append((slot.name, piece, rows[piece.start:piece.stop]))
                 continue
             start, stop = max(piece.start, slot.start), min(piece.stop, slot.stop)
             if start >= stop:
                 continue
             if (start, stop) == (piece.start, piece.stop):
-                jobs.append((slot.name, piece, rows[start - slot.start:stop - slot.start]))
-            else:  # a piece that straddles this rank's rows is read whole, to check it
+                into.append((slot.name, piece, rows[start - slot.start:stop - slot.start]))
+            else:  # a piece that straddles this rank's rows is read whole (on the host), to check it
                 whole = torch.empty((piece.stop - piece.start, rows.shape[1]), dtype=torch.uint8)
                 jobs.append((slot.name, piece, whole))
                 later.append((rows[start - slot.start:stop - slot.start], whole[start - piece.start:stop - piece.start]))
-    errors = read_pieces(store, path, manifest, jobs, cache)
+    errors = read_pieces(store, path, manifest, jobs, cache) + _read_staged(store, path, manifest, staged, cache,
+                                                                            staging_bytes)
     try:
         extra = store.read_extra(path, manifest)
     except Exception as e:  # noqa: BLE001 - any failure to read it makes the snapshot unusable
@@ -71,11 +75,35 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
     _agree(errors, path, world)
     for dst, src in later:
         dst.copy_(src)
-    for slot, cpu in staged:
-        as_rows(slot.local).copy_(cpu)
     for slot, piece, reader in sends:
         dist.broadcast(as_rows(slot.local)[piece.start:piece.stop], src=reader)
     return extra
+
+
+def _staging_buffer(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+
+
+def _read_staged(store: SnapshotStore, path: str, manifest: dict, jobs: list, cache, limit: int) -> list[str]:
+    """Read pieces bound for device rows through one host buffer, a buffer-full at a time; the
+    messages of the damaged pieces."""
+    if not jobs:
+        return []
+    sizes = [dst.numel() for _, _, dst in jobs]
+    buf = _staging_buffer(min(max(limit, *sizes), sum(sizes)))
+    errors, i = [], 0
+    while i < len(jobs):
+        group, used = [], 0
+        while i < len(jobs) and (not group or used + sizes[i] <= buf.numel()):
+            name, piece, dst = jobs[i]
+            group.append((name, piece, dst, buf[used:used + sizes[i]].view(dst.shape)))
+            used, i = used + sizes[i], i + 1
+        errors += read_pieces(store, path, manifest, [(n, p, host) for n, p, _, host in group], cache)
+        for _, _, dst, host in group:
+            dst.copy_(host, non_blocking=True)
+        if buf.is_pinned():
+            torch.cuda.synchronize()  # the copies out of the buffer are done before it is refilled
+    return errors
 
 
 def _agree(errors: list[str], path: str, world: int) -> None:

@@ -308,8 +308,7 @@ class SnapshotStore:
 
     def read_extra(self, path: str, manifest: dict) -> dict:
         """The small state (sampler, counters, GradScaler), checksum verified."""
-        with self.fs.open(f"{path}/{EXTRA_FILE}", "rb") as fh:
-            data = fh.read()
+        data = _retried_read(lambda: self.fs.cat_file(f"{path}/{EXTRA_FILE}"))
         if sha256(data) != manifest["files"][EXTRA_FILE]["sha256"]:
             raise SnapshotError(f"snapshot {path}: {EXTRA_FILE} does not match its manifest checksum")
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -495,7 +494,7 @@ def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list, cac
     def local(i: int) -> None:
         name, piece, view = views[i]
         try:
-            store.read_into(path, fname(piece), piece.offset, view)
+            _retried_read(lambda: store.read_into(path, fname(piece), piece.offset, view))
         except Exception as e:  # noqa: BLE001 - any read failure names the shard
             failed[i] = f"shard {fname(piece)} cannot be read ({e.__class__.__name__}: {e})"
 
@@ -509,7 +508,8 @@ def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list, cac
 
     def ranged(chunk: tuple[str, int, int, list[int]]) -> None:
         file, start, end, members = chunk
-        try:
+
+        def get() -> None:
             if hasattr(store.fs, "_call_s3"):  # S3: stream the range, a few MiB in memory at a time
                 fsspec.asyn.sync(store.fs.loop, _stream_s3, store.fs, f"{path}/{file}", start, end,
                                  lambda pos, data: copy(chunk, pos, data))
@@ -518,6 +518,9 @@ def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list, cac
                 if len(data) != end - start:
                     raise SnapshotError(f"{file} ends before byte {end}")
                 copy(chunk, start, data)
+
+        try:
+            _retried_read(get)
         except Exception as e:  # noqa: BLE001 - any read failure names the shard
             for i in members:
                 failed[i] = f"shard {file} cannot be read ({e.__class__.__name__}: {e})"
@@ -537,6 +540,25 @@ def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list, cac
             with ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapshot-get") as gets:
                 list(gets.map(ranged, _chunks(views, fname)))
         return sorted({m for m in pool.map(check, range(len(views))) if m})
+
+
+READ_ATTEMPTS = 3
+
+
+def _retried_read(fn, attempts: int = READ_ATTEMPTS, backoff_s: float = 0.5) -> None:
+    """fn() again after a failure (a dropped connection, a throttled GET), with backoff: one
+    transient error must not make every rank pass over the newest snapshot. A short file stays short."""
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except SnapshotError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any backend's transient error
+            if attempt == attempts - 1:
+                raise
+            log.warning("snapshot read failed (%s: %s); retrying in %.1fs", e.__class__.__name__, e,
+                        backoff_s * 2**attempt)
+            time.sleep(backoff_s * 2**attempt)
 
 
 async def _stream_s3(fs, path: str, start: int, end: int, sink) -> None:

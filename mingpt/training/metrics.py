@@ -101,11 +101,22 @@ def _line(record: dict) -> str:
     return json.dumps({"time": round(time.time(), 3), **record}) + "\n"
 
 
+def read_records(path: str | Path) -> list[dict]:
+    """Every record of a metrics file, in order; a line cut short by a kill is skipped."""
+    out = []
+    with open(path) as fh:
+        for line in fh:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
 def read_metrics(path: str | Path, kind: str = "train") -> dict[int, dict]:
     """step -> the last record of that kind ("train" or "eval") in a metrics file."""
     out: dict[int, dict] = {}
-    for line in Path(path).read_text().splitlines():
-        rec = json.loads(line)
+    for rec in read_records(path):
         if rec.get("kind") == kind:
             out[rec["step"]] = rec
     return out
