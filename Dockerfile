@@ -4,7 +4,8 @@
 #     mingpt --nnodes=2 --nproc_per_node=gpu --rdzv_backend=c10d --rdzv_endpoint=HOST1:29500 --rdzv_id=run1 \
 #     --rdzv_conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10 --max-restarts=3 \
 #     -m mingpt.main trainer.run_dir=runs/run1 snapshot=s3 snapshot.dir=s3://my-bucket/mingpt/run1
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# The same torch as pyproject's floor (tests/test_docker.py checks that they agree): pip installs no other.
+FROM pytorch/pytorch:2.12.0-cuda12.6-cudnn9-runtime
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -19,7 +20,7 @@ WORKDIR /opt/mingpt
 COPY pyproject.toml README.md ./
 COPY conf ./conf
 COPY mingpt ./mingpt
-# Non-editable: the image needs no source tree; conf/ is installed inside the package. The formats
+# Non-editable: the image needs no source tree; conf/ (linked as mingpt/conf) is installed inside the package. The formats
 # extra reads Parquet and zstd JSON lines in mingpt-prepare (the project itself: nothing to pin).
 # hadolint ignore=DL3013
 RUN pip install --no-cache-dir ".[formats]" && rm -rf /opt/mingpt/build

@@ -35,11 +35,34 @@ def test_structure():
     assert "snapshot.dir=s3://" in DOCKERFILE  # the documented multi-node example snapshots to S3
 
 
-@pytest.mark.slow
-def test_install_steps_in_a_clean_virtualenv(tmp_path):
-    """COPY what the Dockerfile copies, pip install it non-editable, and compose the config from
-    the installed package, far from the source tree."""
-    ctx = tmp_path / "image"
+def test_the_image_torch_is_the_floor_of_pyproject():
+    """The image's torch satisfies the project's floor exactly: pip then installs no other torch
+    into the image (that would pull gigabytes of CUDA packages, or a torch without the APIs we call)."""
+    import tomllib
+
+    base = next(line for line in INSTRUCTIONS if line.startswith("FROM")).split()[1]
+    image_torch = re.match(r"pytorch/pytorch:(\d+\.\d+)\.\d+-", base).group(1)
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    floor = next(d for d in deps if d.startswith("torch")).removeprefix("torch>=")
+    assert image_torch == floor, (base, floor)
+    import torch
+
+    assert tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) >= tuple(map(int, floor.split(".")))
+    # what the code calls, by the release that brought it (all within the floor)
+    from torch.distributed.fsdp import fully_shard  # noqa: F401 - public since 2.6
+    import inspect
+
+    from torch.distributed.run import get_args_parser
+    assert "init_sync" in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters  # 2.6
+    assert "--shutdown-timeout" in get_args_parser().format_help()  # 2.12: the preemption grace
+
+
+@pytest.fixture(scope="module")
+def image_venv(tmp_path_factory):
+    """COPY what the Dockerfile copies, pip install it non-editable (a wheel is built from it) into
+    a clean virtual environment: the image's install, without the image."""
+    tmp = tmp_path_factory.mktemp("image")
+    ctx = tmp / "image"
     ctx.mkdir()
     for line in INSTRUCTIONS:
         if line.startswith("COPY"):
@@ -47,10 +70,10 @@ def test_install_steps_in_a_clean_virtualenv(tmp_path):
             for src in sources:
                 target = ctx / src if dest == "./" else ctx / dest
                 if (REPO / src).is_dir():
-                    shutil.copytree(REPO / src, target, ignore=shutil.ignore_patterns("__pycache__"))
+                    shutil.copytree(REPO / src, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
                 else:
                     shutil.copy(REPO / src, target)
-    env_dir = tmp_path / "venv"
+    env_dir = tmp / "venv"
     venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")
     # the base image brings torch; here the CPU wheel of the pinned version stands in for it
@@ -61,9 +84,17 @@ def test_install_steps_in_a_clean_virtualenv(tmp_path):
                            timeout=600)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
     assert "DeprecationWarning" not in build.stdout + build.stderr  # e.g. project.license as a table
-    elsewhere = tmp_path / "elsewhere"
+    elsewhere = tmp / "elsewhere"
     elsewhere.mkdir()
-    code = ("import pyarrow, zstandard; from mingpt.compose import config_dir; from mingpt.compose import compose; "
+    return env_dir, elsewhere
+
+
+@pytest.mark.slow
+def test_install_steps_in_a_clean_virtualenv(image_venv):
+    """The config is composed from the installed package, far from the source tree."""
+    env_dir, elsewhere = image_venv
+    py = str(env_dir / "bin" / "python")
+    code = ("import pyarrow, zstandard, s3transfer; from mingpt.compose import config_dir; from mingpt.compose import compose; "
             "print(config_dir()); print(compose(['model=gpt2', 'snapshot=s3']).snapshot.dir); "
             "print(compose(['experiment=finetune_shakespeare']).model.init_from)")
     out = subprocess.run([py, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=120)
@@ -72,3 +103,24 @@ def test_install_steps_in_a_clean_virtualenv(tmp_path):
     assert "site-packages/mingpt/conf" in conf and snapdir.startswith("s3://") and init_from == "gpt2"
     help_out = subprocess.run([str(env_dir / "bin" / "torchrun"), "--help"], capture_output=True, text=True)
     assert help_out.returncode == 0 and "--rdzv_endpoint" in help_out.stdout
+
+
+def readme_entries() -> set[str]:
+    """Every `python -m mingpt...` (or torchrun's `-m mingpt...`) that the READMEs name."""
+    text = "".join(p.read_text() for p in [REPO / "README.md", *REPO.glob("*/README.md"), *REPO.glob("docs/*.md")])
+    return set(re.findall(r"-m (mingpt[\w.]*)", text))
+
+
+@pytest.mark.slow
+def test_every_command_and_module_the_readme_names_runs_from_the_installed_wheel(image_venv):
+    import tomllib
+
+    env_dir, elsewhere = image_venv
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    modules = readme_entries()
+    assert {"mingpt.main", "mingpt.report"} <= modules
+    commands = [[str(env_dir / "bin" / name)] for name in scripts]
+    commands += [[str(env_dir / "bin" / "python"), "-m", m] for m in sorted(modules)]
+    for cmd in commands:
+        out = subprocess.run([*cmd, "--help"], cwd=elsewhere, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and out.stdout.strip(), f"{' '.join(cmd[-2:])} --help: {out.stderr[-2000:]}"

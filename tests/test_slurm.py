@@ -57,18 +57,39 @@ def test_torchrun_command_line_for_the_allocation(fake_slurm, tmp_path, nodes):
                           env=slurm_env(fake_slurm, tmp_path, nodes), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     args = (tmp_path / "srun.args").read_text().split("\n")
-    assert args[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "torchrun"]
+    assert args[:4] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "torchrun"]
     assert f"--nnodes=1:{len(nodes)}" in args
     assert "--nproc_per_node=8" in args
     assert f"--rdzv_endpoint={nodes[0]}:29500" in args
     assert "--rdzv_id=4242" in args and "--rdzv_backend=c10d" in args
     assert "--rdzv_conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10" in args
     assert "--max-restarts=3" in args
+    assert "--shutdown-timeout=270" in args  # the save gets what SLURM grants, not torchrun's 30 s
     i = args.index("-m")
     assert args[i + 1] == "mingpt.main"
-    assert "snapshot.dir=/shared/home/me/runs/mingpt/snapshots" in args
+    assert "trainer.run_dir=/shared/home/me/runs/mingpt-4242" in args  # this submission's own run
+    assert "snapshot.dir=/shared/home/me/runs/mingpt-4242/snapshots" in args
     assert args[-3:-1] == ["model=gpt2", "trainer.max_steps=10"]  # user overrides come last
     assert (tmp_path / "srun.env").read_text().strip() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+
+
+def test_a_new_submission_gets_its_own_run_and_a_named_one_continues(fake_slurm, tmp_path):
+    """Two submissions must not continue (or prune) each other's snapshots: each job id is a run;
+    a requeue keeps its job id; MINGPT_RUN names a run to continue."""
+    dirs = []
+    for job, extra in (("101", {}), ("102", {}), ("103", {"MINGPT_RUN": "mingpt-101"})):
+        env = slurm_env(fake_slurm, tmp_path, ["n1", "n2"], **extra)
+        env["SLURM_JOB_ID"] = job
+        proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        dirs.append(next(a for a in (tmp_path / "srun.args").read_text().split("\n") if a.startswith("trainer.run_dir=")))
+    assert dirs == ["trainer.run_dir=/shared/home/me/runs/mingpt-101", "trainer.run_dir=/shared/home/me/runs/mingpt-102",
+                    "trainer.run_dir=/shared/home/me/runs/mingpt-101"]
+
+
+def test_a_lost_node_does_not_end_the_allocation():
+    text = SCRIPT.read_text()
+    assert "#SBATCH --no-kill" in text and "srun --ntasks-per-node=1 --kill-on-bad-exit=0 --no-kill" in text
 
 
 def test_usr1_before_the_time_limit_forwards_sigterm_then_requeues(fake_slurm, tmp_path):

@@ -98,6 +98,9 @@ def store_speed(url: str, endpoint: str | None, megabytes: int = 32) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     overrides = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(overrides):
+        print(__doc__.strip())
+        return 0
     info = DistInfo.from_env()
     logging.basicConfig(level=logging.WARNING, format="%(message)s", force=True)
     try:

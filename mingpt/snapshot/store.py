@@ -242,17 +242,20 @@ class SnapshotStore:
                          Key=upload["key"], UploadId=upload["upload_id"])
 
     def _upload_boto3(self, path: str, view: memoryview) -> None:
-        import boto3
-        from boto3.s3.transfer import TransferConfig
+        """boto3's transfer manager: the s3transfer package over a plain botocore client (boto3 itself
+        would pin botocore to a release that s3fs's aiobotocore may not accept)."""
+        import botocore.session
+        from s3transfer.manager import TransferConfig, TransferManager
 
         if self._boto is None:
             opts = self.storage_options
-            self._boto = boto3.client("s3", endpoint_url=opts.get("endpoint_url")
-                                      or opts.get("client_kwargs", {}).get("endpoint_url"))
+            self._boto = botocore.session.get_session().create_client(
+                "s3", endpoint_url=opts.get("endpoint_url") or opts.get("client_kwargs", {}).get("endpoint_url"))
         bucket, key = path.split("/", 1)
         config = TransferConfig(multipart_threshold=2 * PART_BYTES, multipart_chunksize=PART_BYTES,
-                                max_concurrency=self.concurrency)
-        self._boto.upload_fileobj(_ViewReader(view), bucket, key, Config=config)
+                                max_request_concurrency=self.concurrency)
+        with TransferManager(self._boto, config) as manager:
+            manager.upload(_ViewReader(view), bucket, key).result()
         self.fs.invalidate_cache(path)
 
     def commit(self, step: int, manifest: dict) -> str:
