@@ -34,10 +34,10 @@ from mingpt.model import GPT
 from mingpt.parallel import parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
-from mingpt.snapshot import SaveFailedError, SnapshotError, Snapshotter, SnapshotStore
+from mingpt.snapshot import SaveFailedError, SnapshotError, Snapshotter, SnapshotStore, open_store
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore, restore_newest
-from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start, set_aside
+from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start
 from mingpt.storage import write_json_atomic
 from mingpt.tokenizer import TokenizerError
 from mingpt.training.metrics import MetricsWriter
@@ -62,22 +62,15 @@ def setup_logging(info: DistInfo) -> None:
         logging.getLogger("mingpt.node").setLevel(logging.INFO)
 
 
-def open_store(url: str, endpoint_url: str | None, uploader: str = "s3fs") -> SnapshotStore:
-    """The snapshot store, checked to be reachable now rather than at the first save."""
-    storage_options = {"endpoint_url": endpoint_url} if endpoint_url else {}
-    store = None
-    try:
-        store = SnapshotStore(url, storage_options, uploader=uploader)
-        store.check()
-    except Exception as e:  # noqa: BLE001 - any backend's connection or permission error
-        if store is not None and store.local:
-            raise SnapshotError(f"cannot use snapshot store {url} ({e.__class__.__name__}: {e}); point "
-                                "snapshot.dir (or trainer.run_dir) at a directory you can write to") from None
-        raise SnapshotError(
-            f"cannot reach snapshot store {url} ({e.__class__.__name__}: {e}); check snapshot.dir, "
-            "snapshot.endpoint_url and the AWS credentials / region in the environment"
-        ) from None
-    return store
+def set_aside(store: SnapshotStore, others: list, run_dir: Path, job_id: str | None, fresh: bool) -> None:
+    """Move another run's snapshots (`others`) and metrics out of the way, saying where to."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = [store.move_aside(others, stamp)] if others else []
+    foreign_metrics = MetricsWriter.existing(run_dir, job_id) if fresh else None
+    if others or foreign_metrics:  # metrics describe the run whose snapshots moved, or an earlier one
+        moved += MetricsWriter.move_aside(run_dir, stamp)
+    if moved:
+        log.warning("moved an earlier run's files aside (nothing deleted): %s", ", ".join(moved))
 
 
 def build_samplers(cfg: RunConfig, corpus: Corpus, model: GPT):

@@ -113,3 +113,17 @@ def as_nobody():
 # A child in a user namespace of its own keeps its files' owner but loses root's power to ignore
 # permissions: a 0555 directory is read-only to it, as it is to any user on a cluster.
 WITHOUT_CAPABILITIES = ["unshare", "--user"]
+
+
+def save_state(store, step: int, state: dict, manifest: dict) -> str:
+    """Write and commit one snapshot as its only writer (what a tool or a test needs): the tensors of
+    state["model"] as shards, everything else as the small state; returns its path."""
+    from mingpt.snapshot import Snapshotter
+    from mingpt.snapshot.layout import Slot
+
+    snap = Snapshotter(store, keep_last=1_000_000, retries=0)
+    slots = [Slot(f"model.{k}", v.detach().contiguous(), tuple(v.shape)) for k, v in state.get("model", {}).items()]
+    snap.save(step, slots, {k: v for k, v in state.items() if k != "model"}, manifest)
+    assert snap.wait() is True, f"the snapshot of step {step} was not committed"
+    snap.close()
+    return f"{store.root}/{store.name(step)}"

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from conftest import REPO
+from conftest import save_state, REPO
 from mingpt.compose import compose
 from mingpt.distributed import DistInfo
 from mingpt.cli.generate import load_model
@@ -53,7 +53,7 @@ def test_an_older_snapshot_with_a_longer_position_table_is_sampled_at_its_traine
     model = GPT(shape)
     manifest = {"config": {"data": {"block_size": 16}}, "tokenizer": {"kind": "char", "chars": "abcdefghijklmnopqrst"},
                 "model_shape": shape.shape_dict()}
-    SnapshotStore(str(tmp_path)).save(1, {"model": model.state_dict()}, manifest)
+    save_state(SnapshotStore(str(tmp_path)), 1, {"model": model.state_dict()}, manifest)
     loaded, _ = load_model(str(tmp_path))
     assert loaded.config.block_size == 16
     torch.testing.assert_close(loaded.wpe.weight, model.wpe.weight[:16])

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import REPO, SHARED_DATA, torchrun_cmd, torchrun_env
+from conftest import save_state, REPO, SHARED_DATA, torchrun_cmd, torchrun_env
 from mingpt.cli.export import export
 from mingpt.compose import compose
 from mingpt.config import ConfigError
@@ -121,7 +121,7 @@ def test_export_from_an_s3_store(s3_server, tmp_path):
     shape = GPTConfig(preset="gpt-nano", vocab_size=65, block_size=16)
     model = GPT(shape)
     manifest = {"model_shape": shape.shape_dict(), "tokenizer": {"kind": "char", "chars": "x" * 65}}
-    SnapshotStore("s3://export-bucket/run").save(7, {"model": model.state_dict()}, manifest)
+    save_state(SnapshotStore("s3://export-bucket/run"), 7, {"model": model.state_dict()}, manifest)
     note = export("s3://export-bucket/run", tmp_path / "out")
     assert "exported step 7" in note
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out").eval()

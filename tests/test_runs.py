@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, make_ranks_file
+from conftest import REPO, make_ranks_file, save_state
 from mingpt.compose import compose
 from mingpt.distributed import DistInfo
 from mingpt.main import assemble
@@ -89,7 +89,7 @@ def test_move_aside_starts_clean_and_keeps_the_earlier_run_whole(job, tmp_path):
 def test_retention_never_deletes_the_newest_snapshot_of_this_run(tmp_path):
     store = SnapshotStore(str(tmp_path / "s"))
     for step in (100, 200):  # higher steps that are not this run's (e.g. a broken newer lineage)
-        store.save(step, {"model": {"w": torch.zeros(1)}}, {})
+        save_state(store, step, {"model": {"w": torch.zeros(1)}}, {})
     snap = Snapshotter(store, keep_last=1)
     snap.save(5, [Slot("model.w", torch.ones(1), (1,))], {}, {})
     snap.close()

@@ -6,6 +6,8 @@ import textwrap
 import time
 
 import pytest
+
+from conftest import save_state
 import torch
 
 import logging
@@ -26,7 +28,7 @@ def state(v: float) -> dict:
 
 def test_round_trip_and_manifest(store_url):
     store = SnapshotStore(store_url)
-    path = store.save(10, state(10), {"config": {"a": 1}})
+    path = save_state(store, 10, state(10), {"config": {"a": 1}})
     loaded, manifest = store.load(path)
     assert torch.equal(loaded["model"]["w"], torch.full((4, 4), 10.0)) and loaded["trainer"] == {"step": 10}
     assert manifest["step"] == 10 and manifest["format_version"] == 2 and manifest["config"] == {"a": 1}
@@ -37,7 +39,7 @@ def test_round_trip_and_manifest(store_url):
 
 def test_uncommitted_write_is_invisible(store_url):
     store = SnapshotStore(store_url)
-    store.save(1, state(1), {})
+    save_state(store, 1, state(1), {})
     store.fs.makedirs(f"{store.root}/step_000000002", exist_ok=True)
     store.fs.pipe(f"{store.root}/step_000000002/state.pt", b"half a write")  # no manifest: not committed
     assert [s.step for s in store.list()] == [1, 2]
@@ -48,14 +50,17 @@ def test_uncommitted_write_is_invisible(store_url):
 def test_writer_killed_mid_write_leaves_previous_snapshot_valid(store_url):
     """A real SIGKILL of a process in the middle of writing a large snapshot (a multipart upload on S3)."""
     store = SnapshotStore(store_url)
-    store.save(1, state(1), {})
+    save_state(store, 1, state(1), {})
     code = textwrap.dedent(f"""
         import torch
-        from mingpt.snapshot import SnapshotStore
+        from mingpt.snapshot import Snapshotter, SnapshotStore
+        from mingpt.snapshot.layout import Slot
         store = SnapshotStore({store_url!r}, {{"default_block_size": 5 * 2**20}} if {store_url!r}.startswith("s3") else None)
-        big = {{"model": {{"w": torch.randn(64_000_000)}}}}
+        w = torch.randn(64_000_000)
         print("writing", flush=True)
-        store.save(2, big, {{}})
+        snap = Snapshotter(store, retries=0)
+        snap.save(2, [Slot("model.w", w, tuple(w.shape))], {{}}, {{}})
+        snap.wait()
         print("done", flush=True)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -68,7 +73,7 @@ def test_writer_killed_mid_write_leaves_previous_snapshot_valid(store_url):
     assert proc.wait() == -signal.SIGKILL
     assert [s.step for s in store.list() if s.committed] == [1]
     assert store.load_latest()[1]["step"] == 1
-    store.save(3, state(3), {})  # and the store goes on working
+    save_state(store, 3, state(3), {})  # and the store goes on working
     assert store.load_latest()[1]["step"] == 3
 
 
@@ -84,8 +89,8 @@ def mid_write(store: SnapshotStore) -> bool:
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_corrupt_latest_falls_back_with_warning(store_url, caplog, damage):
     store = SnapshotStore(store_url)
-    store.save(1, state(1), {})
-    p2 = store.save(2, state(2), {})
+    save_state(store, 1, state(1), {})
+    p2 = save_state(store, 2, state(2), {})
     f = f"{p2}/{SHARD}"
     data = store.fs.cat(f)
     store.fs.pipe(f, data[: len(data) // 2] if damage == "truncate" else data[:-8] + b"XXXXXXXX")
@@ -96,7 +101,7 @@ def test_corrupt_latest_falls_back_with_warning(store_url, caplog, damage):
 
 def test_all_snapshots_broken_is_an_error_not_a_fresh_start(tmp_path):
     store = SnapshotStore(str(tmp_path))
-    p = store.save(1, state(1), {})
+    p = save_state(store, 1, state(1), {})
     open(f"{p}/{SHARD}", "wb").write(b"garbage")
     with pytest.raises(SnapshotError, match="snapshot.resume=never"):
         store.load_latest()
@@ -104,7 +109,7 @@ def test_all_snapshots_broken_is_an_error_not_a_fresh_start(tmp_path):
 
 def test_format_version_is_checked(tmp_path):
     store = SnapshotStore(str(tmp_path))
-    p = store.save(1, state(1), {})
+    p = save_state(store, 1, state(1), {})
     m = json.load(open(f"{p}/manifest.json"))
     m["format_version"] = 99
     json.dump(m, open(f"{p}/manifest.json", "w"))
@@ -115,7 +120,7 @@ def test_format_version_is_checked(tmp_path):
 def test_retention_keeps_last_k_after_commit(store_url):
     store = SnapshotStore(store_url)
     for step in range(1, 8):
-        store.save(step, state(step), {})
+        save_state(store, step, state(step), {})
         store.prune(keep_last=2, keep_every=3)
     assert [s.step for s in store.list()] == [3, 6, 7]
     store.prune(keep_last=2)

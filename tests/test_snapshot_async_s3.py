@@ -3,9 +3,11 @@ import subprocess
 import sys
 
 import pytest
+
+from conftest import save_state
 import torch
 
-from mingpt.main import open_store
+from mingpt.snapshot import open_store
 from mingpt.cli.snapshot import main as snapshot_cli
 from mingpt.cli.snapshot import weights_digest
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
@@ -31,7 +33,7 @@ def test_multipart_sized_snapshot_on_s3(s3_server):
     big = {"model": {"w": torch.randn(20_000_000)}}  # 80 MB: three parts of up to 32 MiB, in flight together
     for uploader in ("s3fs", "boto3"):
         store = SnapshotStore(f"s3://multipart/{uploader}", uploader=uploader)
-        path = store.save(3, big, {})
+        path = save_state(store, 3, big, {})
         loaded, manifest = store.load(path)
         assert manifest["files"]["shard-00000-of-00001.bin"]["size"] == 80_000_000
         assert torch.equal(loaded["model"]["w"], big["model"]["w"])
@@ -86,8 +88,8 @@ def test_a_snapshot_dir_that_is_a_file_says_so_without_cloud_hints(tmp_path):
 
 def test_snapshot_cli_list_show_verify(tmp_path, capsys):
     store = SnapshotStore(str(tmp_path))
-    store.save(1, {"model": {"w": torch.ones(3)}}, {"world_size": 2})
-    p2 = store.save(2, {"model": {"w": torch.zeros(3)}}, {"world_size": 2})
+    save_state(store, 1, {"model": {"w": torch.ones(3)}}, {"world_size": 2})
+    p2 = save_state(store, 2, {"model": {"w": torch.zeros(3)}}, {"world_size": 2})
     (tmp_path / "step_000000003").mkdir()
     assert snapshot_cli(["list", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -96,8 +98,8 @@ def test_snapshot_cli_list_show_verify(tmp_path, capsys):
     assert weights_digest({"w": torch.zeros(3)}) in capsys.readouterr().out
     assert snapshot_cli(["show", str(tmp_path), "--step", "1"]) == 0
     assert '"step": 1' in capsys.readouterr().out
-    listed = subprocess.run([sys.executable, "-m", "mingpt.snapshot", "list", str(tmp_path)], capture_output=True,
-                            text=True, check=True).stdout  # the package runs the same tool
+    listed = subprocess.run([sys.executable, "-m", "mingpt.cli.snapshot", "list", str(tmp_path)], capture_output=True,
+                            text=True, check=True).stdout  # the installed tool is the same module
     assert "committed" in listed and "incomplete" in listed
     with open(f"{p2}/shard-00000-of-00001.bin", "r+b") as fh:
         fh.seek(-4, 2)

@@ -28,9 +28,8 @@ from mingpt import distributed
 from mingpt.compose import compose
 from mingpt.config import ConfigError
 from mingpt.distributed import DistInfo
-from mingpt.main import open_store
 from mingpt.preflight import run_checks
-from mingpt.snapshot import SnapshotError
+from mingpt.snapshot import SnapshotError, open_store
 
 SIZES = (8, 1 << 20, 32 << 20)  # bytes: latency, then bandwidth
 

@@ -357,6 +357,34 @@ def _progress(total_bytes: int, show: bool):
     return bar
 
 
+VERIFY_READ_BYTES = 16 * 2**20
+
+
+def verify(url: str) -> list[str]:
+    """Every file a prepared dataset's manifest names, read whole and checked against its size and
+    sha256: the damaged or missing ones, each named ([] when all are whole)."""
+    place = DatasetDir(url)
+    try:
+        _, manifest = place.manifest()
+    except DataError as e:
+        return [str(e)]
+    problems = []
+    for entry in [*manifest["shards"], manifest["index"]]:
+        digest, size = hashlib.sha256(), 0
+        try:
+            with place.fs.open(place.path(entry["name"]), "rb") as fh:
+                while chunk := fh.read(VERIFY_READ_BYTES):
+                    digest.update(chunk)
+                    size += len(chunk)
+        except FileNotFoundError:
+            problems.append(f"{entry['name']} is missing")
+            continue
+        if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
+            problems.append(f"{entry['name']} fails its checksum ({size} bytes, sha256 {digest.hexdigest()[:12]}...; "
+                            f"the manifest says {entry['bytes']} bytes, {entry['sha256'][:12]}...)")
+    return problems
+
+
 # ---- command line ----
 
 def _parser() -> argparse.ArgumentParser:
@@ -387,8 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.verify:
-        from mingpt.data.prepared import verify
-
         problems = verify(args.verify)
         for problem in problems:
             print(f"damaged: {problem}", file=sys.stderr)

@@ -311,28 +311,3 @@ class PreparedData:
         if self.place.local:
             return np.fromfile(self.place.path(entry["name"]), dtype=np.int64)
         return np.fromfile(self.cache.get(entry), dtype=np.int64)
-
-
-def verify(url: str) -> list[str]:
-    """Every file a prepared dataset's manifest names, read whole and checked against its size and
-    sha256: the damaged or missing ones, each named ([] when all are whole)."""
-    place = DatasetDir(url)
-    try:
-        _, manifest = place.manifest()
-    except DataError as e:
-        return [str(e)]
-    problems = []
-    for entry in [*manifest["shards"], manifest["index"]]:
-        digest, size = hashlib.sha256(), 0
-        try:
-            with place.fs.open(place.path(entry["name"]), "rb") as fh:
-                while chunk := fh.read(RANGE_BYTES):
-                    digest.update(chunk)
-                    size += len(chunk)
-        except FileNotFoundError:
-            problems.append(f"{entry['name']} is missing")
-            continue
-        if size != entry["bytes"] or digest.hexdigest() != entry["sha256"]:
-            problems.append(f"{entry['name']} fails its checksum ({size} bytes, sha256 {digest.hexdigest()[:12]}...; "
-                            f"the manifest says {entry['bytes']} bytes, {entry['sha256'][:12]}...)")
-    return problems

@@ -9,11 +9,9 @@ import logging
 import time
 import uuid
 from dataclasses import replace
-from pathlib import Path
 
 from mingpt.config import RunConfig, SnapshotConfig
 from mingpt.snapshot.store import _STEP_RE, MismatchError, SnapshotError, SnapshotStore
-from mingpt.training.metrics import MetricsWriter
 
 log = logging.getLogger("mingpt")
 
@@ -124,17 +122,6 @@ def choose_start(store: SnapshotStore, scfg: SnapshotConfig, job_id: str | None)
             f"snapshot store {store.url} holds snapshots of another run ({_steps(others)}); {what}. Give this run "
             f"its own directory ({elsewhere}), or add snapshot.move_aside=true to move them aside (nothing is deleted)")
     return source, found, run_id, others
-
-
-def set_aside(store: SnapshotStore, others: list, run_dir: Path, job_id: str | None, fresh: bool) -> None:
-    """Move another run's snapshots (`others`) and metrics out of the way, saying where to."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = [store.move_aside(others, stamp)] if others else []
-    foreign_metrics = MetricsWriter.existing(run_dir, job_id) if fresh else None
-    if others or foreign_metrics:  # metrics describe the run whose snapshots moved, or an earlier one
-        moved += MetricsWriter.move_aside(run_dir, stamp)
-    if moved:
-        log.warning("moved an earlier run's files aside (nothing deleted): %s", ", ".join(moved))
 
 
 def _steps(snaps) -> str:

@@ -271,19 +271,6 @@ class SnapshotStore:
             self.fs.pipe_file(f"{folder}/{MANIFEST_FILE}", data)
         return folder
 
-    def save(self, step: int, state: dict, manifest: dict) -> str:
-        """Write and commit a snapshot as its only writer (tools, tests): the tensors of
-        state["model"] as shards, everything else as the small state."""
-        from mingpt.snapshot.layout import Slot
-        from mingpt.snapshot.snapshotter import ShardWriter
-
-        slots = [Slot(f"model.{k}", v.detach().contiguous(), tuple(v.shape)) for k, v in state.get("model", {}).items()]
-        writer = ShardWriter(0, 1)
-        image, extra = writer.copy(slots, {k: v for k, v in state.items() if k != "model"})
-        self.begin(step)
-        record = writer.write(self, step, image, extra)
-        return self.commit(step, writer.manifest(manifest, [record]))
-
     # ------------------------------------------------------------------ reading
     def read_manifest(self, path: str) -> dict:
         with self.fs.open(f"{path}/{MANIFEST_FILE}", "rb") as fh:
@@ -422,6 +409,24 @@ class SnapshotStore:
         for path in doomed:
             self.fs.rm(path, recursive=True)
         return doomed
+
+
+def open_store(url: str, endpoint_url: str | None, uploader: str = "s3fs") -> SnapshotStore:
+    """The snapshot store, checked to be reachable now rather than at the first save."""
+    storage_options = {"endpoint_url": endpoint_url} if endpoint_url else {}
+    store = None
+    try:
+        store = SnapshotStore(url, storage_options, uploader=uploader)
+        store.check()
+    except Exception as e:  # noqa: BLE001 - any backend's connection or permission error
+        if store is not None and store.local:
+            raise SnapshotError(f"cannot use snapshot store {url} ({e.__class__.__name__}: {e}); point "
+                                "snapshot.dir (or trainer.run_dir) at a directory you can write to") from None
+        raise SnapshotError(
+            f"cannot reach snapshot store {url} ({e.__class__.__name__}: {e}); check snapshot.dir, "
+            "snapshot.endpoint_url and the AWS credentials / region in the environment"
+        ) from None
+    return store
 
 
 def load_from(path: str, storage_options: dict | None = None) -> tuple[dict, dict]:

@@ -1,6 +1,6 @@
 """Epoch planning at corpus scale: the samplers' time and memory for one epoch's plan.
 
-    python -m mingpt.bench plan [--pieces 10000000] [--tokens 1000000000] [--block-size 1024]
+    python -m benchmarks plan [--pieces 10000000] [--tokens 1000000000] [--block-size 1024]
 
 Synthetic document lengths (log-normal, like web text, capped at the block size) stand in for a
 prepared corpus; nothing is read from disk. For each sampler: the time to plan an epoch, the time
@@ -41,7 +41,7 @@ def measure(make) -> tuple[float, float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.bench plan", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks plan", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pieces", type=int, default=10_000_000, help="document pieces (length-grouped sampler)")
     ap.add_argument("--tokens", type=int, default=1_000_000_000, help="corpus tokens (fixed-block sampler)")

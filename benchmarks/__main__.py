@@ -1,4 +1,4 @@
-"""python -m mingpt.bench NAME [options]
+"""python -m benchmarks NAME [options]
 
     throughput  training tokens/s, ms per step and MFU (the default when no NAME is given)
     snapshot    snapshot blocking, save and load times per shape and store; SIGKILL recovery
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         return
     name, rest = (argv[0], argv[1:]) if argv and argv[0] in BENCHMARKS else ("throughput", argv)
-    importlib.import_module(f"mingpt.bench.{name}").main(rest)
+    importlib.import_module(f"benchmarks.{name}").main(rest)
 
 
 if __name__ == "__main__":

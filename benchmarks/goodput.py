@@ -3,7 +3,7 @@ SIGKILLed every T seconds, snapshots every N steps. For each (T, N): the job's w
 and where the rest went (from the run's metrics alone, as `python -m mingpt.report` computes it), and
 whether the final weights equal those of the same job run without faults.
 
-    python -m mingpt.bench goodput [--kill-every 30 60] [--snapshot-every 5 10 25] [--steps 500] [--keep DIR]
+    python -m benchmarks goodput [--kill-every 30 60] [--snapshot-every 5 10 25] [--steps 500] [--keep DIR]
 
 With --keep, every job's run directory (metrics, snapshots, console.log) stays in DIR: look at one
 with `python -m mingpt.report DIR/t60-n10`.
@@ -26,7 +26,7 @@ import torch
 from mingpt.report.goodput import account, read_records
 from mingpt.snapshot import SnapshotStore
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def trainers(agent: int) -> list[int]:
@@ -86,7 +86,7 @@ def row(label_t: str, every: int, r: dict, same: bool | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.bench goodput", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks goodput", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--kill-every", nargs="+", type=float, default=[30, 60], help="seconds between SIGKILLs")
     ap.add_argument("--snapshot-every", nargs="+", type=int, default=[5, 10, 25], help="steps between snapshots")

@@ -1,6 +1,6 @@
 """Generation speed with and without the KV cache: greedy tokens/s at a model shape.
 
-    python -m mingpt.bench generate [--shape gpt2] [--new-tokens 500] [--prompt-tokens 16]
+    python -m benchmarks generate [--shape gpt2] [--new-tokens 500] [--prompt-tokens 16]
 
 Weights are random (the speed does not depend on them); the vocabulary is GPT-2's. Both paths
 must produce the same tokens, which the benchmark checks.
@@ -24,7 +24,7 @@ def timed(model: GPT, idx: torch.Tensor, new_tokens: int, use_cache: bool) -> tu
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.bench generate", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="gpt2", choices=sorted(PRESETS))
     ap.add_argument("--new-tokens", type=int, default=500)

@@ -1,4 +1,4 @@
-"""One process of `python -m mingpt.bench snapshot` (run under torchrun for 2 ranks, or plainly):
+"""One process of `python -m benchmarks snapshot` (run under torchrun for 2 ranks, or plainly):
 
     save:   build the model as main.py does, one training step, then `repeats` saves of every rank
     resume: a new start that finds the newest snapshot, loads its share, and takes one step

@@ -1,7 +1,7 @@
 """Corpora at scale: prepare throughput, start-up time and memory against dataset size, and
 training throughput reading shards from S3 against local disk.
 
-    python -m mingpt.bench data [--ranks-file ../shared/data/r50k_base.tiktoken] [--sizes 10MB,1GB,10GB]
+    python -m benchmarks data [--ranks-file ../shared/data/r50k_base.tiktoken] [--sizes 10MB,1GB,10GB]
                                 [--s3-sizes 10MB,1GB] [--prepare-mb 512]
 
 Synthetic text (words of tiny Shakespeare in random order, when ../shared/data has it) is written
@@ -28,7 +28,7 @@ import numpy as np
 from mingpt.data.prepare import Settings, prepare
 from mingpt.tokenizer import build_bpe
 
-SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 MODEL = ["model=gpt-micro", "data.block_size=256", "trainer.batch_size=8", "trainer.micro_batch_size=8",
          "trainer.eval_every=0", "trainer.progress=false", "snapshot.every_steps=0", "snapshot.resume=never",
          "trainer.threads=1"]
@@ -104,7 +104,7 @@ def steady_tokens_per_s(run_dir: Path, skip: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.bench data", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks data", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     default_ranks = SHARED / "r50k_base.tiktoken"
     ap.add_argument("--ranks-file", default=str(default_ranks) if default_ranks.exists() else None)

@@ -2,10 +2,10 @@
 FSDP) and store (local disk or S3 on loopback): blocking time per save, total save time, resume time
 (snapshot found to first step done) and peak RSS per rank; then SIGKILL recovery under torchrun.
 
-    python -m mingpt.bench snapshot [--shapes gpt2 gpt2-medium] [--no-s3] [--no-recovery]
+    python -m benchmarks snapshot [--shapes gpt2 gpt2-medium] [--no-s3] [--no-recovery]
         [--uploaders s3fs boto3] [--layouts exchange direct]
 
-Each configuration is two real runs of `mingpt.bench.snapshot_worker`: one builds the model as
+Each configuration is two real runs of `benchmarks.snapshot_worker`: one builds the model as
 main.py does, takes a step and saves 3 times; a new one (a restart) finds the snapshot, loads it
 and takes a step. "fresh RSS" is the saving process's peak after its step, before any save.
 """
@@ -23,17 +23,19 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]  # benchmarks run from a checkout
+
 CONFIGS = [(1, "ddp"), (2, "ddp"), (2, "fsdp")]  # (world size, strategy); one process runs plainly
 
 
 def run_worker(world: int, *args: str, env: dict) -> list[dict]:
     """Every rank's figures from one run of the worker."""
     if world == 1:
-        cmd = [sys.executable, "-m", "mingpt.bench.snapshot_worker", *args]
+        cmd = [sys.executable, "-m", "benchmarks.snapshot_worker", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "mingpt.bench.snapshot_worker", *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+               "-m", "benchmarks.snapshot_worker", *args]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -98,7 +100,7 @@ def recovery(tmp: Path, corpus: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.bench snapshot", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks snapshot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="*", default=["gpt2", "gpt2-medium"], help="none: only the other figures")
     ap.add_argument("--configs", nargs="+", default=[f"{w}:{s}" for w, s in CONFIGS],

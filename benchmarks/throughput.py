@@ -1,7 +1,7 @@
 """Training throughput: tokens/s, ms per step and MFU over a fixed number of steps after warm-up.
 
-    python -m mingpt.bench throughput model=gpt-micro data.block_size=64 trainer.batch_size=12 trainer.micro_batch_size=12
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 -m mingpt.bench --steps 100 model=gpt-micro ...
+    python -m benchmarks throughput model=gpt-micro data.block_size=64 trainer.batch_size=12 trainer.micro_batch_size=12
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 -m benchmarks --steps 100 model=gpt-micro ...
 
 Arguments after the options are Hydra overrides of conf/config.yaml. Nothing is saved or resumed.
 """
@@ -17,6 +17,7 @@ import torch
 from mingpt import distributed
 from mingpt.compose import compose
 from mingpt.main import assemble, setup_logging
+from mingpt.training.trainer import peak_flops
 
 
 def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
@@ -30,15 +31,17 @@ def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
             trainer = assemble(cfg, info)
             for _ in range(warmup):
                 trainer.train_step()
-                trainer.step += 1
+                trainer.progress.step += 1
             distributed.barrier()
             t0 = time.perf_counter()
             for _ in range(steps):
                 stats = trainer.train_step()
-                trainer.step += 1
+                trainer.progress.step += 1
             loss = distributed.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
             distributed.barrier()
             dt = (time.perf_counter() - t0) / steps
+            flops = trainer.parallel.raw.flops_per_token(cfg.data.block_size)
+            peak = peak_flops(cfg.trainer, info, trainer.device)
         finally:
             if trainer is not None:
                 trainer.close()
@@ -51,14 +54,14 @@ def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
         "steps": steps,
         "ms_per_step": round(1000 * dt, 2),
         "tokens_per_s": round(tok_s),
-        "mfu": round(tok_s * trainer.flops_per_token / trainer.peak_flops, 4),
+        "mfu": round(tok_s * flops / peak, 4),
         "last_loss": round(loss, 4),
         "is_rank0": info.is_rank0,
     }
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.bench throughput", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks throughput", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=50, help="timed steps (default 50)")
     ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")

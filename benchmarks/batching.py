@@ -1,6 +1,6 @@
 """Length-grouped vs random batching on tiny Shakespeare's speeches (char, block 256), 2 ranks.
 
-    python -m mingpt.bench batching [--steps 40] [--corpus data/input.txt] [hydra overrides...]
+    python -m benchmarks batching [--steps 40] [--corpus data/input.txt] [hydra overrides...]
 
 Runs the real trainer under `torchrun --standalone --nproc_per_node=2` once per mode with the same
 token budget per micro-batch and micro-batches per step, and reads the per-step metrics back.
@@ -42,7 +42,7 @@ def run_mode(mode: str, steps: int, corpus: str, overrides: list[str], tmp: Path
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.bench batching", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m benchmarks batching", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--corpus", default="data/input.txt")

@@ -1,0 +1,1 @@
+"""Benchmarks, one module each: `python -m benchmarks NAME [options]`."""

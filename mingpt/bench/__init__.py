@@ -1,1 +1,0 @@
-"""Benchmarks, one module each: `python -m mingpt.bench NAME [options]`."""
