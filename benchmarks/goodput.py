@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import die_with_bench
+
 import torch
 
 from mingpt.report.goodput import account, read_records
@@ -48,7 +50,7 @@ def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, r
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "console.log"
     agent = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=die_with_bench)
     kills, next_kill = 0, t0 + kill_every
     try:
         while agent.poll() is None:

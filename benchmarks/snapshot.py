@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import die_with_bench
+
 REPO = Path(__file__).resolve().parents[1]  # benchmarks run from a checkout
 
 CONFIGS = [(1, "ddp"), (2, "ddp"), (2, "fsdp")]  # (world size, strategy); one process runs plainly
@@ -72,7 +74,7 @@ def recovery(tmp: Path, corpus: str) -> dict:
            "trainer.eval_every=0", "snapshot.every_steps=20", f"trainer.run_dir={run_dir}", f"data.path={corpus}",
            "trainer.progress=false"]
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                             start_new_session=True, preexec_fn=die_with_bench)
     metrics = run_dir / "metrics.jsonl"
 
     def records():
