@@ -154,23 +154,27 @@ def test_workers_die_with_a_sigkilled_agent_and_no_process_of_the_job_listens(re
     long_run = [a for a in args(reference["corpus"], tmp_path, run_dir) if "max_steps" not in a]
     agent = subprocess.Popen(torchrun_cmd(2, "mingpt/main.py", *long_run, "trainer.max_steps=1000000"),
                              cwd=REPO, env=torchrun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_step(run_dir / "metrics.jsonl", 5, agent)
-    workers = list(workers_of(agent.pid).values())
-    assert len(workers) == 2
-    run_id = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
-    run_id = next(e for e in run_id if e.startswith(b"TORCHELASTIC_RUN_ID="))
-    job = processes_with(run_id)
-    assert set(workers) <= set(job)
-    assert unix_listeners(job) == [], "a process of the job listens on a unix socket"
-    agent.kill()
-    agent.wait()
-    deadline = time.time() + 10
-    while time.time() < deadline and alive(processes_with(run_id)):
-        time.sleep(0.05)
-    left = alive(processes_with(run_id))
-    for p in left:
-        os.kill(p, signal.SIGKILL)
-    assert left == [], "processes of the job outlived their agent"
+    run_id = None
+    try:
+        wait_for_step(run_dir / "metrics.jsonl", 5, agent)
+        workers = list(workers_of(agent.pid).values())
+        assert len(workers) == 2
+        run_id = next(e for e in Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
+                      if e.startswith(b"TORCHELASTIC_RUN_ID="))
+        job = processes_with(run_id)
+        assert set(workers) <= set(job)
+        assert unix_listeners(job) == [], "a process of the job listens on a unix socket"
+        agent.kill()
+        agent.wait()
+        deadline = time.time() + 10
+        while time.time() < deadline and alive(processes_with(run_id)):
+            time.sleep(0.05)
+        assert alive(processes_with(run_id)) == [], "processes of the job outlived their agent"
+    finally:  # whatever failed, nothing of the job keeps running after the test
+        agent.kill()
+        agent.wait()
+        for p in alive(processes_with(run_id)) if run_id else []:
+            os.kill(p, signal.SIGKILL)
 
 
 def processes_with(env_entry: bytes) -> list[int]:
