@@ -226,7 +226,9 @@ class SnapshotConfig:
     restart on the same node loads from RAM: "on", "off", or "auto" (on for object stores: a local
     disk is served from the page cache already)."""
     node_cache_dir: str = "/dev/shm"
-    """Where the node cache lives: a tmpfs (memory)."""
+    """Where the node cache lives: a tmpfs (memory). Copies go into mingpt-<uid>/job-<key>/ there,
+    private to the user; a failed job's are reclaimed by the user's next start on the node, or by
+    `mingpt-snapshot clean-cache`."""
 
     def __post_init__(self) -> None:
         _check(self.uploader in ("s3fs", "boto3"), f"snapshot.uploader={self.uploader!r}: use s3fs or boto3")
