@@ -209,17 +209,15 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
 
 def resume(cfg: RunConfig, trainer: Trainer, store: SnapshotStore, found: list[tuple[str, dict]]) -> None:
     """Every rank loads its share of the newest good snapshot into the live tensors."""
-    info, optimizer, first = trainer.dist, trainer.optimizer, found[0][1]
-    names = {p: n for n, p in trainer.parallel.raw.named_parameters()}
-    order = [names[p] for group in optimizer.param_groups for p in group["params"]]  # format 1's optimizer ids
-    slots = trainer.parallel.slots(optimizer)
+    info, first = trainer.dist, found[0][1]
+    slots = trainer.parallel.slots(trainer.optimizer)
     t0 = time.perf_counter()
 
     cache = trainer.saving.snapshotter.cache if store.url == trainer.saving.snapshotter.store.url else None
 
     def load(path: str, manifest: dict) -> dict:
         return restore(store, path, manifest, slots, rank=info.rank, world=info.world_size,
-                       layout=cfg.snapshot.load_layout, optimizer_names=order, cache=cache)
+                       layout=cfg.snapshot.load_layout, cache=cache)
 
     manifest, extra = restore_newest(store, found, load, lambda m: m is first or check_compatible(cfg, m))
     trainer.load_state(extra)

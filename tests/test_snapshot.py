@@ -107,13 +107,16 @@ def test_all_snapshots_broken_is_an_error_not_a_fresh_start(tmp_path):
         store.load_latest()
 
 
-def test_format_version_is_checked(tmp_path):
+@pytest.mark.parametrize("version", [1, 99])
+def test_format_version_is_checked(tmp_path, version):
+    """Another format (1: the single state.pt of this project's first weeks, no longer read) is
+    refused in one line that says which mingpt to use."""
     store = SnapshotStore(str(tmp_path))
     p = save_state(store, 1, state(1), {})
     m = json.load(open(f"{p}/manifest.json"))
-    m["format_version"] = 99
+    m["format_version"] = version
     json.dump(m, open(f"{p}/manifest.json", "w"))
-    with pytest.raises(SnapshotError, match="format version 99"):
+    with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 2: use the mingpt that wrote it"):
         store.load(p)
 
 
@@ -209,34 +212,6 @@ def test_a_damaged_piece_is_named_by_its_shard(tmp_path):
     assert "shard-00001-of-00002.bin fails its checksum" in store.verify(path)[0]
     shard.unlink()
     assert store.missing_files(path, store.read_manifest(path)) == ["shard-00001-of-00002.bin is missing"]
-
-
-def test_a_format_1_snapshot_still_loads(tmp_path):
-    """The single state.pt of earlier versions: model state_dict, optimizer ids in parameter order."""
-    from mingpt.snapshot.layout import Slot
-    from mingpt.snapshot.restore import restore
-    from mingpt.snapshot.store import _fsync_dir  # noqa: F401 - the module's own helpers stay importable
-    import hashlib
-    import io
-
-    w, m = torch.randn(6, 4), torch.randn(6, 4)
-    state = {"model": {"w": w, "tied": w}, "optimizer": {"state": {0: {"exp_avg": m, "step": torch.tensor(3.0)}},
-                                                         "param_groups": [{"params": [0]}]},
-             "sampler": {"epoch": 1}, "trainer": {"step": 3}, "scaler": {}}
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    folder = tmp_path / "step_000000003"
-    folder.mkdir()
-    (folder / "state.pt").write_bytes(buf.getvalue())
-    (folder / "manifest.json").write_text(json.dumps({"format_version": 1, "step": 3, "files": {"state.pt": {
-        "size": len(buf.getvalue()), "sha256": hashlib.sha256(buf.getvalue()).hexdigest()}}}))
-    store = SnapshotStore(str(tmp_path))
-    slots = [Slot("model.w", torch.zeros(3, 4), (6, 4), start=3, sharded=True),
-             Slot("optim.w.exp_avg", torch.zeros(6, 4), (6, 4)), Slot("optim.w.step", torch.tensor(0.0), ())]
-    extra = restore(store, str(folder), store.read_manifest(str(folder)), slots, rank=0, world=1,
-                    optimizer_names=["w"])
-    assert torch.equal(slots[0].local, w[3:]) and torch.equal(slots[1].local, m) and slots[2].local.item() == 3.0
-    assert extra["trainer"] == {"step": 3} and extra["sampler"] == {"epoch": 1}
 
 
 def test_snapshot_of_another_model_shape_or_tokenizer_is_refused():

@@ -31,15 +31,13 @@ STAGING_BYTES = 256 * 2**20  # the pinned host buffer that pieces bound for an a
 
 
 def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], *, rank: int, world: int,
-            layout: str = "exchange", optimizer_names: list[str] | None = None, cache=None,
+            layout: str = "exchange", cache=None,
             stage: bool | None = None, staging_bytes: int = STAGING_BYTES) -> dict:
     """Fill every slot from the committed snapshot `path`; returns its small state (sampler,
     counters, GradScaler). Raises SnapshotError, on every rank alike, naming the damaged shard.
 
     Pieces of tensors on an accelerator (`stage`: None decides by the device) are read through one
     reused pinned buffer of `staging_bytes` (or the largest piece), never the whole state at once."""
-    if manifest["format_version"] == 1:
-        return _restore_v1(store, path, slots, optimizer_names or [])
     entries = manifest["tensors"]
     problems = [f"{s.name} is not in it" for s in slots if s.name not in entries]
     problems += [f"{s.name} is {entries[s.name]['shape']} in it, {list(s.shape)} here" for s in slots
@@ -115,20 +113,6 @@ def _agree(errors: list[str], path: str, world: int) -> None:
     if errors:
         raise SnapshotError(f"snapshot {path} is damaged: {'; '.join(errors[:5])}"
                             + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
-
-
-def _restore_v1(store: SnapshotStore, path: str, slots: list[Slot], optimizer_names: list[str]) -> dict:
-    """A format 1 snapshot (one state.pt): every rank reads it whole and keeps its rows."""
-    state, _ = store.load(path)
-    flat = {f"model.{k}": v for k, v in state["model"].items()}
-    for index, entry in state["optimizer"]["state"].items():
-        flat.update({f"optim.{optimizer_names[int(index)]}.{k}": v for k, v in entry.items()})
-    for slot in slots:
-        if slot.name not in flat:
-            raise SnapshotError(f"snapshot {path} does not fit this model and optimizer: {slot.name} is not in it")
-        full = flat[slot.name].to(slot.local.dtype)
-        slot.local.copy_(full if full.dim() == 0 else full[slot.start:slot.stop])
-    return {k: state[k] for k in ("scaler", "sampler", "trainer") if k in state}
 
 
 def restore_newest(store: SnapshotStore, candidates: list[tuple[str, dict]], load: Callable[[str, dict], dict],

@@ -57,7 +57,7 @@ def candidates(store: SnapshotStore, infos: list, limit: int = 3) -> list[tuple[
     for info in sorted(infos, key=lambda s: -s.step):
         try:
             manifest = store.read_manifest(info.path)
-            missing = [] if manifest["format_version"] == 1 else store.missing_files(info.path, manifest)
+            missing = store.missing_files(info.path, manifest)
         except Exception as e:  # noqa: BLE001 - an unreadable manifest: try the previous snapshot
             missing = [f"its manifest cannot be read ({e.__class__.__name__}: {e})"]
         if missing:

@@ -11,8 +11,7 @@ The manifest lists every tensor's dtype, shape and pieces (writer, offset, rows,
 file's size, so a reader takes just the rows it needs and checks them. A snapshot is found by
 scanning for step folders that hold a manifest; anything else (an interrupted write, a leftover
 file) is invisible. Local files are written under a temporary name, fsynced and renamed; object
-stores rely on atomic single-object PUT and multipart completion. Format 1 snapshots (one
-`state.pt`) still load.
+stores rely on atomic single-object PUT and multipart completion.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Piece, as_rows, dty
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-STATE_FILE = "state.pt"  # format 1
+READABLE_VERSIONS = (2,)
 MANIFEST_FILE = "manifest.json"
 PART_BYTES = 32 * 2**20  # multipart upload part size
 _STEP_RE = re.compile(r"^step_(\d{9})$")
@@ -308,8 +306,6 @@ class SnapshotStore:
         verified: {"model": {name: tensor}, "optimizer": ..., "scaler", "sampler", "trainer"}.
         Training loads its share through mingpt.snapshot.restore instead."""
         manifest = self.read_manifest(path)
-        if manifest["format_version"] == 1:
-            return self._load_v1(path, manifest), manifest
         missing = self.missing_files(path, manifest)
         if missing:
             raise SnapshotError(f"snapshot {path} is incomplete: {', '.join(missing)}")
@@ -330,15 +326,6 @@ class SnapshotStore:
         for alias, target in manifest.get("aliases", {}).items():
             state["model"][alias.partition(".")[2]] = state["model"][target.partition(".")[2]]
         return state, manifest
-
-    def _load_v1(self, path: str, manifest: dict) -> dict:
-        with self.fs.open(f"{path}/{STATE_FILE}", "rb") as fh:
-            data = fh.read()
-        expected = manifest["files"][STATE_FILE]
-        if len(data) != expected["size"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
-            raise SnapshotError(f"snapshot {path}: {STATE_FILE} does not match its manifest checksum "
-                                f"({len(data)} bytes, expected {expected['size']})")
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
     def verify(self, path: str) -> list[str]:
         """Every problem of one snapshot (missing or short files, pieces whose bytes changed); [] if none."""
