@@ -16,9 +16,6 @@ from pathlib import Path
 from mingpt.training.ledger import Ledger  # noqa: I001 - first: the clock of this process's start-up
 from mingpt import distributed
 
-if __name__ == "__main__":  # torchrun's worker: die with the agent from the first moment on
-    distributed.die_with_parent()
-
 import hydra
 import numpy as np
 import torch
@@ -285,6 +282,7 @@ def train_process(dcfg: DictConfig, ledger: Ledger | None = None) -> int:
 
 @record
 def main() -> None:
+    distributed.die_with_parent()  # first: a torchrun worker (mingpt/main.py, -m mingpt.main, mingpt-train)
     ledger = Ledger()  # the process's age so far (interpreter, imports) is its launch
     ledger.switch("config")
     register()

@@ -66,9 +66,11 @@ def reclaim(root: str, keep: Path | None = None) -> list[tuple[Path, int]]:
     """Remove this user's job directories under `root` that no running process holds (their lock can
     be taken exclusively), except `keep`; returns (directory, bytes) of each one removed."""
     base = user_dir(root)
+    if not base.exists():
+        return []
     try:
-        private_dir(base) if base.exists() else None
-    except (UnsafeDirectory, OSError):
+        private_dir(base)
+    except OSError:  # UnsafeDirectory included: never remove anything under a directory not ours
         return []
     removed = []
     for job in sorted(base.glob("job-*")):
