@@ -197,7 +197,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                       ledger=ledger)
     if found:
         ledger.switch("restore")
-        resume(cfg, trainer, store if source == store.url else SnapshotStore(source, store.storage_options), found)
+        resume(cfg, trainer, store.other(source), found)
     ledger.record(metrics.write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
                   kind="start", run_id=run_id, job_id=info.job_id, world_size=info.world_size,
                   restart=info.restart_count, parallel=parallel.name, hosts=hosts)

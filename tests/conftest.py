@@ -115,6 +115,13 @@ def as_nobody():
 WITHOUT_CAPABILITIES = ["unshare", "--user"]
 
 
+def fs_of(store):
+    """The fsspec file system under a snapshot store, for tests that damage or inspect its files."""
+    import fsspec
+
+    return fsspec.filesystem("file") if store.local else store.files.fs
+
+
 def save_state(store, step: int, state: dict, manifest: dict) -> str:
     """Write and commit one snapshot as its only writer (what a tool or a test needs): the tensors of
     state["model"] as shards, everything else as the small state; returns its path."""

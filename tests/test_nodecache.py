@@ -6,6 +6,7 @@ import logging
 import pytest
 import torch
 
+from conftest import fs_of
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 from mingpt.snapshot.layout import Slot
 from mingpt.snapshot.nodecache import NodeCache
@@ -46,21 +47,21 @@ def test_a_restart_reads_the_node_copy_and_falls_back_to_the_store_piece_by_piec
         manifest, path = save(store, cache, step)
     assert sorted(p.name for p in cache.dir.glob("step_*")) == ["step_000000002", "step_000000003"]  # the 2 newest
     copy = cache.folder(3) / SHARD
-    assert copy.read_bytes() == store.fs.cat_file(f"{path}/{SHARD}")
+    assert copy.read_bytes() == fs_of(store).cat_file(f"{path}/{SHARD}")
     # the store's shard damaged, the node's copy intact: loaded from the copy, bitwise
-    good = store.fs.cat_file(f"{path}/{SHARD}")
-    flip_byte(lambda b: store.fs.pipe_file(f"{path}/{SHARD}", b), good)
+    good = fs_of(store).cat_file(f"{path}/{SHARD}")
+    flip_byte(lambda b: fs_of(store).pipe_file(f"{path}/{SHARD}", b), good)
     with caplog.at_level(logging.INFO, logger="mingpt.snapshot.store"):
         extra, got = load(store, path, manifest, cache)
     assert extra["trainer"] == {"step": 3} and all(torch.equal(got[k], v) for k, v in tensors(3).items())
     assert "node cache: 2 of 2 pieces read from" in caplog.text
     # the copy damaged, the store intact: the store answers
-    store.fs.pipe_file(f"{path}/{SHARD}", good)
+    fs_of(store).pipe_file(f"{path}/{SHARD}", good)
     flip_byte(copy.write_bytes, good)
     extra, got = load(store, path, manifest, cache)
     assert all(torch.equal(got[k], v) for k, v in tensors(3).items())
     # both damaged: the snapshot is damaged, and its shard is named
-    flip_byte(lambda b: store.fs.pipe_file(f"{path}/{SHARD}", b), good)
+    flip_byte(lambda b: fs_of(store).pipe_file(f"{path}/{SHARD}", b), good)
     with pytest.raises(SnapshotError, match=f"{SHARD} fails its checksum"):
         load(store, path, manifest, cache)
 

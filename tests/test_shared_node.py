@@ -88,15 +88,17 @@ def test_one_transient_read_error_does_not_pass_over_the_newest_snapshot(tmp_pat
     store = saved_store(tmp_path)
     from mingpt.snapshot.resume import candidates
 
-    real, failed = SnapshotStore.read_into, []
+    from mingpt.snapshot import transport
 
-    def flaky(self, path, name, offset, out):
+    real, failed = transport.pread_into, []
+
+    def flaky(file, offset, out):
         if not failed:  # the first read of all fails, as a dropped connection would
-            failed.append(name)
+            failed.append(file)
             raise ConnectionResetError(104, "Connection reset by peer")
-        return real(self, path, name, offset, out)
+        return real(file, offset, out)
 
-    monkeypatch.setattr(SnapshotStore, "read_into", flaky)
+    monkeypatch.setattr(transport, "pread_into", flaky)
     slots = empty_slots()
     found = candidates(store, [s for s in store.list() if s.committed])
     manifest, extra = restore_newest(store, found, lambda p, m: restore(store, p, m, slots, rank=0, world=1),
@@ -131,13 +133,13 @@ def test_a_failed_part_aborts_the_upload_only_after_every_part_has_ended(s3_serv
     the upload is aborted once every part has ended, and the store holds no unfinished upload."""
     import s3fs
 
-    from mingpt.snapshot import store as store_module
+    from mingpt.snapshot import s3 as s3_module
 
     s3fs.S3FileSystem().mkdir("mpu-abort")
     store = SnapshotStore("s3://mpu-abort/run")
-    monkeypatch.setattr(store_module, "PART_BYTES", 5 * 2**20)  # S3's smallest part
+    monkeypatch.setattr(s3_module, "PART_BYTES", 5 * 2**20)  # S3's smallest part
     events = []
-    real = store.fs._call_s3
+    real = store.files.fs._call_s3
 
     async def call(method, *args, **kwargs):
         if method == "upload_part":
@@ -153,9 +155,9 @@ def test_a_failed_part_aborts_the_upload_only_after_every_part_has_ended(s3_serv
             events.append("abort")
         return await real(method, *args, **kwargs)
 
-    monkeypatch.setattr(store.fs, "_call_s3", call)
+    monkeypatch.setattr(store.files.fs, "_call_s3", call)
     with pytest.raises(ConnectionResetError):
-        store.put("mpu-abort/run/big.bin", bytes(16 * 2**20))
+        store.files.put("mpu-abort/run/big.bin", bytes(16 * 2**20))
     assert events[0] == "part 1 failed" and events[-1] == "abort" and events.count("abort") == 1
     assert sorted(events[1:-1]) == ["part 2 ended", "part 3 ended", "part 4 ended"]
     monkeypatch.undo()

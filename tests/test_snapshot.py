@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import save_state
+from conftest import save_state, fs_of
 import torch
 
 import logging
@@ -34,14 +34,14 @@ def test_round_trip_and_manifest(store_url):
     assert manifest["step"] == 10 and manifest["format_version"] == 2 and manifest["config"] == {"a": 1}
     assert set(manifest["files"]) == {SHARD, "extra.pt"}
     for name, f in manifest["files"].items():
-        assert f["size"] == store.fs.size(f"{path}/{name}")
+        assert f["size"] == fs_of(store).size(f"{path}/{name}")
 
 
 def test_uncommitted_write_is_invisible(store_url):
     store = SnapshotStore(store_url)
     save_state(store, 1, state(1), {})
-    store.fs.makedirs(f"{store.root}/step_000000002", exist_ok=True)
-    store.fs.pipe(f"{store.root}/step_000000002/state.pt", b"half a write")  # no manifest: not committed
+    fs_of(store).makedirs(f"{store.root}/step_000000002", exist_ok=True)
+    fs_of(store).pipe(f"{store.root}/step_000000002/state.pt", b"half a write")  # no manifest: not committed
     assert [s.step for s in store.list()] == [1, 2]
     assert [s.step for s in store.list() if s.committed] == [1]
     assert store.load_latest()[1]["step"] == 1
@@ -81,9 +81,9 @@ def mid_write(store: SnapshotStore) -> bool:
     """A shard of step 2 is half written: a local temporary file, or an S3 multipart upload begun."""
     if store.local:
         folder = f"{store.root}/step_000000002"
-        return store.fs.exists(folder) and any(".shard-" in p for p in store.fs.ls(folder, detail=False))
+        return fs_of(store).exists(folder) and any(".shard-" in p for p in fs_of(store).ls(folder, detail=False))
     bucket = store.root.split("/", 1)[0]
-    return bool(store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads"))
+    return bool(fs_of(store).call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads"))
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
@@ -92,8 +92,8 @@ def test_corrupt_latest_falls_back_with_warning(store_url, caplog, damage):
     save_state(store, 1, state(1), {})
     p2 = save_state(store, 2, state(2), {})
     f = f"{p2}/{SHARD}"
-    data = store.fs.cat(f)
-    store.fs.pipe(f, data[: len(data) // 2] if damage == "truncate" else data[:-8] + b"XXXXXXXX")
+    data = fs_of(store).cat(f)
+    fs_of(store).pipe(f, data[: len(data) // 2] if damage == "truncate" else data[:-8] + b"XXXXXXXX")
     loaded, manifest = store.load_latest()
     assert manifest["step"] == 1 and loaded["trainer"]["step"] == 1
     assert "falling back" in caplog.text
@@ -173,11 +173,11 @@ def test_a_snapshot_of_n_writers_loads_into_m_shards_bitwise(store_url, monkeypa
     """Every rank of an FSDP-like world of `readers` ranks takes its rows (torch.chunk's rule) from
     the pieces of any number of writers. On S3 the pieces come in merged ranged GETs, here of at
     most 1 KB, so that a piece is also cut over several GETs."""
-    from mingpt.snapshot import store as store_module
+    from mingpt.snapshot import s3 as s3_module
     from mingpt.snapshot.layout import Slot, n_rows, rows_of
     from mingpt.snapshot.restore import restore
 
-    monkeypatch.setattr(store_module, "READ_BYTES", 1024)
+    monkeypatch.setattr(s3_module, "READ_BYTES", 1024)
     tensors = sample_state(writers)
     store = SnapshotStore(store_url)
     path = write_sharded(store, 9, tensors, writers)

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import save_state
+from conftest import save_state, fs_of
 import torch
 
 from mingpt.snapshot import open_store
@@ -38,7 +38,7 @@ def test_multipart_sized_snapshot_on_s3(s3_server):
         assert manifest["files"]["shard-00000-of-00001.bin"]["size"] == 80_000_000
         assert torch.equal(loaded["model"]["w"], big["model"]["w"])
         key = path.split("/", 1)[1] + "/shard-00000-of-00001.bin"
-        etag = store.fs.call_s3("head_object", Bucket="multipart", Key=key)["ETag"]
+        etag = fs_of(store).call_s3("head_object", Bucket="multipart", Key=key)["ETag"]
         assert etag.strip('"').endswith("-3"), etag  # S3 marks a multipart object's ETag with its part count
 
 
@@ -64,7 +64,7 @@ def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server,
         # the same port again; moto's state lives in this process, so the bucket is still there
         s3_server["server"] = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_server["port"], verbose=False)
         s3_server["server"].start()
-    store.fs.invalidate_cache()
+    fs_of(store).invalidate_cache()
     assert [s.step for s in store.list() if s.committed] == [1]
     assert store.load_latest()[1]["step"] == 1
     snap.close()

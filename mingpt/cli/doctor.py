@@ -85,11 +85,11 @@ def store_speed(url: str, endpoint: str | None, megabytes: int = 32) -> str:
     path = f"{store.root}/.mingpt-doctor-{uuid.uuid4().hex[:8]}"
     data = os.urandom(megabytes << 20)
     t0 = time.perf_counter()
-    store.fs.pipe(path, data)
+    store.files.put(path, data)
     t1 = time.perf_counter()
-    ok = store.fs.cat(path) == data
+    ok = store.files.get(path) == data
     t2 = time.perf_counter()
-    store.fs.rm(path)
+    store.files.remove(path)
     t3 = time.perf_counter()
     return (f"write {megabytes / (t1 - t0):.0f} MB/s, read {megabytes / (t2 - t1):.0f} MB/s "
             f"({'same bytes' if ok else 'DIFFERENT BYTES'}), delete {1000 * (t3 - t2):.0f} ms")

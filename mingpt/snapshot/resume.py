@@ -11,7 +11,7 @@ import uuid
 from dataclasses import replace
 
 from mingpt.config import RunConfig, SnapshotConfig
-from mingpt.snapshot.store import _STEP_RE, MismatchError, SnapshotError, SnapshotStore
+from mingpt.snapshot.store import STEP_RE, MismatchError, SnapshotError, SnapshotStore
 
 log = logging.getLogger("mingpt")
 
@@ -104,9 +104,9 @@ def choose_start(store: SnapshotStore, scfg: SnapshotConfig, job_id: str | None)
         what = "snapshot.resume=never starts a new run"
     else:
         parent, _, name = resume.rstrip("/").rpartition("/")
-        one = _STEP_RE.match(name)
+        one = STEP_RE.match(name)
         source = (parent or ".") if one else resume
-        other = SnapshotStore(source, store.storage_options)
+        other = store.other(source)
         infos = [s for s in other.list() if s.committed and (not one or s.path.rstrip("/").endswith(name))]
         if not infos:
             raise SnapshotError(f"no committed snapshot at {resume}")
