@@ -39,11 +39,12 @@ def trainers(agent: int) -> list[int]:
         return []
 
 
-def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, rng: random.Random) -> dict:
+def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, rng: random.Random,
+        model: str = "gpt-mini") -> dict:
     """One job to `steps`, a random trainer SIGKILLed every `kill_every` s (0: never)."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1000",
-           "-m", "mingpt.main", "model=gpt-mini", f"trainer.max_steps={steps}", "trainer.log_every=10",
+           "-m", "mingpt.main", f"model={model}", f"trainer.max_steps={steps}", "trainer.log_every=10",
            "trainer.eval_every=0", f"snapshot.every_steps={every}", f"trainer.run_dir={run_dir}", f"data.path={corpus}",
            "trainer.progress=false"]
     t0 = time.time()
@@ -94,24 +95,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--snapshot-every", nargs="+", type=int, default=[5, 10, 25], help="steps between snapshots")
     ap.add_argument("--steps", type=int, default=500, help="the job's length in steps (gpt-mini: ~0.4 s each here)")
     ap.add_argument("--corpus", default=str(REPO / "data" / "input.txt"))
+    ap.add_argument("--model", default="gpt-mini")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", help="keep every job's run directory here (default: a temporary one)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="mingpt-goodput-") as scratch:
         tmp = args.keep or scratch
-        print(f"gpt-mini, 2 workers (torchrun --standalone, gloo), {args.steps} steps, log every 10 steps, no "
+        print(f"{args.model}, 2 workers (torchrun --standalone, gloo), {args.steps} steps, log every 10 steps, no "
               f"evaluation; {os.cpu_count()} CPUs", flush=True)
         header = ("| fault every | snapshot every (steps) | SIGKILLs | restarts | wall s (outside) | goodput % | "
                   "lost % | restart % | start-up % | snapshot % | other % | final weights |\n"
                   "|---|---|---|---|---|---|---|---|---|---|---|---|")
         print(header, flush=True)
-        ref = job(Path(tmp) / "ref", args.corpus, args.steps, max(args.snapshot_every), 0, rng)
+        ref = job(Path(tmp) / "ref", args.corpus, args.steps, max(args.snapshot_every), 0, rng, args.model)
         print(row("never", max(args.snapshot_every), ref, None), flush=True)
         best = {}
         for t in args.kill_every:
             for n in args.snapshot_every:
-                r = job(Path(tmp) / f"t{t:g}-n{n}", args.corpus, args.steps, n, t, rng)
+                r = job(Path(tmp) / f"t{t:g}-n{n}", args.corpus, args.steps, n, t, rng, args.model)
                 same = r["step"] == ref["step"] and all(torch.equal(v, ref["weights"][k])
                                                         for k, v in r["weights"].items())
                 print(row(f"{t:g} s", n, r, same), flush=True)

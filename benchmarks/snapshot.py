@@ -65,12 +65,12 @@ def table_row(shape, world, strategy, store, r) -> str:
             + (f" {r['failures']} failed |" if r["failures"] else ""))
 
 
-def recovery(tmp: Path, corpus: str) -> dict:
+def recovery(tmp: Path, corpus: str, model: str = "gpt-mini") -> dict:
     """SIGKILL one worker of a 2-process torchrun job; time until the first resumed step."""
     run_dir = tmp / "recovery"
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
-           "-m", "mingpt.main", "model=gpt-mini", "trainer.max_steps=100000", "trainer.log_every=1",
+           "-m", "mingpt.main", f"model={model}", "trainer.max_steps=100000", "trainer.log_every=1",
            "trainer.eval_every=0", "snapshot.every_steps=20", f"trainer.run_dir={run_dir}", f"data.path={corpus}",
            "trainer.progress=false"]
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="compare these S3 uploaders (gpt2, 2 DDP ranks)")
     ap.add_argument("--layouts", nargs="+", default=["exchange", "direct"],
                     help="compare these DDP load layouts (gpt2, 2 ranks, local and S3)")
+    ap.add_argument("--compare-shape", default="gpt2", help="the shape of the uploader and layout comparisons")
     ap.add_argument("--no-recovery", action="store_true", help="skip the SIGKILL recovery measurement")
+    ap.add_argument("--recovery-model", default="gpt-mini", help="the model of the recovery run")
     ap.add_argument("--corpus", default="data/input.txt", help="corpus for the recovery run")
     args = ap.parse_args(argv)
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -155,21 +157,21 @@ def main(argv: list[str] | None = None) -> None:
                     if store == "local":
                         shutil.rmtree(u, ignore_errors=True)
         if server is not None and len(args.uploaders) > 1:
-            print("\nS3 uploaders (gpt2, 2 DDP ranks, 32 MiB parts, 8 in flight): total save time")
+            print(f"\nS3 uploaders ({args.compare_shape}, 2 DDP ranks, 32 MiB parts, 8 in flight): total save time")
             for uploader in args.uploaders:
-                r = measure("gpt2", 2, "ddp", url("s3"), env, uploader=uploader)
+                r = measure(args.compare_shape, 2, "ddp", url("s3"), env, uploader=uploader)
                 print(f"- {uploader}: {r['save_s']:.2f} s{failed(r)}",
                       flush=True)
         if len(args.layouts) > 1:
-            print("\nDDP load layouts (gpt2, 2 ranks): load s / resume s / resume RSS MB")
+            print(f"\nDDP load layouts ({args.compare_shape}, 2 ranks): load s / resume s / resume RSS MB")
             for store in stores:
                 for layout in args.layouts:
-                    r = measure("gpt2", 2, "ddp", url(store), env, layout=layout, repeats=1)
+                    r = measure(args.compare_shape, 2, "ddp", url(store), env, layout=layout, repeats=1)
                     print(f"- {store} {layout}: {r['restore_s']:.2f} / {r['resume_s']:.2f} / {r['resume_rss_mb']:,.0f}",
                           flush=True)
         if not args.no_recovery:
-            r = recovery(Path(tmp), args.corpus)
-            print(f"\nrecovery (2 workers, gpt-mini, snapshot every 20 steps, SIGKILL at step {r['killed_at_step']}): "
+            r = recovery(Path(tmp), args.corpus, args.recovery_model)
+            print(f"\nrecovery (2 workers, {args.recovery_model}, snapshot every 20 steps, SIGKILL at step {r['killed_at_step']}): "
                   f"{r['recovery_s']:.1f} s to the first resumed step, resumed from step {r['resumed_from_step']}, "
                   f"{r['steps_lost']} steps lost")
     if server is not None:

@@ -21,7 +21,7 @@ from mingpt.model import GPT, GPTConfig
 from mingpt.parallel import parallelize
 from mingpt.snapshot import Snapshotter, SnapshotStore
 from mingpt.snapshot.restore import restore, restore_newest
-from mingpt.snapshot.resume import candidates
+from mingpt.snapshot.start import candidates
 from mingpt.training.optim import build_optimizer, init_state
 
 

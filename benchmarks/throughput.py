@@ -40,7 +40,7 @@ def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
             loss = distributed.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
             distributed.barrier()
             dt = (time.perf_counter() - t0) / steps
-            flops = trainer.parallel.raw.flops_per_token(cfg.data.block_size)
+            flops = trainer.parallel.gpt.flops_per_token(cfg.data.block_size)
             peak = peak_flops(cfg.trainer, info, trainer.device)
         finally:
             if trainer is not None:

@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mingpt.training.ledger import Ledger  # noqa: I001 - first: the clock of this process's start-up
@@ -19,28 +19,27 @@ from mingpt import distributed
 import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mingpt.compose import compose, config_dir, register
-from mingpt.config import ConfigError, RunConfig, from_dict
+from mingpt.config import ConfigError, RunConfig, TrainerConfig, from_dict
 from mingpt.data import Corpus, DataError, load_corpus
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler, validation_batches
 from mingpt.distributed import DistInfo, PreemptionFlag
 from mingpt.model import GPT
-from mingpt.parallel import parallelize
+from mingpt.parallel import Parallel, parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SaveFailedError, SnapshotError, Snapshotter, SnapshotStore, open_store
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore, restore_newest
-from mingpt.snapshot.resume import MismatchError, check_compatible, choose_start
+from mingpt.snapshot.start import MismatchError, check_compatible, choose_start
 from mingpt.storage import write_json_atomic
 from mingpt.tokenizer import TokenizerError
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
-from mingpt.training.trainer import Saving, TrainData, Trainer
-from mingpt.training.watchdog import Watchdog
+from mingpt.training.trainer import SavePolicy, TrainData, Trainer
 
 log = logging.getLogger("mingpt")
 
@@ -86,6 +85,169 @@ def build_samplers(cfg: RunConfig, corpus: Corpus, model: GPT):
     return train, val
 
 
+@dataclass(frozen=True)
+class Start:
+    """Where this run starts from, decided once by `where_to_start`."""
+    store: SnapshotStore  # where this run saves
+    source: SnapshotStore  # where its snapshot to continue is (the store, or one named by snapshot.resume)
+    candidates: list  # (path, manifest) of the snapshots to continue, newest first; [] = a new run
+    run_id: str
+    pretrained: Path | None  # GPT-2 weights to begin from (a snapshot to continue wins over them)
+
+    @property
+    def manifest(self) -> dict | None:
+        return self.candidates[0][1] if self.candidates else None
+
+
+def where_to_start(cfg: RunConfig, info: DistInfo) -> tuple[RunConfig, Start]:
+    """The one decision of where a run starts: the newest good snapshot of its store (or one named by
+    snapshot.resume), GPT-2 weights, or nothing; its run id; which other run's files to set aside.
+    Rank 0 decides; every rank gets the same candidates (manifests only). Nothing is moved before
+    the snapshot to continue is known to fit. Returns the config with the shape of the weights."""
+    sc = cfg.snapshot
+    store = open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader)
+    source, found, run_id, others = distributed.on_rank0(lambda: choose_start(store, sc, info.job_id))
+    pretrained = pretrained_checkpoint(cfg.model.init_from, info) if cfg.model.init_from else None
+    if pretrained is not None:
+        cfg = with_pretrained_shape(cfg, pretrained)
+    start = Start(store, store.other(source), found, run_id, pretrained)
+    if start.manifest:
+        check_compatible(cfg, start.manifest)
+    if info.is_rank0:
+        set_aside(store, others, Path(cfg.trainer.run_dir), info.job_id, fresh=not found)
+    return cfg, start
+
+
+def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None,
+             ledger: Ledger | None = None) -> Trainer:
+    """Every object of the run, from the typed config: where it starts, then its data, model,
+    optimizer and training; it continues the snapshot it starts from."""
+    ledger = ledger or Ledger()
+    ledger.switch("data_load")
+    configure_torch(cfg.trainer, info)
+    cfg, start = where_to_start(cfg, info)
+    cfg, corpus = build_data(cfg, start, info)
+    ledger.switch("model")
+    parallel = build_model(cfg, info, start)
+    optimizer = build_optimizer(parallel.gpt, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
+    init_state(optimizer)
+    metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard)
+    hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]
+    trainer = Trainer(cfg=cfg.trainer, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer,
+                      scaler=torch.amp.GradScaler(torch.device(info.device).type,
+                                                  enabled=cfg.trainer.precision == "fp16"),
+                      data=build_train_data(cfg, corpus, parallel.gpt, info),
+                      saving=build_saving(cfg, info, start, metrics, preempt or PreemptionFlag()),
+                      meta={"run_id": start.run_id, "job_id": info.job_id, "config": cfg.to_dict(),
+                            "model_shape": cfg.model.shape_dict(), "tokenizer": corpus.tokenizer.state_dict(),
+                            "corpus": corpus.source},
+                      metrics=metrics, dist=info, hosts=hosts, ledger=ledger)
+    if start.candidates:
+        ledger.switch("restore")
+        load_snapshot(cfg, trainer, start)
+    ledger.record(metrics.write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
+                  kind="start", run_id=start.run_id, job_id=info.job_id, world_size=info.world_size,
+                  restart=info.restart_count, parallel=parallel.name, hosts=hosts)
+    return trainer
+
+
+def configure_torch(tcfg: TrainerConfig, info: DistInfo) -> None:
+    torch.set_num_threads(tcfg.threads or distributed.default_threads(info.local_world_size))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def build_data(cfg: RunConfig, start: Start, info: DistInfo) -> tuple[RunConfig, Corpus]:
+    """The corpus (tokenized with the snapshot's tokenizer when continuing one), and the config with
+    the model's vocabulary and context set from it."""
+    manifest = start.manifest
+    try:
+        corpus = load_corpus(cfg.data, manifest["tokenizer"] if manifest else None)
+    except TokenizerError as e:
+        if not manifest:
+            raise
+        # the resumed snapshot's characters cannot spell this corpus: the corpus is another one
+        raise MismatchError(f"this corpus does not fit the snapshot to resume ({e}): the snapshot was trained on "
+                            f"{manifest.get('corpus', 'another corpus')}. Resume with that corpus (data.path=...), or "
+                            "start a new run in its own directory: trainer.run_dir=runs/NEW") from None
+    log.info("corpus %s (%s): %d train / %d val %s of up to %d tokens, vocabulary %d (%s)", corpus.source,
+             cfg.data.kind, len(corpus.train), len(corpus.val), "pieces" if cfg.data.kind == "documents" else "blocks",
+             cfg.data.block_size, corpus.tokenizer.vocab_size, cfg.data.tokenizer.kind)
+    vocab = corpus.tokenizer.vocab_size
+    if cfg.model.vocab_size not in (0, vocab):
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} cannot be set: it is the tokenizer's "
+                          f"({vocab}); leave it out")
+    if manifest and manifest["model_shape"]["vocab_size"] != vocab:
+        raise MismatchError(f"the snapshot's vocabulary has {manifest['model_shape']['vocab_size']} tokens, this "
+                            f"corpus and tokenizer give {vocab}: resume with the snapshot's data, or "
+                            "start a new run in its own directory: trainer.run_dir=runs/NEW")
+    if info.is_rank0:
+        write_json_atomic(Path(cfg.trainer.run_dir) / "tokenizer.json", corpus.tokenizer.state_dict())
+    return replace(cfg, model=replace(cfg.model, vocab_size=vocab, block_size=cfg.data.block_size)), corpus
+
+
+def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
+    """The GPT under its parallel strategy: built on the meta device, placed by the strategy, then
+    initialised (a new run), given GPT-2's weights, or left for the snapshot to fill."""
+    with torch.device("meta"):  # no memory and no initialisation until the strategy has placed it
+        gpt = GPT(cfg.model)
+    fresh = not start.candidates
+    parallel = parallelize(gpt, cfg.trainer.parallel, info, seed=cfg.trainer.seed if fresh else None,
+                           compile=cfg.trainer.compile)
+    if start.pretrained is not None and fresh:
+        checkpoint_vocab = read_config(start.pretrained)["vocab_size"]
+        if checkpoint_vocab != cfg.model.vocab_size:
+            raise PretrainedError(f"{cfg.model.init_from} has a vocabulary of {checkpoint_vocab} tokens, the "
+                                  f"tokenizer {cfg.model.vocab_size}: use GPT-2's BPE ranks")
+        load_into(gpt, start.pretrained)
+        log.info("initialised from %s (%s)", cfg.model.init_from, start.pretrained)
+    log.info("model %s: %.2fM parameters, context %d, %s", cfg.model.preset or "custom", gpt.num_params() / 1e6,
+             cfg.model.block_size, parallel.name)
+    return parallel
+
+
+def build_train_data(cfg: RunConfig, corpus: Corpus, gpt: GPT, info: DistInfo) -> TrainData:
+    """The splits, the training sampler and this rank's validation batches (padded with empty ones
+    to the same count on every rank: a sharded model runs collectives in its forward)."""
+    sampler, val_sampler = build_samplers(cfg, corpus, gpt)
+    val = [validation_batches(val_sampler, info.world_size, r, cfg.trainer.eval_iters) for r in range(info.world_size)]
+    longest = max(map(len, val))
+    return TrainData(corpus.train, corpus.val, sampler, val[info.rank] + [np.zeros(0, int)] * (longest - len(val[info.rank])))
+
+
+def build_saving(cfg: RunConfig, info: DistInfo, start: Start, metrics: MetricsWriter,
+                 preempt: PreemptionFlag) -> SavePolicy:
+    """Where, how and when snapshots are saved: every rank writes its share, the first commits."""
+    sc = cfg.snapshot
+    cache = NodeCache(sc.node_cache_dir, start.store.url, info.job_id) if sc.node_cache == "on" or (
+        sc.node_cache == "auto" and not start.store.local) else None
+    snapshotter = Snapshotter(start.store, writer=info.rank, writers=info.world_size, group=distributed.side_group(),
+                              keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries,
+                              events=metrics.write, cache=cache)
+    return SavePolicy(snapshotter, sc.every_steps, sc.every_seconds, preempt, torch.device(info.device))
+
+
+def load_snapshot(cfg: RunConfig, trainer: Trainer, start: Start) -> None:
+    """Every rank loads its share of the newest good snapshot into the live tensors."""
+    info, first, snapshotter = trainer.dist, start.manifest, trainer.saving.snapshotter
+    slots = trainer.parallel.slots(trainer.optimizer)
+    t0 = time.perf_counter()
+    cache = snapshotter.cache if start.source is start.store else None
+
+    def load(path: str, manifest: dict) -> dict:
+        return restore(start.source, path, manifest, slots, rank=info.rank, world=info.world_size,
+                       layout=cfg.snapshot.load_layout, cache=cache)
+
+    manifest, extra = restore_newest(start.source, start.candidates, load,
+                                     lambda m: m is first or check_compatible(cfg, m))
+    trainer.load_state(extra)
+    log.info("resumed from snapshot step %d in %.2fs (saved by %d rank%s with %s, now %d with %s; torchrun restart "
+             "%d here)", trainer.progress.step, time.perf_counter() - t0, manifest["world_size"],
+             "" if manifest["world_size"] == 1 else "s", manifest.get("parallel", "ddp"), info.world_size,
+             trainer.parallel.name, info.restart_count)
+    trainer.metrics.write({"kind": "resume", "step": trainer.progress.step, "world_size": info.world_size})
+
+
 def pretrained_checkpoint(name: str, info: DistInfo) -> Path:
     """The checkpoint's directory: the first process of each node downloads it (once, into the hub's
     cache); the others wait for it, then read the same files."""
@@ -113,118 +275,6 @@ def with_pretrained_shape(cfg: RunConfig, directory: Path) -> RunConfig:
                                       n_embd=hf["n_embd"], bias=True))
 
 
-def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None,
-             ledger: Ledger | None = None) -> Trainer:
-    """Build every object of the run from the typed config; resume if a snapshot exists."""
-    tcfg, sc = cfg.trainer, cfg.snapshot
-    ledger = ledger or Ledger()
-    ledger.switch("data_load")
-    torch.set_num_threads(tcfg.threads or distributed.default_threads(info.local_world_size))
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
-    run_dir = Path(tcfg.run_dir)
-    store = open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader)
-    # Rank 0 decides; every rank gets the same candidates (manifests only: each rank then reads its
-    # share of the tensors). Nothing is moved before the snapshot to continue is known to fit.
-    source, found, run_id, others = distributed.on_rank0(lambda: choose_start(store, sc, info.job_id))
-    manifest = found[0][1] if found else None
-    pretrained = pretrained_checkpoint(cfg.model.init_from, info) if cfg.model.init_from else None
-    if pretrained is not None:
-        cfg = with_pretrained_shape(cfg, pretrained)
-    if manifest:
-        check_compatible(cfg, manifest)
-    if info.is_rank0:
-        set_aside(store, others, run_dir, info.job_id, fresh=not found)
-
-    try:
-        corpus = load_corpus(cfg.data, manifest["tokenizer"] if manifest else None)
-    except TokenizerError as e:
-        if not manifest:
-            raise
-        # the resumed snapshot's characters cannot spell this corpus: the corpus is another one
-        raise MismatchError(f"this corpus does not fit the snapshot to resume ({e}): the snapshot was trained on "
-                            f"{manifest.get('corpus', 'another corpus')}. Resume with that corpus (data.path=...), or "
-                            "start a new run in its own directory: trainer.run_dir=runs/NEW") from None
-    log.info("corpus %s (%s): %d train / %d val %s of up to %d tokens, vocabulary %d (%s)", corpus.source,
-             cfg.data.kind, len(corpus.train), len(corpus.val), "pieces" if cfg.data.kind == "documents" else "blocks",
-             cfg.data.block_size, corpus.tokenizer.vocab_size, cfg.data.tokenizer.kind)
-    if cfg.model.vocab_size not in (0, corpus.tokenizer.vocab_size):
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} cannot be set: it is the tokenizer's "
-                          f"({corpus.tokenizer.vocab_size}); leave it out")
-    model_cfg = replace(cfg.model, vocab_size=corpus.tokenizer.vocab_size, block_size=cfg.data.block_size)
-    cfg = replace(cfg, model=model_cfg)
-    if manifest and manifest["model_shape"]["vocab_size"] != model_cfg.vocab_size:
-        raise MismatchError(f"the snapshot's vocabulary has {manifest['model_shape']['vocab_size']} tokens, this "
-                            f"corpus and tokenizer give {model_cfg.vocab_size}: resume with the snapshot's data, or "
-                            "start a new run in its own directory: trainer.run_dir=runs/NEW")
-
-    ledger.switch("model")
-    with torch.device("meta"):  # no memory and no initialisation until the strategy has placed it
-        raw = GPT(model_cfg)
-    # A snapshot to resume overwrites every value: the weights are initialised only for a new run.
-    parallel = parallelize(raw, tcfg.parallel, info, seed=None if found else tcfg.seed, compile=tcfg.compile)
-    if pretrained is not None and not found:  # a snapshot to resume wins over the starting weights
-        checkpoint_vocab = read_config(pretrained)["vocab_size"]
-        if checkpoint_vocab != model_cfg.vocab_size:
-            raise PretrainedError(f"{cfg.model.init_from} has a vocabulary of {checkpoint_vocab} tokens, the "
-                                  f"tokenizer {model_cfg.vocab_size}: use GPT-2's BPE ranks")
-        load_into(raw, pretrained)
-        log.info("initialised from %s (%s)", cfg.model.init_from, pretrained)
-    log.info("model %s: %.2fM parameters, context %d, %s", model_cfg.preset or "custom", raw.num_params() / 1e6,
-             model_cfg.block_size, parallel.name)
-    optimizer = build_optimizer(raw, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
-    init_state(optimizer)
-    scaler = torch.amp.GradScaler(torch.device(info.device).type, enabled=tcfg.precision == "fp16")
-    sampler, val_sampler = build_samplers(cfg, corpus, raw)
-    val_batches = [validation_batches(val_sampler, info.world_size, r, tcfg.eval_iters) for r in range(info.world_size)]
-    mine = val_batches[info.rank] + [np.zeros(0, int)] * (max(map(len, val_batches)) - len(val_batches[info.rank]))
-    metrics = MetricsWriter(tcfg.run_dir, enabled=info.is_rank0, tensorboard=tcfg.tensorboard)
-    meta = {"run_id": run_id, "job_id": info.job_id, "config": cfg.to_dict(), "model_shape": model_cfg.shape_dict(),
-            "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source}
-    if info.is_rank0:
-        write_json_atomic(run_dir / "tokenizer.json", corpus.tokenizer.state_dict())
-    cache = NodeCache(sc.node_cache_dir, store.url, info.job_id) if sc.node_cache == "on" or (
-        sc.node_cache == "auto" and not store.local) else None
-    snapshotter = Snapshotter(store, writer=info.rank, writers=info.world_size, group=distributed.side_group(),
-                              keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries, events=metrics.write,
-                              cache=cache)
-    hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]
-    trainer = Trainer(cfg=tcfg, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer, scaler=scaler,
-                      data=TrainData(corpus.train, corpus.val, sampler, mine),
-                      saving=Saving(snapshotter, sc.every_steps, sc.every_seconds, meta), metrics=metrics, dist=info,
-                      hosts=hosts, preempt=preempt or PreemptionFlag(),
-                      watchdog=Watchdog(tcfg.watchdog_s, f"rank {info.rank} ({info.hostname}:{info.local_rank})"),
-                      ledger=ledger)
-    if found:
-        ledger.switch("restore")
-        resume(cfg, trainer, store.other(source), found)
-    ledger.record(metrics.write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
-                  kind="start", run_id=run_id, job_id=info.job_id, world_size=info.world_size,
-                  restart=info.restart_count, parallel=parallel.name, hosts=hosts)
-    return trainer
-
-
-def resume(cfg: RunConfig, trainer: Trainer, store: SnapshotStore, found: list[tuple[str, dict]]) -> None:
-    """Every rank loads its share of the newest good snapshot into the live tensors."""
-    info, first = trainer.dist, found[0][1]
-    slots = trainer.parallel.slots(trainer.optimizer)
-    t0 = time.perf_counter()
-
-    cache = trainer.saving.snapshotter.cache if store.url == trainer.saving.snapshotter.store.url else None
-
-    def load(path: str, manifest: dict) -> dict:
-        return restore(store, path, manifest, slots, rank=info.rank, world=info.world_size,
-                       layout=cfg.snapshot.load_layout, cache=cache)
-
-    manifest, extra = restore_newest(store, found, load, lambda m: m is first or check_compatible(cfg, m))
-    trainer.load_state(extra)
-    log.info("resumed from snapshot step %d in %.2fs (saved by %d rank%s with %s, now %d with %s; torchrun restart "
-             "%d here)", trainer.progress.step, time.perf_counter() - t0, manifest["world_size"],
-             "" if manifest["world_size"] == 1 else "s", manifest.get("parallel", "ddp"), info.world_size,
-             trainer.parallel.name, info.restart_count)
-    trainer.metrics.write({"kind": "resume", "step": trainer.progress.step, "world_size": info.world_size})
-
-
 def preflight(cfg: RunConfig, info: DistInfo) -> None:
     """The multi-node checks (code, versions, config, corpus, one snapshot store, devices), before any work."""
     _, _, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, cfg.snapshot_store)
@@ -232,7 +282,7 @@ def preflight(cfg: RunConfig, info: DistInfo) -> None:
              "" if info.world_size == 1 else "s", seconds)
 
 
-def train_process(dcfg: DictConfig, ledger: Ledger | None = None) -> int:
+def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     """The whole job of one process; returns its exit code. Every error ends here, as one line."""
     ledger = ledger or Ledger()
     info = DistInfo.from_env()
@@ -240,7 +290,6 @@ def train_process(dcfg: DictConfig, ledger: Ledger | None = None) -> int:
     preempt = PreemptionFlag(announce=info.is_rank0).install()
     trainer = None
     try:
-        cfg = from_dict(OmegaConf.to_container(dcfg, resolve=True))
         ledger.switch("process_group")
         distributed.init(info, cfg.dist.timeout_s)
         ledger.switch("preflight")
@@ -285,25 +334,20 @@ def main() -> None:
     distributed.die_with_parent()  # first: a torchrun worker (mingpt/main.py, -m mingpt.main, mingpt-train)
     ledger = Ledger()  # the process's age so far (interpreter, imports) is its launch
     ledger.switch("config")
-    register()
-    code = 0
     overrides = sys.argv[1:]
-    if not any(a.startswith("-") for a in overrides):  # Hydra's own flags (--cfg, --help, -m) go to Hydra
-        # Compose once before Hydra does, so that a mistyped override is one line from rank 0
-        # (and torchrun's error file) rather than Hydra's message from every rank.
-        try:
-            compose(overrides)
-        except ConfigError as e:
-            info = DistInfo.from_env(cuda=False)
-            setup_logging(info)
-            sys.exit(distributed.report_error(info, str(e), code=2, let_rank0_report=True))
-
-    @hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")
-    def _hydra_entry(dcfg: DictConfig) -> None:
-        nonlocal code
-        code = train_process(dcfg, ledger)
-
-    _hydra_entry()
+    if any(a.startswith("-") for a in overrides):  # Hydra's own flags (--cfg job, --help) go to Hydra
+        register()
+        codes = []
+        hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")(
+            lambda dcfg: codes.append(train_process(from_dict(OmegaConf.to_container(dcfg, resolve=True)), ledger)))()
+        distributed.exit_process(max(codes, default=0), had_process_group=DistInfo.from_env(cuda=False).distributed)
+    try:  # composed once, here: a mistyped override is one line from rank 0 (and torchrun's error file)
+        cfg = compose(overrides)
+    except ConfigError as e:
+        info = DistInfo.from_env(cuda=False)
+        setup_logging(info)
+        sys.exit(distributed.report_error(info, str(e), code=2, let_rank0_report=True))
+    code = train_process(cfg, ledger)
     distributed.exit_process(code, had_process_group=DistInfo.from_env(cuda=False).distributed)
 
 

@@ -31,8 +31,8 @@ STRATEGIES = ("ddp", "fsdp")
 class Parallel:
     """One strategy's answers to the Trainer's questions; see `parallelize`."""
 
-    def __init__(self, name: str, model: nn.Module, raw: GPT):
-        self.name, self.model, self.raw = name, model, raw
+    def __init__(self, name: str, model: nn.Module, gpt: GPT):
+        self.name, self.model, self.gpt = name, model, gpt
         self.sharded = name == "fsdp"
         # This rank's own compute time per step ends when the gradient reaches the token embedding,
         # the last computation of the backward pass: the gradient all-reduce that follows makes
@@ -40,7 +40,7 @@ class Parallel:
         # comm hook leaves a Python callback on the process group's C++ threads, which abort the
         # process if they drop it while the interpreter shuts down.)
         self.grads_ready_t = 0.0
-        self._hook = raw.wte.register_forward_hook(self._watch_embedding)
+        self._hook = gpt.wte.register_forward_hook(self._watch_embedding)
 
     def _watch_embedding(self, module, args, out) -> None:  # noqa: ARG002 - hook signature
         if out.requires_grad:
@@ -55,12 +55,12 @@ class Parallel:
         if self.name == "ddp" and not last:
             return self.model.no_sync()
         if self.sharded:
-            self.raw.set_requires_gradient_sync(last)
+            self.gpt.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip the gradients of the whole model to max_norm (0: no clipping); their global norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), max_norm if max_norm > 0 else math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), max_norm if max_norm > 0 else math.inf)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def slots(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
@@ -69,11 +69,11 @@ class Parallel:
         names = {}
         out = []
         if self.sharded:  # after a forward without backward (evaluation) the root may still be whole
-            for m in self.raw.modules():
+            for m in self.gpt.modules():
                 if hasattr(m, "reshard"):
                     m.reshard()
         with torch.no_grad():
-            for name, p in self.raw.named_parameters():
+            for name, p in self.gpt.named_parameters():
                 names[p] = name
                 out.append(_slot(f"model.{name}", p))
             for group in optimizer.param_groups:
@@ -84,7 +84,7 @@ class Parallel:
     def aliases(self) -> dict[str, str]:
         """State-dict names that are another parameter (tied weights): {alias: name}."""
         first, out = {}, {}
-        for name, p in self.raw.named_parameters(remove_duplicate=False):
+        for name, p in self.gpt.named_parameters(remove_duplicate=False):
             if p in first:
                 out[f"model.{name}"] = f"model.{first[p]}"
             else:
@@ -121,7 +121,7 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
                 table[name] = new[id(t)]
 
 
-def parallelize(raw: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False) -> Parallel:
+def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False) -> Parallel:
     """Wrap a model built on the meta device for `strategy` ("ddp" or "fsdp"; one process runs it
     plainly), materialise it on this rank's device, and initialise it from `seed` (None: leave it
     uninitialised, for a snapshot that overwrites every value)."""
@@ -134,20 +134,20 @@ def parallelize(raw: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
         # The logits are a view (the padded vocabulary sliced off); nothing changes them in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
 
-        for block in raw.blocks:  # one all-gather per block: only one block is ever whole at a time
+        for block in gpt.blocks:  # one all-gather per block: only one block is ever whole at a time
             fully_shard(block)
-        fully_shard(raw)
-        raw.to_empty(device=device)
+        fully_shard(gpt)
+        gpt.to_empty(device=device)
         name = "fsdp"
     else:
-        _materialise(raw, device)
-        raw.tie_weights()
+        _materialise(gpt, device)
+        gpt.tie_weights()
         name = "ddp" if info.distributed else "single"
     if seed is not None:
-        raw.init_weights(seed)
-    model: nn.Module = torch.compile(raw) if compile else raw
+        gpt.init_weights(seed)
+    model: nn.Module = torch.compile(gpt) if compile else gpt
     if name == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             init_sync=False)  # every rank initialised the same values, or will load them
-    return Parallel(name, model, raw)
+    return Parallel(name, model, gpt)

@@ -29,7 +29,7 @@ def main() -> None:
             assert not hook, f"a Python DDP comm hook ({hook}) is registered"
         # an FSDP gradient is a shard: every rank joins in gathering it whole
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone())
-                 for n, p in run.parallel.raw.named_parameters()}
+                 for n, p in run.parallel.gpt.named_parameters()}
         if info.is_rank0:
             torch.save(grads, out)
     finally:

@@ -128,7 +128,7 @@ def train_weights(data_path: str, tmp_path: Path, name: str, *overrides: str) ->
         trainer.train()
     finally:
         trainer.close()
-    return {k: v.clone() for k, v in trainer.parallel.raw.state_dict().items()}
+    return {k: v.clone() for k, v in trainer.parallel.gpt.state_dict().items()}
 
 
 @pytest.mark.parametrize("kind", ["stream", "documents"])

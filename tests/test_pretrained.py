@@ -53,15 +53,15 @@ def test_init_from_a_checkpoint_gives_transformers_logits_and_a_snapshot_wins_on
     overrides = bpe_overrides(corpus_file, tmp_path, run_dir, f"model.init_from={path}", "trainer.max_steps=3")
     trainer = assemble(compose(overrides), DistInfo())
     ids = torch.randint(0, 50257, (2, BLOCK))
-    ours, _ = trainer.parallel.raw.eval()(ids)
-    assert trainer.parallel.raw.config.shape == (2, 2, 32) and trainer.progress.step == 0
+    ours, _ = trainer.parallel.gpt.eval()(ids)
+    assert trainer.parallel.gpt.config.shape == (2, 2, 32) and trainer.progress.step == 0
     torch.testing.assert_close(ours, hf_logits(hf, ids), atol=1e-5, rtol=0)
     trainer.train()
     trainer.close()
     # the restart resumes the fine-tuned snapshot instead of starting again from the checkpoint
     trainer = assemble(compose([*overrides[:-1], "trainer.max_steps=4"]), DistInfo())
     assert trainer.progress.step == 3
-    after, _ = trainer.parallel.raw.eval()(ids)
+    after, _ = trainer.parallel.gpt.eval()(ids)
     assert not torch.allclose(after, hf_logits(hf, ids), atol=1e-5)
     trainer.close()
 
@@ -90,7 +90,7 @@ def test_export_loads_in_transformers_with_our_logits_and_tokenizer(hf_dir, corp
     assert "exported step 2" in note and "tokenizer files written" in note
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     ids = torch.randint(0, 50257, (2, BLOCK))
-    ours, _ = trainer.parallel.raw.eval()(ids)
+    ours, _ = trainer.parallel.gpt.eval()(ids)
     torch.testing.assert_close(hf_logits(hf, ids), ours, atol=1e-5, rtol=0)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "ROMEO:  Wherefore art thou?\n\tNaïve café – 東京 🙂 it's 1234 isn't"
@@ -109,8 +109,8 @@ def test_a_character_level_run_exports_its_weights_and_says_there_is_no_tokenize
     note = export(str(run_dir / "snapshots"), out)
     assert "transformers has no tokenizer for it" in note
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
-    ids = torch.randint(0, trainer.parallel.raw.config.vocab_size, (1, BLOCK))
-    torch.testing.assert_close(hf_logits(hf, ids), trainer.parallel.raw.eval()(ids)[0], atol=1e-5, rtol=0)
+    ids = torch.randint(0, trainer.parallel.gpt.config.vocab_size, (1, BLOCK))
+    torch.testing.assert_close(hf_logits(hf, ids), trainer.parallel.gpt.eval()(ids)[0], atol=1e-5, rtol=0)
     assert json.loads((out / "mingpt_tokenizer.json").read_text())["kind"] == "char"
 
 

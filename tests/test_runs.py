@@ -13,7 +13,7 @@ from conftest import REPO, make_ranks_file, save_state
 from mingpt.compose import compose
 from mingpt.distributed import DistInfo
 from mingpt.main import assemble
-from mingpt.snapshot.resume import MismatchError
+from mingpt.snapshot.start import MismatchError
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 from mingpt.snapshot.layout import Slot
 
@@ -163,13 +163,13 @@ def test_another_corpus_under_a_resumed_run_is_named_not_a_missing_character(job
 
 
 def _readme_runs() -> list[list[str]]:
-    """The training commands of the README's shell blocks, as argument lists."""
-    text = (REPO / "README.md").read_text()
+    """The training commands of the shell blocks of the README and docs/ (each once), as argument lists."""
+    text = "".join(p.read_text() for p in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))])
     cmds = []
     for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         for line in block.replace("\\\n", " ").splitlines():
             line = line.split("#", 1)[0]
-            if re.search(r"mingpt/main\.py|-m mingpt\.main", line):
+            if re.search(r"mingpt/main\.py|-m mingpt\.main", line) and shlex.split(line) not in cmds:
                 cmds.append(shlex.split(line))
     return cmds
 

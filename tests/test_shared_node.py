@@ -3,7 +3,6 @@ transient error or a large state costs."""
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -86,7 +85,7 @@ def empty_slots() -> list[Slot]:
 
 def test_one_transient_read_error_does_not_pass_over_the_newest_snapshot(tmp_path, monkeypatch):
     store = saved_store(tmp_path)
-    from mingpt.snapshot.resume import candidates
+    from mingpt.snapshot.start import candidates
 
     from mingpt.snapshot import transport
 

@@ -14,7 +14,7 @@ import logging
 from dataclasses import replace
 
 from mingpt.config import DataConfig, OptimConfig, RunConfig, TokenizerConfig
-from mingpt.snapshot.resume import MismatchError, check_compatible
+from mingpt.snapshot.start import MismatchError, check_compatible
 from mingpt.model import GPTConfig
 from mingpt.snapshot import SnapshotError, SnapshotStore
 

@@ -71,13 +71,14 @@ class Ledger:
 
     def record(self, write, step: int, gather=None, kind: str = "time", **extra) -> None:
         """Write the cumulative figures as a record: the mean over ranks where `gather` collects
-        every rank's (a collective), else this process's own. The first "time" record ends the
-        start-up."""
-        if kind == "time" and not self.steady:
-            self.started()
-        with self.during("log"):
-            mine = [self.start_epoch, *self.totals()]
-            write({"kind": kind, "step": step, **extra, **mean_record(gather(mine) if gather else [mine])})
+        every rank's (a collective), else this process's own."""
+        mine = [self.start_epoch, *self.totals()]
+        write({"kind": kind, "step": step, **extra, **mean_record(gather(mine) if gather else [mine])})
+
+    def step_seconds(self) -> float:
+        """Seconds spent in steps so far (the first one included)."""
+        totals = dict(zip(STATES, self.totals()))
+        return totals["first_step"] + sum(totals[s] for s in STEP_STATES)
 
     def totals(self) -> list[float]:
         """Seconds per state (in STATES order) up to now, the open interval included."""

@@ -4,7 +4,6 @@ with the Trainer (the parallel strategy's tensors and the `stateful` parts)."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import sys
@@ -69,43 +68,63 @@ class Progress:
         self.best_val_loss = float(state["best_val_loss"])
 
 
-@dataclass
-class Saving:
-    """When and with what the loop saves: every N steps and/or T seconds (0 = off)."""
-    snapshotter: Snapshotter
-    every_steps: int
-    every_s: float
-    meta: dict  # plain data recorded in every manifest (config, tokenizer, run id)
+class SavePolicy:
+    """When the loop saves and when it stops, decided alike on every rank by one tiny all-reduce per
+    step: every N steps and/or T seconds (0 = off), at the last step, and at a preemption signal
+    (save, then stop). It owns the snapshotter, and makes the ranks agree whether the last save
+    committed: a run must never stop as if saved when its last snapshot is not."""
 
+    def __init__(self, snapshotter: Snapshotter, every_steps: int, every_s: float, preempt: PreemptionFlag,
+                 device: torch.device):
+        self.snapshotter, self.every_steps, self.every_s = snapshotter, every_steps, every_s
+        self.preempt, self.device = preempt, device
+        self._last_save_t = time.monotonic()
 
-def _charged(state: str):
-    """A Trainer method whose time the ledger charges to `state`."""
-    def wrap(method):
-        @functools.wraps(method)
-        def charged(self, *args, **kwargs):
-            with self.ledger.during(state):
-                return method(self, *args, **kwargs)
-        return charged
-    return wrap
+    def stop_requested(self) -> bool:
+        """A preemption signal on any rank (checked before the first step: nothing new to save)."""
+        return self._agree()[0]
+
+    def after_step(self, step: int, last: bool) -> tuple[bool, bool]:
+        """(save now, stop after saving)."""
+        stop, timed = self._agree()
+        return stop or timed or last or bool(self.every_steps and step % self.every_steps == 0), stop and not last
+
+    def _agree(self) -> tuple[bool, bool]:
+        timed = 0 < self.every_s <= time.monotonic() - self._last_save_t
+        flags = torch.tensor([float(self.preempt.requested), float(timed)], device=self.device)
+        return tuple((all_reduce_sum(flags) > 0).tolist())
+
+    def save(self, step: int, slots, extra: dict, manifest: dict) -> None:
+        self._last_save_t = time.monotonic()
+        self.snapshotter.save(step, slots, extra, manifest)
+
+    def finish(self, why: str, step: int) -> None:
+        """Wait for the last save; raise SaveFailedError on every rank if it did not commit anywhere."""
+        ok = self.snapshotter.wait() is not False
+        if all_reduce_sum(torch.tensor([0.0 if ok else 1.0], device=self.device)).item() > 0:
+            raise SaveFailedError(
+                f"{why}, but the snapshot of step {step} could not be saved to {self.snapshotter.store.url} (the "
+                "errors above say why): the previous snapshot stays the newest. Fix the store (permissions, space, "
+                "credentials) and run the same command: it resumes from the newest snapshot")
 
 
 class Trainer:
     """The training loop over parts that main.py builds (constructing it runs no collective). It does
     not know the parallel strategy: `parallel` answers for it, and gives the tensors a snapshot holds;
-    the `stateful` parts' state_dict() make the rest."""
+    the `stateful` parts' state_dict() make the rest. `saving` decides when to save and stop."""
 
     def __init__(self, *, cfg: TrainerConfig, optim_cfg: OptimConfig, parallel: Parallel,
-                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, data: TrainData, saving: Saving,
-                 metrics: MetricsWriter, dist: DistInfo, hosts: list[str], preempt: PreemptionFlag,
-                 watchdog: Watchdog, ledger: Ledger | None = None):
+                 optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, data: TrainData,
+                 saving: SavePolicy, meta: dict, metrics: MetricsWriter, dist: DistInfo, hosts: list[str],
+                 ledger: Ledger | None = None):
         self.cfg, self.optim_cfg, self.parallel, self.optimizer, self.scaler = cfg, optim_cfg, parallel, optimizer, scaler
-        self.data, self.saving, self.metrics, self.dist, self.hosts = data, saving, metrics, dist, hosts
-        self.preempt, self.watchdog, self.progress = preempt, watchdog, Progress()
+        self.data, self.saving, self.meta, self.metrics, self.dist = data, saving, meta, metrics, dist
+        self.hosts, self.progress = hosts, Progress()
         self.ledger = ledger or Ledger()  # where this process's time goes (records: "time")
+        self.watchdog = Watchdog(cfg.watchdog_s, f"rank {dist.rank} ({dist.hostname}:{dist.local_rank})")
         self.stateful = {"scaler": scaler, "sampler": data.sampler, "trainer": self.progress}
         self.device = torch.device(dist.device)
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
-        self._last_save_t = time.monotonic()
 
     def train(self) -> bool:
         """Train to max_steps; False when stopped early by a preemption signal (after saving)."""
@@ -116,9 +135,9 @@ class Trainer:
         log.info("training from step %d to %d on %d rank%s (%s), precision %s", p.step, cfg.max_steps,
                  self.dist.world_size, "" if self.dist.world_size == 1 else "s", self.parallel.name,
                  self.amp_dtype or "fp32")
-        if self._agree_at_boundary()[0]:  # a stop requested during start-up: nothing new to save
+        if self.saving.stop_requested():
             if self.dist.is_rank0:
-                log.warning("%s before the first step", self.preempt.describe())
+                log.warning("%s before the first step", self.saving.preempt.describe())
             return False
         self.watchdog.start()
         self.ledger.switch("first_step")
@@ -129,59 +148,49 @@ class Trainer:
             self.watchdog.stop()  # on every exit path, errors included
 
     def _loop(self, bar) -> bool:
-        p, cfg, every = self.progress, self.cfg, self.saving.every_steps
-        t_last, steps_since = time.perf_counter(), 0
+        """nanoGPT's loop: data and step, log, evaluate, save. The step time logged is the ledger's
+        (the seconds in its step states), so evaluating and saving never count as steps."""
+        p, cfg = self.progress, self.cfg
+        since = (p.step, self.ledger.step_seconds())
         while p.step < cfg.max_steps:
             stats = self.train_step()
-            p.step, p.tokens_seen, steps_since = p.step + 1, p.tokens_seen + stats.tokens, steps_since + 1
+            p.step, p.tokens_seen = p.step + 1, p.tokens_seen + stats.tokens
             self.watchdog.beat(p.step)
             bar.update(1)
             last, first = p.step == cfg.max_steps, not self.ledger.steady
             if logged := p.step % cfg.log_every == 0 or last:
-                self._log_train(stats, (time.perf_counter() - t_last) / steps_since)
-                t_last, steps_since = time.perf_counter(), 0
-            if evaluate := cfg.eval_every and (p.step % cfg.eval_every == 0 or last):
+                now = (p.step, self.ledger.step_seconds())
+                self._log_train(stats, (now[1] - since[1]) / (now[0] - since[0]))
+                since = now
+            if evaluate := bool(cfg.eval_every and (p.step % cfg.eval_every == 0 or last)):
                 self.evaluate()
-            stop, timed = self._agree_at_boundary()
-            if save := stop or timed or last or (every and p.step % every == 0):
+            save, stop = self.saving.after_step(p.step, last)
+            if save:
                 self.save_snapshot()
                 self.watchdog.beat(p.step)
             if first or logged or evaluate or save:
                 self.record_time()
-            if stop and not last:
-                self._finish_saving(self.preempt.describe())
+            if stop:
+                self.finish_saving(self.saving.preempt.describe())
                 if self.dist.is_rank0:  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
-                                self.preempt.describe(), p.step)
+                                self.saving.preempt.describe(), p.step)
                 return False
-            if evaluate or save:  # keep evaluation and saving out of the step-time figures
-                t_last, steps_since = time.perf_counter(), 0
-        self._finish_saving(f"the run reached step {p.step}")
+        self.finish_saving(f"the run reached step {p.step}")
         return True
 
-    @_charged("snapshot")
-    def _finish_saving(self, why: str) -> None:
-        """Wait for the last save, and agree on every rank whether it committed: a run must never
-        stop as if saved when its last snapshot is not (SaveFailedError, exit code 74)."""
-        ok = self.saving.snapshotter.wait() is not False
-        failed = all_reduce_sum(torch.tensor([0.0 if ok else 1.0], device=self.device)).item() > 0
+    def finish_saving(self, why: str) -> None:
+        with self.ledger.during("snapshot"):
+            self.saving.finish(why, self.progress.step)
         self.record_time()
-        if failed:
-            raise SaveFailedError(
-                f"{why}, but the snapshot of step {self.progress.step} could not be saved to "
-                f"{self.saving.snapshotter.store.url} (the errors above say why): the previous snapshot stays the "
-                "newest. Fix the store (permissions, space, credentials) and run the same command: it resumes from "
-                "the newest snapshot")
 
     def record_time(self) -> None:
         """The "time" record: every rank's seconds by state so far, averaged (a collective)."""
-        self.ledger.record(self.metrics.write, self.progress.step, lambda v: all_gather_floats(v, self.dist.device))
-
-    def _agree_at_boundary(self) -> tuple[bool, bool]:
-        """(stop, save now) by one tiny all-reduce per step: every rank decides alike, at one step."""
-        timed = 0 < self.saving.every_s <= time.monotonic() - self._last_save_t
-        flags = torch.tensor([float(self.preempt.requested), float(timed)], device=self.device)
-        return tuple((all_reduce_sum(flags) > 0).tolist())
+        if not self.ledger.steady:  # the first record ends the start-up
+            self.ledger.started()
+        with self.ledger.during("log"):
+            self.ledger.record(self.metrics.write, self.progress.step,
+                               lambda v: all_gather_floats(v, self.dist.device))
 
     def train_step(self) -> StepStats:
         """One optimizer step over the next global batch, split over ranks and micro-batches."""
@@ -206,7 +215,7 @@ class Trainer:
             self.ledger.switch("step_data")
             x, y = (t.to(self.device, non_blocking=True) for t in data.batch(mb if len(mb) else micro_batches[0][:1]))
             self.ledger.switch("step_compute")
-            if self.parallel.raw.config.dropout > 0:
+            if self.parallel.gpt.config.dropout > 0:
                 # dropout noise of (seed, step, first sample): the same after a resume, on any rank
                 torch.manual_seed(hash((self.cfg.seed, step, int(mb[0]) if len(mb) else -1)) & 0x7FFF_FFFF_FFFF)
             with self.parallel.sync(last=i == len(mine) - 1):
@@ -223,11 +232,11 @@ class Trainer:
         self.scaler.update()
         return StepStats(loss_sum, global_tokens, grad_norm, lr, compute_s, split)
 
-    @_charged("eval")
     def evaluate(self) -> float:
         """Validation loss over the fixed subset, across ranks; the best one is kept."""
         p = self.progress
-        val_loss = validation_loss(self.parallel.raw, self.data, self.device, self.amp_dtype)
+        with self.ledger.during("eval"):
+            val_loss = validation_loss(self.parallel.gpt, self.data, self.device, self.amp_dtype)
         p.best_val_loss = min(p.best_val_loss, val_loss)
         log.info("step %d | val loss %.4f | best %.4f", p.step, val_loss, p.best_val_loss)
         self.metrics.write({"kind": "eval", "step": p.step, "val_loss": val_loss})
@@ -240,15 +249,14 @@ class Trainer:
         self.metrics.close()
         self.parallel.close()
 
-    @_charged("snapshot")
     def save_snapshot(self) -> None:
         """Every rank writes its share of the state; the first commits it."""
-        self._last_save_t = time.monotonic()
         p = self.progress
-        manifest = {**self.saving.meta, "tokens_seen": p.tokens_seen, "world_size": self.dist.world_size,
+        manifest = {**self.meta, "tokens_seen": p.tokens_seen, "world_size": self.dist.world_size,
                     "parallel": self.parallel.name, "aliases": self.parallel.aliases()}
         extra = {name: part.state_dict() for name, part in self.stateful.items()}
-        self.saving.snapshotter.save(p.step, self.parallel.slots(self.optimizer), extra, manifest)
+        with self.ledger.during("snapshot"):
+            self.saving.save(p.step, self.parallel.slots(self.optimizer), extra, manifest)
 
     def load_state(self, extra: dict) -> None:
         """The registered parts' state from a snapshot (the tensors are loaded in place already)."""
@@ -256,13 +264,16 @@ class Trainer:
             if extra.get(name):  # a disabled GradScaler saves nothing
                 part.load_state_dict(extra[name])
 
-    @_charged("log")
     def _log_train(self, stats: StepStats, step_s: float) -> None:
+        with self.ledger.during("log"):
+            self._write_train(stats, step_s)
+
+    def _write_train(self, stats: StepStats, step_s: float) -> None:
         loss = all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
         compute = [c[0] for c in all_gather_floats([stats.compute_s], self.dist.device)]
         if self.dist.is_rank0:
             record = train_record(self.progress, stats, loss, step_s, compute, self.hosts,
-                                  self.parallel.raw.flops_per_token(self.data.train.block_size),
+                                  self.parallel.gpt.flops_per_token(self.data.train.block_size),
                                   peak_flops(self.cfg, self.dist, self.device))
             self.metrics.write({**record, "epoch": self.data.sampler.epoch, "world_size": self.dist.world_size,
                                 **self.data.train.batch_stats(stats.split)})

@@ -1,0 +1,77 @@
+"""Every benchmark runs, at a tiny size, as a user runs it from a checkout (`python -m benchmarks NAME`),
+and prints its figures: none can rot unnoticed again."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, make_ranks_file
+
+pytestmark = pytest.mark.slow
+
+NANO = ["model=gpt-nano", "data.block_size=32"]
+
+
+def bench(*args: str, timeout: int = 300) -> str:
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"python -m benchmarks {' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_throughput(corpus_file, tmp_path):
+    out = bench("throughput", "--steps", "3", "--warmup", "1", "--json", *NANO, "trainer.batch_size=4",
+                f"data.path={corpus_file}", f"trainer.run_dir={tmp_path}")
+    figures = json.loads(out.strip().splitlines()[-1])
+    assert figures["tokens_per_s"] > 0 and 0 < figures["mfu"] < 1 and figures["ms_per_step"] > 0
+
+
+def test_snapshot(corpus_file):
+    out = bench("snapshot", "--shapes", "gpt-nano", "--configs", "1:ddp", "2:fsdp", "--compare-shape", "gpt-nano",
+                "--recovery-model", "gpt-nano", "--corpus", str(corpus_file))
+    rows = [line for line in out.splitlines() if line.startswith("| gpt-nano |")]
+    assert len(rows) == 4 and not any("failed" in r for r in rows), out  # 2 configs x local, S3
+    assert re.search(r"- s3fs: [\d.]+ s\n- boto3: [\d.]+ s", out), out
+    assert re.search(r"- s3 direct: [\d.]+ / [\d.]+ / [\d,]+", out), out
+    m = re.search(r"([\d.]+) s to the first resumed step, resumed from step (\d+), (\d+) steps lost", out)
+    assert m and float(m[1]) > 0 and int(m[2]) == 20, out
+
+
+def test_batching(tmp_path):
+    speeches = tmp_path / "speeches.txt"
+    speeches.write_text("".join(f"SPEAKER{i % 3}:\n" + "word " * (5 + (i * 37) % 120) + "\n\n" for i in range(300)))
+    out = bench("batching", "--steps", "8", "--corpus", str(speeches), "model=gpt-nano", "data.block_size=64",
+                "data.documents.token_budget=256", "data.documents.micro_batches_per_step=2",
+                "data.documents.pool_size=8")
+    assert re.search(r"^random +[\d.]+%", out, re.M) and re.search(r"^length_grouped +[\d.]+%", out, re.M), out
+    assert re.search(r"length_grouped vs random: waiting [\d.]+x lower, real-token throughput [\d.]+x", out), out
+
+
+def test_generate():
+    out = bench("generate", "--shape", "gpt-nano", "--new-tokens", "8", "--block-size", "64")
+    assert re.search(r"[\d,.]+ tokens/s", out), out
+
+
+def test_plan():
+    out = bench("plan", "--pieces", "2000", "--tokens", "200000", "--block-size", "64", "--token-budget", "512")
+    assert "length_grouped" in out and "fixed blocks" in out, out
+
+
+def test_data(tmp_path):
+    ranks = make_ranks_file(tmp_path / "tiny.tiktoken")
+    out = bench("data", "--ranks-file", str(ranks), "--sizes", "200KB", "--s3-sizes", "200KB", "--prepare-mb", "1",
+                "--repeats", "1", "--steps", "12", "--tmp", str(tmp_path))
+    assert re.search(r"200KB .* local .* MiB", out) and re.search(r"200KB .* s3 .* MiB", out), out
+    assert re.search(r"S3 / local: [\d.]+", out), out
+
+
+def test_goodput(corpus_file, tmp_path):
+    out = bench("goodput", "--model", "gpt-nano", "--kill-every", "6", "--snapshot-every", "5", "--steps", "60",
+                "--corpus", str(corpus_file), "--keep", str(tmp_path), timeout=600)
+    faulted = [line for line in out.splitlines() if line.startswith("| 6 s |")]
+    assert len(faulted) == 1 and "bitwise equal" in faulted[0], out
