@@ -80,10 +80,11 @@ def prepare_throughput(tmp: Path, mb: int, ranks: str | None) -> list[tuple[str,
     return rows
 
 
-def start(data_path: str, cache: Path, run_dir: Path, ranks: str | None, extra: list[str] = (), env=None) -> dict:
+def start(data_path: str, cache: Path, run_dir: Path, ranks: str | None, extra: list[str] = (), env=None,
+          more: list[str] = ()) -> dict:
     """One real training process: seconds from launch to exit, peak RSS (MiB), and its run
     directory (whose metrics give the steady-state tokens/s of a longer run)."""
-    cmd = [sys.executable, "-m", "mingpt.main", *MODEL, f"data.path={data_path}", f"data.cache_dir={cache}",
+    cmd = [sys.executable, "-m", "mingpt.main", *MODEL, *more, f"data.path={data_path}", f"data.cache_dir={cache}",
            "data.tokenizer.kind=bpe", f"trainer.run_dir={run_dir}", *([f"data.tokenizer.ranks_file={ranks}"] if ranks
                                                                        else []), *extra]
     with tempfile.TemporaryFile() as err:  # a file, not a pipe: nobody reads a pipe while we wait
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="starts per size and place (the median is shown)")
     ap.add_argument("--steps", type=int, default=60, help="steps for the S3 against local throughput")
     ap.add_argument("--tmp", default=None, help="where the synthetic text and datasets go (default: system temp)")
+    ap.add_argument("--model", nargs="*", default=[], help=f"overrides after the training runs' own ({' '.join(MODEL)})")
     args = ap.parse_args(argv)
     ranks = args.ranks_file
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp_name:
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> None:
                 where.append(("s3", f"s3://bench/{size_text}"))
             for name, path in where:  # the median of a few starts: one start varies by about a second
                 runs = [start(path, tmp / f"cache-{name}-{size_text}", tmp / f"run-{name}-{size_text}-{i}", ranks,
-                              ["trainer.max_steps=1"], env) for i in range(args.repeats)]
+                              ["trainer.max_steps=1"], env, args.model) for i in range(args.repeats)]
                 r = sorted(runs, key=lambda x: x["seconds"])[len(runs) // 2]
                 print(f"  {size_text:>8} {m['tokens']:>14,} {prep_s:8.0f}s  {name:<6} {r['seconds']:8.2f} "
                       f"{r['rss_mib']:8.0f} MiB", flush=True)
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
             for name, path in (("local", out), ("s3", f"s3://bench/{size_text}")):
                 cache = tmp / f"cache-steady-{name}"
                 r = start(path, cache, tmp / f"run-steady-{name}", ranks,
-                          [f"trainer.max_steps={args.steps}", "trainer.log_every=1"], env)
+                          [f"trainer.max_steps={args.steps}", "trainer.log_every=1"], env, args.model)
                 rates[name] = steady_tokens_per_s(r["run_dir"], 10)
                 print(f"  {name:<6} {rates[name]:10,.0f} tokens/s", flush=True)
             print(f"  S3 / local: {rates['s3'] / rates['local']:.3f}")

@@ -3,7 +3,7 @@
 Every default lives in the dataclasses of config.py, registered with Hydra's ConfigStore as the
 schema `mingpt` (so the YAML files in conf/ hold only what differs from the defaults, and an
 unknown key or a wrong type is refused when composing); the model presets are model.py's PRESETS
-table, registered as the options of the `model` group. main.py, the benchmarks and the tests all
+table (and model.CUSTOM), registered as the options of the `model` group. main.py, the benchmarks and the tests all
 compose through `compose`; Hydra's errors become one `ConfigError` line that says what to type.
 """
 
@@ -13,10 +13,7 @@ import re
 from pathlib import Path
 
 from mingpt.config import ConfigError, RunConfig, from_dict, suggest_key
-from mingpt.model import PRESETS, GPTConfig
-
-# model=custom: a shape of your own, e.g. model=custom model.n_layer=4 model.n_head=4 model.n_embd=128
-CUSTOM_MODEL = GPTConfig(preset=None, n_layer=4, n_head=4, n_embd=128)
+from mingpt.model import CUSTOM, PRESETS, GPTConfig
 
 
 def config_dir() -> str:
@@ -36,7 +33,7 @@ def register() -> None:
     store.store(name="mingpt", node=_writable(RunConfig))
     for name in PRESETS:
         store.store(group="model", name=name, node=_writable(GPTConfig(preset=name)))
-    store.store(group="model", name="custom", node=_writable(CUSTOM_MODEL))
+    store.store(group="model", name="custom", node=_writable(CUSTOM))
 
 
 def _writable(obj):

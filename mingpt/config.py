@@ -132,12 +132,12 @@ class OptimConfig:
 class TrainerConfig:
     max_steps: int = 2000
     """Optimizer steps to train for (the LR schedule ends here)."""
-    batch_size: int | None = None
+    batch_size: int = 32
     """Fixed blocks (data.kind=stream): the global batch in sequences per optimizer step, whatever
-    the world size; unset = 32. Documents are batched by data.documents instead."""
-    micro_batch_size: int | None = None
-    """Fixed blocks: sequences per forward pass on one rank (accumulation steps follow from it);
-    unset = 32, or batch_size when smaller."""
+    the world size. Documents are batched by data.documents instead."""
+    micro_batch_size: int = 32
+    """Fixed blocks: sequences per forward pass on one rank at most (accumulation steps follow from
+    it); a batch_size below it is one micro-batch."""
     eval_every: int = 250
     """Evaluate on the validation split every N steps (and at the end); 0 disables."""
     eval_iters: int = 20
@@ -170,10 +170,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")
-        _check(self.global_batch > 0 and self.micro_batch > 0, "trainer.batch_size and micro_batch_size must be positive")
-        _check(self.global_batch >= self.micro_batch,
-               f"trainer.batch_size={self.global_batch} is smaller than one micro-batch "
-               f"(trainer.micro_batch_size={self.micro_batch}); lower micro_batch_size or raise batch_size")
+        _check(self.batch_size > 0 and self.micro_batch_size > 0, "trainer.batch_size and micro_batch_size must be positive")
         _check(self.precision in ("auto", "fp32", "bf16", "fp16"),
                f"trainer.precision={self.precision!r}: use auto, fp32, bf16 or fp16")
         _check(self.log_every > 0, f"trainer.log_every must be positive, got {self.log_every}")
@@ -183,14 +180,9 @@ class TrainerConfig:
 
 
     @property
-    def global_batch(self) -> int:
-        """Sequences per optimizer step (fixed blocks)."""
-        return 32 if self.batch_size is None else self.batch_size
-
-    @property
     def micro_batch(self) -> int:
         """Sequences per forward pass (fixed blocks)."""
-        return min(32, self.global_batch) if self.micro_batch_size is None else self.micro_batch_size
+        return min(self.micro_batch_size, self.batch_size)
 
 
 @dataclass(frozen=True)
@@ -271,7 +263,8 @@ class RunConfig:
         _check(self.model.init_from is None or self.data.tokenizer.kind == "bpe",
                f"model.init_from={self.model.init_from} starts from GPT-2's weights, which read GPT-2's BPE tokens: "
                "set data.tokenizer.kind=bpe (e.g. data=shakespeare_bpe)")
-        _check(self.data.kind == "stream" or (self.trainer.batch_size, self.trainer.micro_batch_size) == (None, None),
+        fixed = (TrainerConfig.batch_size, TrainerConfig.micro_batch_size)  # the defaults: not set
+        _check(self.data.kind == "stream" or (self.trainer.batch_size, self.trainer.micro_batch_size) == fixed,
                "trainer.batch_size and trainer.micro_batch_size size batches of fixed blocks; documents are "
                "batched by data.documents.token_budget and data.documents.micro_batches_per_step")
 

@@ -73,7 +73,7 @@ def build_samplers(cfg: RunConfig, corpus: Corpus, model: GPT):
     """(training sampler, sampler over the validation split) of the data's kind."""
     d, seed = cfg.data, cfg.trainer.seed
     if d.kind == "stream":
-        batch, micro = cfg.trainer.global_batch, cfg.trainer.micro_batch
+        batch, micro = cfg.trainer.batch_size, cfg.trainer.micro_batch
         return (StreamSampler(len(corpus.train), batch, seed, micro), StreamSampler(len(corpus.val), batch, seed, micro))
     c = model.config
     attn_coeff = 12 * c.n_layer * c.n_embd / (6 * model.num_params())  # attention's T^2 term vs 6N per token

@@ -122,6 +122,10 @@ class GPTConfig:
         return {k: getattr(r, k) for k in SHAPE_FIELDS}
 
 
+# model=custom: a shape of your own, starting from gpt-micro's (model.n_layer=... and so on override it)
+CUSTOM = GPTConfig(preset=None, n_layer=4, n_head=4, n_embd=128)
+
+
 class KVCache:
     """Keys and values of the positions seen so far, per layer, for generating one token at a time.
 

@@ -25,9 +25,6 @@ from mingpt.snapshot.layout import Slot, n_rows, rows_of
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("ddp", "fsdp")
-
-
 class Parallel:
     """One strategy's answers to the Trainer's questions; see `parallelize`."""
 
@@ -125,8 +122,6 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
     """Wrap a model built on the meta device for `strategy` ("ddp" or "fsdp"; one process runs it
     plainly), materialise it on this rank's device, and initialise it from `seed` (None: leave it
     uninitialised, for a snapshot that overwrites every value)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"trainer.parallel={strategy!r}: choose one of {', '.join(STRATEGIES)}")
     device = torch.device(info.device)
     if strategy == "fsdp" and info.distributed:
         from torch.distributed.fsdp import fully_shard

@@ -57,10 +57,6 @@ class CharTokenizer:
         self.vocab_size = len(chars) + (1 if eot else 0)
         self._codes = None  # the sorted code points, for encode_ids (False: the vocabulary is not sorted)
 
-    @classmethod
-    def from_text(cls, text: str, eot: bool = False) -> "CharTokenizer":
-        return cls("".join(sorted(set(text))), eot)
-
     def encode(self, text: str) -> list[int]:
         try:
             return [self.stoi[c] for c in text]

@@ -134,3 +134,46 @@ def save_state(store, step: int, state: dict, manifest: dict) -> str:
     assert snap.wait() is True, f"the snapshot of step {step} was not committed"
     snap.close()
     return f"{store.root}/{store.name(step)}"
+
+
+# Test helpers over the library's own parts (the library has no test-only code).
+
+def read_metrics(path, kind: str = "train") -> dict:
+    """step -> the last record of that kind ("train" or "eval") in a metrics file."""
+    from mingpt.training.metrics import read_records
+
+    return {rec["step"]: rec for rec in read_records(path) if rec.get("kind") == kind}
+
+
+def read_corpus(path: str, fetch_default: bool) -> tuple[str, str]:
+    """The corpus text and the path read, as training locates and reads it."""
+    from mingpt.data.sources import locate_corpus, read_text
+
+    path = locate_corpus(path, fetch_default)
+    return read_text(path), path
+
+
+def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool) -> list[str]:
+    """Every document of a raw corpus in memory, through the reader that preparation uses."""
+    from mingpt.data.sources import DataError, document_files, file_units, raw_format, unit_documents
+
+    file_fmt, sep = raw_format(fmt, separator)
+    docs = [d for f in document_files(path, fmt, fetch_default)
+            for unit in file_units(f, file_fmt, sep, 1 << 62, text_field) for d, _ in unit_documents(unit, sep, text_field)]
+    if not docs:
+        raise DataError(f"{path} holds no non-empty documents")
+    return docs
+
+
+def token_stream(ids):
+    """A TokenStream over one in-memory array (one shard)."""
+    from mingpt.data.prepared import TokenStream
+
+    return TokenStream([len(ids)], lambda k: ids)
+
+
+def char_tokenizer(text: str, eot: bool = False):
+    """The CharTokenizer of the characters of `text`."""
+    from mingpt.tokenizer import CharTokenizer
+
+    return CharTokenizer("".join(sorted(set(text))), eot)

@@ -62,7 +62,7 @@ def test_command_line_overrides():
     (["data.token_budget=8"], r"unknown config key data.token_budget \(did you mean data.documents.token_budget\?\)"),
     (["data.documents.token_budget=8"], r"data.documents.\* settings apply to data.kind=documents only"),
     (["data=shakespeare_speeches", "trainer.batch_size=8"], "documents are batched by data.documents.token_budget"),
-    (["trainer.batch_size=4", "trainer.micro_batch_size=8"], "trainer.batch_size=4 is smaller than one micro-batch"),
+    (["trainer.micro_batch_size=0"], "trainer.batch_size and micro_batch_size must be positive"),
     (["snapshot.resume=yes"], "snapshot.resume='yes': use latest, never, or the path"),
     (["model.preset=gpt-5"], "not a known preset"),
     (["trainer.precision=fp8"], "trainer.precision='fp8'"),

@@ -3,11 +3,10 @@ import json
 import numpy as np
 import pytest
 
-from conftest import make_docs_corpus
+from conftest import make_docs_corpus, read_documents
 from mingpt.config import DataConfig, DocumentsConfig
 from mingpt.data import DataError, load_corpus
 from mingpt.data.datasets import split_pieces
-from mingpt.data.sources import read_documents
 from mingpt.data.samplers import LengthGroupedSampler, micro_batch_bounds, split_balanced
 
 
@@ -52,10 +51,10 @@ def test_same_plan_for_same_seed_and_epoch_different_next_epoch():
     lengths = skewed_lengths()
     a = LengthGroupedSampler(lengths, 1024, 4, seed=1)
     b = LengthGroupedSampler(lengths, 1024, 4, seed=1)
-    p0, p1 = a.plan(0), b.plan(0)
+    p0, p1 = a.batches_of(0), b.batches_of(0)
     assert all(np.array_equal(x, y) for sa, sb in zip(p0, p1) for x, y in zip(sa, sb))
     flat = lambda plan: np.concatenate([mb for step in plan for mb in step])  # noqa: E731
-    assert not np.array_equal(flat(p0), flat(a.plan(1)))
+    assert not np.array_equal(flat(p0), flat(a.batches_of(1)))
 
 
 def test_resume_mid_epoch_same_and_other_world_size():
@@ -148,7 +147,7 @@ def test_the_plan_is_the_one_earlier_versions_made():
     micro = greedy_micro_batches(order, lengths, 1024)
     steps = [micro[i : i + 3] for i in range(0, len(micro), 3)]
     expected = [steps[i] for i in rng.permutation(len(steps))]
-    plan = s.plan(2)
+    plan = s.batches_of(2)
     assert len(plan) == len(expected)
     assert all([mb.tolist() for mb in a] == [mb.tolist() for mb in b] for a, b in zip(plan, expected))
 

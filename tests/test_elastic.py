@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, make_corpus, torchrun_env
-from mingpt.training.metrics import read_metrics
+from conftest import REPO, free_port, make_corpus, torchrun_env, read_metrics
 from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow

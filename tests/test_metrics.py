@@ -1,4 +1,5 @@
-from mingpt.training.metrics import MetricsWriter, read_metrics
+from conftest import read_metrics
+from mingpt.training.metrics import MetricsWriter
 
 
 def test_metrics_jsonl_last_record_wins_and_tensorboard(tmp_path):

@@ -286,7 +286,7 @@ def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs
 
 
 def test_verify_names_a_damaged_local_shard(inputs, tmp_path, capsys):
-    from mingpt.data.prepare import main
+    from mingpt.prepare import main
 
     m = prepare([str(inputs / "b.jsonl")], str(tmp_path / "ds"), SMALL, ranks_file=RANKS, workers=1)
     assert main(["--verify", str(tmp_path / "ds")]) == 0

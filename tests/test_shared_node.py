@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, free_port
+from conftest import REPO, free_port, read_metrics
 from mingpt.snapshot import Snapshotter, SnapshotStore
 from mingpt.snapshot.layout import Slot
 from mingpt.snapshot.restore import restore, restore_newest
-from mingpt.training.metrics import read_metrics
 
 
 def listeners(port: int) -> list[str]:

@@ -151,10 +151,10 @@ def write_sharded(store: SnapshotStore, step: int, tensors: dict, writers: int) 
 
 
 def test_each_byte_is_written_once_by_balanced_writers(tmp_path):
-    from mingpt.snapshot.layout import plan
+    from mingpt.snapshot.layout import cut
 
     tensors = sample_state()
-    pieces, sizes = plan([(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], 3)
+    pieces, sizes = cut([(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], 3)
     total = sum(v.numel() * v.element_size() for v in tensors.values())
     # torch.chunk's rule leaves the last writer at most writers - 1 rows short of the others, per tensor
     slack = sum(2 * v[0].numel() * v.element_size() if v.dim() else v.element_size() for v in tensors.values())

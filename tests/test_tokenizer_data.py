@@ -1,20 +1,19 @@
 import numpy as np
 import pytest
 
-from conftest import SHARED_DATA, make_ranks_file
+from conftest import char_tokenizer, token_stream, SHARED_DATA, make_ranks_file, read_corpus
 from mingpt.config import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
 from mingpt.data.cache import encode_array, safe_cuts
 from mingpt.data.datasets import StreamDataset
 from mingpt.data.prepared import TokenStream
-from mingpt.data.sources import read_corpus
-from mingpt.tokenizer import (GPT2_RANKS_SHA256, BPETokenizer, CharTokenizer, TokenizerError, build_bpe,
+from mingpt.tokenizer import (GPT2_RANKS_SHA256, BPETokenizer, TokenizerError, build_bpe,
                               encoding_from_ranks, from_state)
 
 
 def test_char_round_trip_and_state():
     text = "Hello, world!\nÜber café"
-    tok = CharTokenizer.from_text(text)
+    tok = char_tokenizer(text)
     assert tok.decode(tok.encode(text)) == text
     again = from_state(tok.state_dict())
     assert again.encode(text) == tok.encode(text)
@@ -79,7 +78,7 @@ def test_a_raw_corpus_is_prepared_once(corpus_file, tmp_path, monkeypatch):
 
 
 def test_stream_dataset_targets_are_inputs_shifted():
-    ds = StreamDataset(TokenStream.from_array(np.arange(101, dtype=np.uint16)), 0, 101, block_size=10)
+    ds = StreamDataset(token_stream(np.arange(101, dtype=np.uint16)), 0, 101, block_size=10)
     assert len(ds) == 10
     x, y = ds.batch(np.array([3, 0]))
     assert x[0].tolist() == list(range(30, 40)) and y[0].tolist() == list(range(31, 41))
@@ -108,7 +107,7 @@ def test_bad_corpora_give_clear_errors(tmp_path):
     with pytest.raises(DataError, match="not UTF-8.*iconv"):
         read_corpus(str(latin), fetch_default=False)
     with pytest.raises(DataError, match="shorter than one block"):
-        StreamDataset(TokenStream.from_array(np.arange(5, dtype=np.uint16)), 0, 5, 10)
+        StreamDataset(token_stream(np.arange(5, dtype=np.uint16)), 0, 5, 10)
 
 
 def test_default_corpus_falls_back_to_the_registry(tmp_path, monkeypatch, caplog):
@@ -184,7 +183,7 @@ def test_chunked_encoding_gives_the_tokens_of_one_encode(kind):
     pieces = ["word", " word", "\n", "\n\n", "  \n", " \n", "\t", "'s", "'ll", "42", " 7", "é", "中文", "!", "  ",
               "\r\n", " \n\n"]
     text = "".join(pieces[i] for i in rng.integers(0, len(pieces), 20000))
-    tok = build_bpe(str(SHARED_DATA / "r50k_base.tiktoken")) if kind == "bpe" else CharTokenizer.from_text(text)
+    tok = build_bpe(str(SHARED_DATA / "r50k_base.tiktoken")) if kind == "bpe" else char_tokenizer(text)
     cuts = safe_cuts(text, chunk_chars=50)
     assert len(cuts) > 100  # many chunks, so that many cuts are exercised
     for a in cuts[1:-1]:

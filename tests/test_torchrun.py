@@ -6,8 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, make_docs_corpus, torchrun_cmd, torchrun_env
-from mingpt.training.metrics import read_metrics
+from conftest import REPO, make_docs_corpus, torchrun_cmd, torchrun_env, read_metrics
 
 pytestmark = pytest.mark.slow
 

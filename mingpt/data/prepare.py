@@ -16,7 +16,6 @@ processes and many nodes write the same bytes.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -339,12 +338,12 @@ def _commit(dest: DatasetDir, plan: dict, tokenizer: Tokenizer, settings: Settin
                           "sha256": hashlib.sha256(index_bytes).hexdigest()},
                 "shards": shards, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     dest.write(MANIFEST, json.dumps(manifest, indent=1).encode())
-    log.info("prepared %s: %s tokens, %s, %s", dest.url, f"{base:,}", _count(docs, "document"),
-             _count(len(shards), "shard"))
+    log.info("prepared %s: %s tokens, %s, %s", dest.url, f"{base:,}", count(docs, "document"),
+             count(len(shards), "shard"))
     return manifest
 
 
-def _count(n: int, noun: str) -> str:
+def count(n: int, noun: str) -> str:
     return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
@@ -383,74 +382,3 @@ def verify(url: str) -> list[str]:
             problems.append(f"{entry['name']} fails its checksum ({size} bytes, sha256 {digest.hexdigest()[:12]}...; "
                             f"the manifest says {entry['bytes']} bytes, {entry['sha256'][:12]}...)")
     return problems
-
-
-# ---- command line ----
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mingpt-prepare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("inputs", nargs="*", metavar="INPUT", help="files, directories or globs (local, s3://, https://)")
-    p.add_argument("--out", help="the prepared dataset's directory or s3:// prefix")
-    p.add_argument("--verify", metavar="DATASET", help="check every shard of a prepared dataset against its sha256 "
-                                                         "(nothing is prepared)")
-    p.add_argument("--tokenizer.kind", dest="kind", choices=["bpe", "char"], default="bpe",
-                   help="as data.tokenizer.kind (default bpe)")
-    p.add_argument("--tokenizer.ranks_file", dest="ranks_file", default=None,
-                   help="as data.tokenizer.ranks_file: a local r50k_base.tiktoken for machines without internet")
-    p.add_argument("--format", default="auto", choices=["auto", "text", "jsonl", "parquet"],
-                   help="auto: by extension (.jsonl[.gz|.zst], .parquet, else text)")
-    p.add_argument("--text-field", default="text", help="JSON field / Parquet column with the text (default text)")
-    p.add_argument("--separator", default=None,
-                   help="text files: what separates documents, e.g. $'\\n\\n' (default: a file is one document)")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="the last documents held out (default 0.1)")
-    p.add_argument("--workers", type=int, default=0, help="processes on this machine (default: every core)")
-    p.add_argument("--shard-mb", type=float, default=256, help="token bytes per shard at most (default 256)")
-    p.add_argument("--unit-mb", type=float, default=64, help="input bytes per unit of work (default 64)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.verify:
-        problems = verify(args.verify)
-        for problem in problems:
-            print(f"damaged: {problem}", file=sys.stderr)
-        if not problems:
-            print(f"{args.verify}: every shard and the index match the manifest")
-        return 1 if problems else 0
-    if not args.inputs or not args.out:
-        parser.error("name the INPUTs and --out DIR (or --verify DATASET)")
-    if not 0 < args.val_fraction < 1:
-        print(f"error: --val-fraction must be between 0 and 1, got {args.val_fraction}", file=sys.stderr)
-        return 2
-    settings = Settings(args.format, args.separator, args.text_field, args.val_fraction, int(args.unit_mb * 2**20),
-                        int(args.shard_mb * 2**20))
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    barrier = None
-    if world > 1:
-        import torch.distributed as dist
-
-        from datetime import timedelta
-
-        dist.init_process_group("gloo", timeout=timedelta(days=2))  # ranks wait for the slowest at the end
-        barrier = dist.barrier
-    try:
-        m = prepare(args.inputs, args.out, settings, kind=args.kind, ranks_file=args.ranks_file, workers=args.workers,
-                    rank=rank, world_size=world, barrier=barrier, progress=rank == 0 and sys.stderr.isatty())
-    except (DataError, TokenizerError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; run the same command again to continue where it stopped", file=sys.stderr)
-        return 130
-    if rank == 0:
-        held_out = (f"the last {m['val_documents']:,} documents" if m["val_documents"] else
-                    f"the last {m['tokens'] - m['val_start_token']:,} tokens")
-        print(f"{args.out}: {m['tokens']:,} tokens in {_count(m['documents'], 'document')}, "
-              f"{_count(len(m['shards']), 'shard')} ({m['dtype']}); {held_out} held out for validation")
-    if world > 1:
-        dist.destroy_process_group()
-    return 0

@@ -155,10 +155,6 @@ class TokenStream:
         np.cumsum(sizes, out=self.bounds[1:])
         self._open, self._maps, self._lock = open_shard, {}, threading.Lock()
 
-    @classmethod
-    def from_array(cls, ids: np.ndarray) -> "TokenStream":
-        return cls([len(ids)], lambda k: ids)
-
     def __len__(self) -> int:
         return int(self.bounds[-1])
 

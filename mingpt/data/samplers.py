@@ -1,4 +1,4 @@
-"""The distributed, resumable sampler: a plan of global batches, independent of the world size.
+"""The distributed, resumable sampler: an order of global batches, independent of the world size.
 
 Each epoch's order is a permutation drawn from (seed, epoch) alone. The position is kept in
 global units (samples consumed in the epoch), so a resume with another world size continues
@@ -30,7 +30,7 @@ def split_evenly(n: int, world_size: int, micro_batch_size: int) -> list[list[tu
     """
     per_rank = -(-n // world_size)  # ceil
     accum = max(1, -(-per_rank // micro_batch_size))
-    plan, start = [], 0
+    by_rank, start = [], 0
     base, extra = divmod(n, world_size)
     for r in range(world_size):
         count = base + (r < extra)
@@ -40,8 +40,8 @@ def split_evenly(n: int, world_size: int, micro_batch_size: int) -> list[list[tu
             size = mb_base + (a < mb_extra)
             slices.append((start, start + size))
             start += size
-        plan.append(slices)
-    return plan
+        by_rank.append(slices)
+    return by_rank
 
 
 def validation_batches(sampler: "StreamSampler | LengthGroupedSampler", world_size: int,
@@ -49,23 +49,23 @@ def validation_batches(sampler: "StreamSampler | LengthGroupedSampler", world_si
     """This rank's micro-batches of the fixed validation subset: `eval_iters` global batches of
     the validation split, planned like training batches, the same at every evaluation.
 
-    `sampler` is a sampler over the validation split (never advanced: only its plan is used).
+    `sampler` is a sampler over the validation split (never advanced: only its first epoch's batches are used).
     """
     if isinstance(sampler, StreamSampler):
         n = min(sampler.num_samples, eval_iters * sampler.global_batch)
         indices = np.sort(epoch_order(sampler.num_samples, sampler.seed, 0)[:n])
         mine = np.array_split(indices, world_size)[rank]
         return [mine[i : i + sampler.micro_batch_size] for i in range(0, len(mine), sampler.micro_batch_size)]
-    plan = sampler.plan(0)
-    micro_batches = [mb for i in range(min(eval_iters, len(plan))) for mb in plan[i]]
+    steps = sampler.batches_of(0)
+    micro_batches = [mb for i in range(min(eval_iters, len(steps))) for mb in steps[i]]
     return [mb for mb in sampler.split(micro_batches, world_size)[rank] if len(mb)]
 
 
-def _check_same_plan(state: dict, num_samples: int, seed: int) -> None:
+def _check_same_order(state: dict, num_samples: int, seed: int) -> None:
     """A saved position only means something for the same samples and seed."""
     if state["num_samples"] != num_samples or state["seed"] != seed:
         raise DataError(
-            f"the snapshot's data plan ({state['num_samples']} samples, seed {state['seed']}) does not match "
+            f"the snapshot's data order ({state['num_samples']} samples, seed {state['seed']}) does not match "
             f"this run's ({num_samples} samples, seed {seed}): the corpus, block size or seed changed since the "
             "snapshot. Resume with the snapshot's data settings, or start a new run in its own directory: "
             "trainer.run_dir=runs/NEW"
@@ -117,14 +117,14 @@ class StreamSampler:
     def split(self, micro_batches: list[np.ndarray], world_size: int) -> list[list[np.ndarray]]:
         """Every rank's micro-batches of a global step."""
         batch = np.concatenate(micro_batches)
-        plan = split_evenly(len(batch), world_size, self.micro_batch_size)
-        return [[batch[a:b] for a, b in slices] for slices in plan]
+        by_rank = split_evenly(len(batch), world_size, self.micro_batch_size)
+        return [[batch[a:b] for a, b in slices] for slices in by_rank]
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "offset": self.offset, "seed": self.seed, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        _check_same_plan(state, self.num_samples, self.seed)
+        _check_same_order(state, self.num_samples, self.seed)
         self.epoch = int(state["epoch"])
         self.offset = int(state["offset"])
 
@@ -191,7 +191,7 @@ def longest_first_within_pools(order: np.ndarray, lengths: np.ndarray, pool_size
     return order[by_length]
 
 
-class EpochPlan:
+class EpochBatches:
     """One epoch of global steps in three compact arrays: the piece order, the micro-batch
     boundaries in it, and the (shuffled) order of the steps, each `micro_per_step` consecutive
     micro-batches. A step's micro-batches are views, made when asked for."""
@@ -235,7 +235,7 @@ class LengthGroupedSampler:
     step, shuffle the steps, and give each rank micro-batches of equal estimated FLOPs.
     random (the usual baseline, for comparison): a fixed number of random pieces per micro-batch,
     chosen so that a micro-batch holds as many real tokens on average as the budget, handed to
-    ranks round-robin. The plan does not depend on the world size; the position (epoch, steps
+    ranks round-robin. The order does not depend on the world size; the position (epoch, steps
     done) is in global units. Stateful.
     """
 
@@ -253,10 +253,10 @@ class LengthGroupedSampler:
         self.mode, self.pool_size, self.attn_coeff = mode, pool_size, attn_coeff
         self.num_samples = len(lengths)
         self.epoch, self.step_in_epoch = 0, 0
-        self._plan: EpochPlan | None = None
-        self._plan_epoch = -1
+        self._batches: EpochBatches | None = None
+        self._batches_epoch = -1
 
-    def plan(self, epoch: int) -> EpochPlan:
+    def batches_of(self, epoch: int) -> EpochBatches:
         """The epoch's global steps, each a list of micro-batches of piece indices. Vectorised but
         for one loop per micro-batch: seconds for 10^7 pieces."""
         rng = np.random.default_rng([self.seed, epoch])
@@ -268,21 +268,21 @@ class LengthGroupedSampler:
             per_batch = max(1, self.token_budget // max(1, int(self.lengths.mean())))
             bounds = np.append(np.arange(0, self.num_samples, per_batch), self.num_samples)
         num_steps = -(-(len(bounds) - 1) // self.micro_per_step)
-        return EpochPlan(order, bounds, rng.permutation(num_steps), self.micro_per_step)
+        return EpochBatches(order, bounds, rng.permutation(num_steps), self.micro_per_step)
 
     @property
     def steps_per_epoch(self) -> int:
-        return len(self._current_plan())
+        return len(self._epoch_batches())
 
-    def _current_plan(self) -> EpochPlan:
-        if self._plan_epoch != self.epoch:
-            self._plan, self._plan_epoch = self.plan(self.epoch), self.epoch
-        return self._plan
+    def _epoch_batches(self) -> EpochBatches:
+        if self._batches_epoch != self.epoch:
+            self._batches, self._batches_epoch = self.batches_of(self.epoch), self.epoch
+        return self._batches
 
     def next_step(self) -> list[np.ndarray]:
-        if self.step_in_epoch >= len(self._current_plan()):
+        if self.step_in_epoch >= len(self._epoch_batches()):
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
-        step = self._current_plan()[self.step_in_epoch]
+        step = self._epoch_batches()[self.step_in_epoch]
         self.step_in_epoch += 1
         return step
 
@@ -311,5 +311,5 @@ class LengthGroupedSampler:
         return {"epoch": self.epoch, "offset": self.step_in_epoch, "seed": self.seed, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
-        _check_same_plan(state, self.num_samples, self.seed)
+        _check_same_order(state, self.num_samples, self.seed)
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["offset"])

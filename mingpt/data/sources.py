@@ -75,12 +75,6 @@ def ensure_default_corpus(path: str) -> str:
     )
 
 
-def read_corpus(path: str, fetch_default: bool) -> tuple[str, str]:
-    """The corpus text and where it came from (the path read)."""
-    path = locate_corpus(path, fetch_default)
-    return read_text(path), path
-
-
 def locate_corpus(path: str, fetch_default: bool) -> str:
     """The path to read: `path` itself, or the default corpus, fetched when it is missing."""
     if is_local(path) and not Path(path).exists():
@@ -333,20 +327,6 @@ def raw_format(fmt: str, separator: str | None) -> tuple[str, str | None]:
     """How the files of a raw document corpus (data.documents.format) are read: (the file format,
     the separator of documents in a text file, None when a file is one document)."""
     return ("jsonl", None) if fmt == "jsonl" else ("text", separator if fmt == "text" else None)
-
-
-def read_documents(path: str, fmt: str, separator: str, text_field: str, fetch_default: bool) -> list[str]:
-    """Every document of a raw corpus in memory (small corpora, tests): a text file split on
-    `separator`, a JSON-lines file, or every file of a directory / glob as one document."""
-    files = document_files(path, fmt, fetch_default)
-    file_fmt, sep = raw_format(fmt, separator)
-    docs = []
-    for f in files:
-        for unit in file_units(f, file_fmt, sep, 1 << 62, text_field):
-            docs.extend(d for d, _ in unit_documents(unit, sep, text_field))
-    if not docs:
-        raise DataError(f"{path} holds no non-empty documents")
-    return docs
 
 
 def _jsonl_text(line: str, text_field: str, path: str, n: int) -> str:

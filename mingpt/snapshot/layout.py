@@ -4,7 +4,7 @@ Every tensor of the training state (weights and optimizer moments) is cut along 
 into as many row ranges as there are writers, by FSDP's own rule (ceil(n / writers) rows each), and
 writer w writes range w of every tensor into its shard file. So each byte is written once, the
 writers' files are the same size to within a row per tensor, and a rank of an FSDP run writes
-exactly the rows it holds. The plan depends only on the tensors' names, shapes and dtypes and on
+exactly the rows it holds. The cut depends only on the tensors' names, shapes and dtypes and on
 the number of writers: every rank computes the same one, and the manifest records it.
 
 A `Slot` is one tensor as one rank holds it: all its rows (replicated: DDP, or one process) or
@@ -80,15 +80,12 @@ class Piece:
     stop: int
     sha256: str = ""
 
-    def to_json(self) -> list:
-        return [self.writer, self.offset, self.start, self.stop, self.sha256]
-
     @classmethod
     def from_json(cls, row: list) -> "Piece":
         return cls(*row)
 
 
-def plan(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int
+def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int
          ) -> tuple[dict[str, list[Piece]], list[int]]:
     """({tensor name: its pieces}, each writer's file size) for tensors given as (name, shape, dtype),
     in the order given (the same on every rank)."""

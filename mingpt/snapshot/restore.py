@@ -24,9 +24,6 @@ from mingpt.snapshot.store import MismatchError, SnapshotError, SnapshotStore, r
 
 log = logging.getLogger("mingpt")
 
-LAYOUTS = ("exchange", "direct")
-
-
 STAGING_BYTES = 256 * 2**20  # the pinned host buffer that pieces bound for an accelerator pass through
 
 

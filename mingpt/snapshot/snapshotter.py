@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Slot, as_rows, dtype_name, plan, specs_of
+from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Slot, as_rows, cut, dtype_name, specs_of
 from mingpt.snapshot.store import SnapshotStore, sha256
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ class SaveFailedError(RuntimeError):
 
 
 class ShardWriter:
-    """One writer's part of a snapshot: the plan's rows of every tensor for writer `writer`, copied
+    """One writer's part of a snapshot: the layout's rows of every tensor for writer `writer`, copied
     into one flat CPU buffer laid out as the shard file (reused from save to save), then hashed and
     written. Writer 0 also writes the small state."""
 
@@ -34,7 +34,7 @@ class ShardWriter:
         self._specs, self.pieces, self.sizes, self._row_bytes = None, {}, [], {}
         self._image: torch.Tensor | None = None
 
-    def mine(self):
+    def own_pieces(self):
         """(tensor name, piece) of this writer, in file order."""
         return [(name, p) for name, ps in self.pieces.items() for p in ps if p.writer == self.writer]
 
@@ -43,17 +43,17 @@ class ShardWriter:
         specs = specs_of(slots)
         if specs != self._specs:
             self._specs = specs
-            self.pieces, self.sizes = plan(specs, self.writers)
+            self.pieces, self.sizes = cut(specs, self.writers)
             self._row_bytes = {s.name: s.row_bytes for s in slots}
         size = self.sizes[self.writer]
         if self._image is None or self._image.numel() != size:
             cuda = any(s.local.device.type == "cuda" for s in slots)
             self._image = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
         by_name = {s.name: s for s in slots}
-        for name, p in self.mine():
+        for name, p in self.own_pieces():
             slot = by_name[name]
             if not slot.start <= p.start < p.stop <= slot.stop:
-                raise RuntimeError(f"{name}: this rank holds rows {slot.start}-{slot.stop}, the plan gives it "
+                raise RuntimeError(f"{name}: this rank holds rows {slot.start}-{slot.stop}, the layout gives it "
                                    f"{p.start}-{p.stop}")
             src = as_rows(slot.local)[p.start - slot.start:p.stop - slot.start]
             dst = self._image[p.offset:p.offset + src.numel()].view(src.shape)
@@ -70,7 +70,7 @@ class ShardWriter:
         view = memoryview(image.numpy()) if image.numel() else memoryview(b"")
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-hash") as pool:  # beside the write
             hashing = pool.submit(lambda: [sha256(view[p.offset:p.offset + (p.stop - p.start) * self._row_bytes[name]])
-                                           for name, p in self.mine()])
+                                           for name, p in self.own_pieces()])
             store.write_file(step, SHARD_FORMAT.format(self.writer, self.writers), view)
             hashes = hashing.result()
         record = {"writer": self.writer, "size": len(view), "sha256": hashes}

@@ -72,8 +72,8 @@ class Ledger:
     def record(self, write, step: int, gather=None, kind: str = "time", **extra) -> None:
         """Write the cumulative figures as a record: the mean over ranks where `gather` collects
         every rank's (a collective), else this process's own."""
-        mine = [self.start_epoch, *self.totals()]
-        write({"kind": kind, "step": step, **extra, **mean_record(gather(mine) if gather else [mine])})
+        here = [self.start_epoch, *self.totals()]
+        write({"kind": kind, "step": step, **extra, **mean_record(gather(here) if gather else [here])})
 
     def step_seconds(self) -> float:
         """Seconds spent in steps so far (the first one included)."""

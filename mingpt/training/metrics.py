@@ -12,7 +12,7 @@ class MetricsWriter:
     """Appends one JSON object per record to run_dir/metrics.jsonl.
 
     After a resume the steps since the last snapshot are trained and logged again; a reader
-    keeps the last record of each step (`read_metrics` does).
+    keeps the last record of each step.
     """
 
     def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = False):
@@ -110,13 +110,4 @@ def read_records(path: str | Path) -> list[dict]:
                 out.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-    return out
-
-
-def read_metrics(path: str | Path, kind: str = "train") -> dict[int, dict]:
-    """step -> the last record of that kind ("train" or "eval") in a metrics file."""
-    out: dict[int, dict] = {}
-    for rec in read_records(path):
-        if rec.get("kind") == kind:
-            out[rec["step"]] = rec
     return out

@@ -201,7 +201,7 @@ class Trainer:
         # every rank knows the global token count from the plan: no collective normalises the loss
         global_tokens = data.tokens_in(np.concatenate(micro_batches))
         split = self.data.sampler.split(micro_batches, dist.world_size)
-        mine = split[dist.rank]
+        micro_here = split[dist.rank]
         lr = lr_at(step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -209,7 +209,7 @@ class Trainer:
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
-        for i, mb in enumerate(mine):
+        for i, mb in enumerate(micro_here):
             # a rank with no samples here still runs one (weight 0): every rank joins every reduction
             weight = 1.0 if len(mb) else 0.0
             self.ledger.switch("step_data")
@@ -218,7 +218,7 @@ class Trainer:
             if self.parallel.gpt.config.dropout > 0:
                 # dropout noise of (seed, step, first sample): the same after a resume, on any rank
                 torch.manual_seed(hash((self.cfg.seed, step, int(mb[0]) if len(mb) else -1)) & 0x7FFF_FFFF_FFFF)
-            with self.parallel.sync(last=i == len(mine) - 1):
+            with self.parallel.sync(last=i == len(micro_here) - 1):
                 with _autocast(self.device.type, self.amp_dtype):
                     _, loss = model(x, y, reduction="sum")
                 # gradients are averaged over ranks: world_size / global tokens makes them those of the
