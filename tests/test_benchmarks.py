@@ -32,12 +32,13 @@ def test_throughput(corpus_file, tmp_path):
 
 
 def test_snapshot(corpus_file):
+    """The layouts' comparison is left out here (it is the same loop as the uploaders', over four more
+    torchrun jobs: too long for CI)."""
     out = bench("snapshot", "--shapes", "gpt-nano", "--configs", "1:ddp", "--compare-shape", "gpt-nano",
-                "--recovery-model", "gpt-nano", "--corpus", str(corpus_file))
+                "--layouts", "exchange", "--recovery-model", "gpt-nano", "--corpus", str(corpus_file))
     rows = [line for line in out.splitlines() if line.startswith("| gpt-nano |")]
     assert len(rows) == 2 and not any("failed" in r for r in rows), out  # local, S3
     assert re.search(r"- s3fs: [\d.]+ s\n- boto3: [\d.]+ s", out), out
-    assert re.search(r"- s3 direct: [\d.]+ / [\d.]+ / [\d,]+", out), out
     m = re.search(r"([\d.]+) s to the first resumed step, resumed from step (\d+), (\d+) steps lost", out)
     assert m and float(m[1]) > 0 and int(m[2]) == 20, out
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from mingpt.snapshot.layout import Piece, Slot, as_rows
-from mingpt.snapshot.store import MismatchError, SnapshotError, SnapshotStore, read_pieces
+from mingpt.snapshot.store import MismatchError, SnapshotError, SnapshotStore, read_pieces, nothing_loads
 
 log = logging.getLogger("mingpt")
 
@@ -127,7 +127,4 @@ def restore_newest(store: SnapshotStore, candidates: list[tuple[str, dict]], loa
         except SnapshotError as e:
             log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", path, e)
             errors.append(f"{path}: {e}")
-    raise SnapshotError(
-        f"no snapshot in {store.url} can be loaded ({'; '.join(errors)}). Pick one that loads with "
-        "snapshot.resume=PATH, or start over with snapshot.resume=never snapshot.move_aside=true "
-        "(which moves these snapshots aside, deleting nothing)")
+    raise nothing_loads(store.url, '; '.join(errors))

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import replace
 
 from mingpt.config import RunConfig, SnapshotConfig
-from mingpt.snapshot.store import STEP_RE, MismatchError, SnapshotError, SnapshotStore
+from mingpt.snapshot.store import STEP_RE, MismatchError, SnapshotError, SnapshotStore, nothing_loads
 
 log = logging.getLogger("mingpt")
 
@@ -68,10 +68,7 @@ def candidates(store: SnapshotStore, infos: list, limit: int = 3) -> list[tuple[
         if len(out) == limit:
             break
     if infos and not out:
-        raise SnapshotError(
-            f"no snapshot in {store.url} can be loaded (see the warnings above). Pick one that loads with "
-            "snapshot.resume=PATH, or start over with snapshot.resume=never snapshot.move_aside=true "
-            "(which moves these snapshots aside, deleting nothing)")
+        raise nothing_loads(store.url, "see the warnings above")
     return out
 
 

@@ -56,6 +56,13 @@ class SnapshotInfo:
     committed: bool
 
 
+def nothing_loads(url: str, why: str) -> SnapshotError:
+    """The error of a store whose snapshots all fail to load: starting over would lose a job's history."""
+    return SnapshotError(f"no snapshot in {url} can be loaded ({why}). Pick one that loads with snapshot.resume=PATH, "
+                         "or start over with snapshot.resume=never snapshot.move_aside=true (which moves these "
+                         "snapshots aside, deleting nothing)")
+
+
 def open_files(url: str, options: dict | None = None, uploader: str = "s3fs", concurrency: int = 8) -> Files:
     """The transport for a local path (or file://) or an s3:// URL (`options`: s3fs's, e.g. endpoint_url)."""
     if is_local(url):
@@ -192,14 +199,6 @@ class SnapshotStore:
             state["model"][alias.partition(".")[2]] = state["model"][target.partition(".")[2]]
         return state, manifest
 
-    def verify(self, path: str) -> list[str]:
-        """Every problem of one snapshot (missing or short files, pieces whose bytes changed); [] if none."""
-        try:
-            self.load(path)
-        except Exception as e:  # noqa: BLE001 - every failure is a finding
-            return [str(e)]
-        return []
-
     def load_latest(self) -> tuple[dict, dict] | None:
         """The newest snapshot that loads, falling back past broken ones with a warning.
 
@@ -216,11 +215,7 @@ class SnapshotStore:
                             info.path, e.__class__.__name__, e)
                 errors.append(f"{info.path}: {e}")
         if committed:
-            raise SnapshotError(
-                f"no snapshot in {self.url} can be loaded ({'; '.join(errors)}). Pick one that loads with "
-                "snapshot.resume=PATH, or start over with snapshot.resume=never snapshot.move_aside=true "
-                "(which moves these snapshots aside, deleting nothing)"
-            )
+            raise nothing_loads(self.url, "; ".join(errors))
         return None
 
     def run_id_of(self, info: SnapshotInfo) -> str | None:
