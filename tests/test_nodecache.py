@@ -40,7 +40,7 @@ def flip_byte(fs_write, data: bytes, at: int = 7):
     fs_write(bytes(damaged))
 
 
-def test_a_restart_reads_the_node_copy_and_falls_back_to_the_store_piece_by_piece(store_url, tmp_path, caplog):
+def test_a_restart_reads_the_node_copy_and_falls_back_to_the_store_chunk_by_chunk(store_url, tmp_path, caplog):
     store = SnapshotStore(store_url)
     cache = NodeCache(str(tmp_path / "shm"), store.url, "job1")
     for step in (1, 2, 3):
@@ -51,10 +51,10 @@ def test_a_restart_reads_the_node_copy_and_falls_back_to_the_store_piece_by_piec
     # the store's shard damaged, the node's copy intact: loaded from the copy, bitwise
     good = fs_of(store).cat_file(f"{path}/{SHARD}")
     flip_byte(lambda b: fs_of(store).pipe_file(f"{path}/{SHARD}", b), good)
-    with caplog.at_level(logging.INFO, logger="mingpt.snapshot.store"):
+    with caplog.at_level(logging.INFO, logger="mingpt.snapshot.chunks"):
         extra, got = load(store, path, manifest, cache)
     assert extra["trainer"] == {"step": 3} and all(torch.equal(got[k], v) for k, v in tensors(3).items())
-    assert "node cache: 2 of 2 pieces read from" in caplog.text
+    assert "node cache: 1 of 1 chunks read from" in caplog.text
     # the copy damaged, the store intact: the store answers
     fs_of(store).pipe_file(f"{path}/{SHARD}", good)
     flip_byte(copy.write_bytes, good)

@@ -105,25 +105,26 @@ def test_one_transient_read_error_does_not_pass_over_the_newest_snapshot(tmp_pat
     assert all(torch.equal(s.local, state(2)[s.name]) for s in slots)
 
 
-def test_restore_stages_pieces_through_one_bounded_buffer(tmp_path, monkeypatch):
-    """On a GPU each piece passes through pinned host memory; at most one buffer of the bound (or of
-    the largest piece) is allocated, not the whole state. Forced on here, on the CPU."""
-    from mingpt.snapshot import restore as restore_module
+def test_restore_reads_through_one_bounded_buffer(tmp_path, monkeypatch):
+    """Chunks pass through one host buffer (pinned on a GPU) of the bound, or of the largest chunk
+    when that is larger, a batch at a time: never the whole state at once."""
+    from mingpt.snapshot import chunks as chunks_module
 
     store = saved_store(tmp_path, steps=(3,))
     path = store.list()[-1].path
     manifest = store.read_manifest(path)
     allocated = []
-    real = restore_module._staging_buffer
-    monkeypatch.setattr(restore_module, "_staging_buffer", lambda n: allocated.append(n) or real(n))
+    real = chunks_module.host_buffer
+    monkeypatch.setattr(chunks_module, "host_buffer", lambda n, pinned: allocated.append(n) or real(n, pinned))
+    largest = max(f["size"] for name, f in manifest["files"].items() if name.startswith("shard"))  # one chunk each
     slots = empty_slots()
-    restore(store, path, manifest, slots, rank=0, world=1, stage=True, staging_bytes=1000)
-    largest = 37 * 16 * 4
-    assert allocated == [largest]  # one buffer: the bound is below the largest piece
+    restore(store, path, manifest, slots, rank=0, world=1, batch_bytes=100)
+    assert allocated == [largest]  # one buffer: the bound is below the largest chunk
     assert all(torch.equal(s.local, state(3)[s.name]) for s in slots)
     slots = empty_slots()
-    restore(store, path, manifest, slots, rank=0, world=1, stage=True, staging_bytes=3000)  # two rounds
-    assert allocated[1] == 3000 and all(torch.equal(s.local, state(3)[s.name]) for s in slots)
+    restore(store, path, manifest, slots, rank=0, world=1, batch_bytes=2**30)
+    assert allocated[1] == largest  # never more than the bytes to read
+    assert all(torch.equal(s.local, state(3)[s.name]) for s in slots)
 
 
 def test_a_failed_part_aborts_the_upload_only_after_every_part_has_ended(s3_server, monkeypatch):

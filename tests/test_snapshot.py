@@ -31,7 +31,7 @@ def test_round_trip_and_manifest(store_url):
     path = save_state(store, 10, state(10), {"config": {"a": 1}})
     loaded, manifest = store.load(path)
     assert torch.equal(loaded["model"]["w"], torch.full((4, 4), 10.0)) and loaded["trainer"] == {"step": 10}
-    assert manifest["step"] == 10 and manifest["format_version"] == 2 and manifest["config"] == {"a": 1}
+    assert manifest["step"] == 10 and manifest["format_version"] == 3 and manifest["config"] == {"a": 1}
     assert set(manifest["files"]) == {SHARD, "extra.pt"}
     for name, f in manifest["files"].items():
         assert f["size"] == fs_of(store).size(f"{path}/{name}")
@@ -116,7 +116,7 @@ def test_format_version_is_checked(tmp_path, version):
     m = json.load(open(f"{p}/manifest.json"))
     m["format_version"] = version
     json.dump(m, open(f"{p}/manifest.json", "w"))
-    with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 2: use the mingpt that wrote it"):
+    with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 2, 3: use the mingpt that wrote it"):
         store.load(p)
 
 
@@ -244,3 +244,78 @@ def test_config_changes_are_logged_only_when_real(caplog):
         assert "config changed" not in caplog.text
         check_compatible(replace(cfg, optim=OptimConfig(lr=3e-4)), manifest)
     assert "config changed since the snapshot: optim.lr 0.001 -> 0.0003" in caplog.text
+
+
+def as_format_2(path: str) -> None:
+    """Rewrite a snapshot's manifest as this project's format 2 wrote it: every tensor's pieces
+    (writer, offset, first row, end row, sha256 of its bytes), no chunk checksums."""
+    import hashlib
+    import math
+    from pathlib import Path
+
+    from mingpt.snapshot.layout import SHARD_FORMAT, cut, dtype_of
+
+    m = json.loads(Path(path, "manifest.json").read_text())
+    specs = [(name, tuple(e["shape"]), dtype_of(e["dtype"])) for name, e in m["tensors"].items()]
+    pieces, _ = cut(specs, m["writers"])
+    for name, shape, dtype in specs:
+        row = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        rows = []
+        for p in pieces[name]:
+            data = Path(path, SHARD_FORMAT.format(p.writer, m["writers"])).read_bytes()
+            rows.append([p.writer, p.offset, p.start, p.stop,
+                         hashlib.sha256(data[p.offset:p.offset + (p.stop - p.start) * row]).hexdigest()])
+        m["tensors"][name]["pieces"] = rows
+    m["format_version"] = 2
+    del m["chunk_bytes"]
+    for f in m["files"].values():
+        if isinstance(f.get("sha256"), list):
+            del f["sha256"]
+    Path(path, "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("writers,readers", [(3, 2), (2, 1)])
+def test_a_format_2_snapshot_still_loads_and_its_pieces_are_still_checked(tmp_path, writers, readers):
+    from mingpt.snapshot.layout import Slot, n_rows, rows_of
+    from mingpt.snapshot.restore import restore
+
+    tensors = sample_state(writers)
+    store = SnapshotStore(str(tmp_path))
+    path = write_sharded(store, 4, tensors, writers)
+    as_format_2(path)
+    manifest = store.read_manifest(path)
+    assert manifest["format_version"] == 2 and "pieces" in manifest["tensors"]["model.wte.weight"]
+    loaded, _ = store.load(path)
+    assert all(torch.equal(loaded["model"][k.partition(".")[2]], v) for k, v in tensors.items() if k.startswith("model"))
+    for rank in range(readers):
+        slots = []
+        for name, full in tensors.items():
+            start, stop = rows_of(n_rows(full.shape), readers, rank)
+            local = torch.full_like(full, -1.0) if full.dim() == 0 else torch.full_like(full[start:stop], -1.0)
+            slots.append(Slot(name, local, tuple(full.shape), start if full.dim() else 0, sharded=full.dim() > 0))
+        restore(store, path, manifest, slots, rank=0, world=1)
+        assert all(torch.equal(s.local, tensors[s.name] if s.local.dim() == 0 else tensors[s.name][s.start:s.stop])
+                   for s in slots)
+    shard = tmp_path / "step_000000004" / "shard-00000-of-{:05d}.bin".format(writers)
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SnapshotError, match=f"shard-00000-of-{writers:05d}.bin fails its checksum"):
+        store.load(path)
+
+
+def test_the_manifest_does_not_grow_with_tensors_times_writers(tmp_path):
+    """One entry per tensor (no pieces) and one per file (its size, a sha256 per chunk): 32 writers
+    add 31 file entries to the manifest of one, whatever the number of tensors."""
+    from mingpt.snapshot.chunks import CHUNK_BYTES
+
+    tensors = {f"model.t{i}.weight": torch.randn(64, 4) for i in range(200)}
+    sizes = {}
+    for writers in (1, 32):
+        path = write_sharded(SnapshotStore(str(tmp_path / str(writers))), 1, tensors, writers)
+        manifest = json.loads(open(f"{path}/manifest.json").read())
+        assert all(set(e) == {"dtype", "shape"} for e in manifest["tensors"].values())
+        shards = {k: f for k, f in manifest["files"].items() if k.startswith("shard")}
+        assert len(shards) == writers and all(len(f["sha256"]) == -(-f["size"] // CHUNK_BYTES) for f in shards.values())
+        sizes[writers] = len(open(f"{path}/manifest.json").read())
+    assert sizes[32] - sizes[1] < 31 * 200, sizes  # about 150 bytes per file, nothing per tensor and writer

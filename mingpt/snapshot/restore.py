@@ -1,112 +1,134 @@
 """Loading a snapshot into the live tensors of every rank at once, at any world size and into either
 strategy, falling back to the previous snapshot when one is damaged.
 
-Each rank reads in parallel only what it needs, straight into its own tensors (no second copy of
-the state), and checks every piece it reads against the manifest's sha256:
-- a sharded tensor (FSDP): the pieces that overlap the rows it holds;
-- a replicated tensor (DDP, one process), `exchange` layout: the pieces of writer w are read by
-  rank w mod world and broadcast to the others (a tensor collective; nothing is pickled);
-- a replicated tensor, `direct` layout: every rank reads every piece itself.
-The ranks agree on success before anything moves between them, so a damaged shard makes every
-rank give up on that snapshot together and try the previous one.
+Every rank reads whole chunks, checks each against the manifest's sha256, and copies what it needs
+into its own tensors (no second copy of the state; at most one bounded host buffer):
+- a sharded tensor (FSDP): the chunks that hold the rows it holds;
+- replicated tensors (DDP), `exchange` layout: the chunks holding them are split into one equal,
+  contiguous share per rank; each rank reads its share into its own tensors, then the ranks pass
+  the shares around in a few large all-gathers of a bounded flat buffer: the number of collectives
+  depends on the state's bytes, not on the world size;
+- replicated tensors, `direct` layout (or one process): every rank reads every chunk itself.
+The ranks agree on success (one all-reduce) before anything moves between them, so a damaged chunk
+makes every rank give up on that snapshot together and try the previous one.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from mingpt.snapshot.layout import Piece, Slot, as_rows
-from mingpt.snapshot.store import MismatchError, SnapshotError, SnapshotStore, read_pieces, nothing_loads
+from mingpt.snapshot.chunks import BATCH_BYTES, Chunk, Copier, Target, chunks_of, needed, read_chunks, targets_of
+from mingpt.snapshot.layout import Slot
+from mingpt.snapshot.store import MismatchError, SnapshotError, SnapshotStore, nothing_loads
 
 log = logging.getLogger("mingpt")
 
-STAGING_BYTES = 256 * 2**20  # the pinned host buffer that pieces bound for an accelerator pass through
+EXCHANGE_BYTES = 256 * 2**20  # the flat buffer one all-gather of the exchange fills
 
 
 def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], *, rank: int, world: int,
-            layout: str = "exchange", cache=None,
-            stage: bool | None = None, staging_bytes: int = STAGING_BYTES) -> dict:
+            layout: str = "exchange", cache=None, exchange_bytes: int = EXCHANGE_BYTES,
+            batch_bytes: int = BATCH_BYTES) -> dict:
     """Fill every slot from the committed snapshot `path`; returns its small state (sampler,
-    counters, GradScaler). Raises SnapshotError, on every rank alike, naming the damaged shard.
-
-    Pieces of tensors on an accelerator (`stage`: None decides by the device) are read through one
-    reused pinned buffer of `staging_bytes` (or the largest piece), never the whole state at once."""
+    counters, GradScaler). Raises SnapshotError, on every rank alike, naming the damaged shard."""
     entries = manifest["tensors"]
     problems = [f"{s.name} is not in it" for s in slots if s.name not in entries]
     problems += [f"{s.name} is {entries[s.name]['shape']} in it, {list(s.shape)} here" for s in slots
                  if s.name in entries and entries[s.name]["shape"] != list(s.shape)]
     if problems:
         raise SnapshotError(f"snapshot {path} does not fit this model and optimizer: {'; '.join(problems[:5])}")
-    jobs, staged, later, sends = [], [], [], []
-    for slot in slots:
-        rows = as_rows(slot.local)
-        into = staged if (rows.device.type != "cpu" if stage is None else stage) else jobs
-        for piece in map(Piece.from_json, entries[slot.name]["pieces"]):
-            if not slot.sharded and layout == "exchange" and world > 1:
-                reader = piece.writer % world
-                sends.append((slot, piece, reader))
-                if reader == rank:
-                    into.append((slot.name, piece, rows[piece.start:piece.stop]))
-                continue
-            start, stop = max(piece.start, slot.start), min(piece.stop, slot.stop)
-            if start >= stop:
-                continue
-            if (start, stop) == (piece.start, piece.stop):
-                into.append((slot.name, piece, rows[start - slot.start:stop - slot.start]))
-            else:  # a piece that straddles this rank's rows is read whole (on the host), to check it
-                whole = torch.empty((piece.stop - piece.start, rows.shape[1]), dtype=torch.uint8)
-                jobs.append((slot.name, piece, whole))
-                later.append((rows[start - slot.start:stop - slot.start], whole[start - piece.start:stop - piece.start]))
-    errors = read_pieces(store, path, manifest, jobs, cache) + _read_staged(store, path, manifest, staged, cache,
-                                                                            staging_bytes)
+    targets = targets_of(manifest, slots)
+    chunks = chunks_of(manifest)
+    exchange = layout == "exchange" and world > 1
+    shares = _shares(needed(chunks, Copier([t for t in targets if t.replicated])), world) if exchange else None
+    mine = Copier([t for t in targets if not (exchange and t.replicated)])
+    to_read = needed(chunks, mine)
+    if exchange:  # my share of the replicated chunks too, once each
+        seen = {(c.file, c.start) for c in to_read}
+        to_read = sorted(to_read + [c for c in shares[rank] if (c.file, c.start) not in seen],
+                         key=lambda c: (c.file, c.start))
+        mine = Copier(targets)  # a share's bytes land in this rank's replicated tensors too
+    sizes = {name: f["size"] for name, f in manifest["files"].items()}
+    errors = read_chunks(store.files, path, to_read, mine, cache, manifest["step"], sizes, batch_bytes)
     try:
         extra = store.read_extra(path, manifest)
     except Exception as e:  # noqa: BLE001 - any failure to read it makes the snapshot unusable
         errors.append(f"{e.__class__.__name__}: {e}")
-    _agree(errors, path, world)
-    for dst, src in later:
-        dst.copy_(src)
-    for slot, piece, reader in sends:
-        dist.broadcast(as_rows(slot.local)[piece.start:piece.stop], src=reader)
+    _agree(errors, path, world, targets[0].dest.device if targets else torch.device("cpu"))
+    if exchange:
+        _exchange([t for t in targets if t.replicated], shares, rank, world, exchange_bytes)
     return extra
 
 
-def _staging_buffer(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+def _shares(chunks: list[Chunk], world: int) -> list[list[Chunk]]:
+    """The chunks cut into `world` contiguous groups of about the same number of bytes."""
+    total, out, acc = sum(c.size for c in chunks), [[] for _ in range(world)], 0
+    for c in chunks:
+        out[min(world - 1, acc * world // max(total, 1))].append(c)
+        acc += c.size
+    return out
 
 
-def _read_staged(store: SnapshotStore, path: str, manifest: dict, jobs: list, cache, limit: int) -> list[str]:
-    """Read pieces bound for device rows through one host buffer, a buffer-full at a time; the
-    messages of the damaged pieces."""
-    if not jobs:
-        return []
-    sizes = [dst.numel() for _, _, dst in jobs]
-    buf = _staging_buffer(min(max(limit, *sizes), sum(sizes)))
-    errors, i = [], 0
-    while i < len(jobs):
-        group, used = [], 0
-        while i < len(jobs) and (not group or used + sizes[i] <= buf.numel()):
-            name, piece, dst = jobs[i]
-            group.append((name, piece, dst, buf[used:used + sizes[i]].view(dst.shape)))
-            used, i = used + sizes[i], i + 1
-        errors += read_pieces(store, path, manifest, [(n, p, host) for n, p, _, host in group], cache)
-        for _, _, dst, host in group:
-            dst.copy_(host, non_blocking=True)
-        if buf.is_pinned():
-            torch.cuda.synchronize()  # the copies out of the buffer are done before it is refilled
-    return errors
+def _segments(share: list[Chunk], copier: Copier) -> list[tuple[Target, int, int]]:
+    """A share's bytes of replicated targets, in order: (target, from, to) within the target."""
+    out = []
+    for c in share:
+        for t in copier.overlapping(c.file, c.start, c.start + c.size):
+            lo, hi = max(c.start, t.offset), min(c.start + c.size, t.end)
+            out.append((t, lo - t.offset, hi - t.offset))
+    return out
 
 
-def _agree(errors: list[str], path: str, world: int) -> None:
-    """Raise on every rank if any rank met a problem (each problem named once)."""
+def _exchange(replicated: list[Target], shares: list[list[Chunk]], rank: int, world: int, limit: int) -> None:
+    """Every rank's share into every other rank's tensors: rounds of one all-gather, each rank
+    adding `limit // world` bytes of its share (read from its own tensors) to a flat buffer."""
+    copier = Copier(replicated)
+    streams = [_segments(s, copier) for s in shares]
+    lengths = [sum(hi - lo for _, lo, hi in s) for s in streams]
+    device = replicated[0].dest.device if replicated else torch.device("cpu")
+    unit = max(1, min(limit // world, max(lengths)))
+    out = torch.empty(unit * world, dtype=torch.uint8, device=device)
+    parts = list(out.split(unit))
+    for pos in range(0, max(lengths), unit):
+        _move(streams[rank], pos, parts[rank], into_buffer=True)
+        dist.all_gather(parts, parts[rank].clone())
+        for r in range(world):
+            if r != rank:
+                _move(streams[r], pos, parts[r], into_buffer=False)
+
+
+def _move(stream: list[tuple[Target, int, int]], pos: int, buf: torch.Tensor, into_buffer: bool) -> None:
+    """Bytes [pos, pos + len(buf)) of a share's stream between its targets and `buf`."""
+    at = 0  # the stream position of the segment's first byte
+    for t, lo, hi in stream:
+        n = hi - lo
+        a, b = max(pos, at), min(pos + buf.numel(), at + n)
+        if a < b:
+            src = t.dest[lo + a - at:lo + b - at]
+            if into_buffer:
+                buf[a - pos:b - pos].copy_(src)
+            else:
+                src.copy_(buf[a - pos:b - pos])
+        at += n
+        if at >= pos + buf.numel():
+            break
+
+
+def _agree(errors: list[str], path: str, world: int, device: torch.device) -> None:
+    """Raise on every rank if any rank met a problem (each problem named once): one all-reduce, and
+    the messages only when there are some (as JSON, nothing pickled)."""
     if world > 1:
-        everyone = [None] * world
-        dist.all_gather_object(everyone, errors)
-        errors = sorted({e for errs in everyone for e in errs})
+        flag = torch.tensor([float(len(errors))], device=device if device.type == "cuda" else "cpu")
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, json.dumps(errors))
+            errors = sorted({e for errs in everyone for e in json.loads(errs)})
     if errors:
         raise SnapshotError(f"snapshot {path} is damaged: {'; '.join(errors[:5])}"
                             + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
@@ -127,4 +149,4 @@ def restore_newest(store: SnapshotStore, candidates: list[tuple[str, dict]], loa
         except SnapshotError as e:
             log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", path, e)
             errors.append(f"{path}: {e}")
-    raise nothing_loads(store.url, '; '.join(errors))
+    raise nothing_loads(store.url, "; ".join(errors))

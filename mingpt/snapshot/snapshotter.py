@@ -5,7 +5,9 @@ thread."""
 from __future__ import annotations
 
 import io
+import json
 import logging
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -13,6 +15,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from mingpt.snapshot.chunks import CHUNK_BYTES
 from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Slot, as_rows, cut, dtype_name, specs_of
 from mingpt.snapshot.store import SnapshotStore, sha256
 
@@ -31,7 +34,7 @@ class ShardWriter:
 
     def __init__(self, writer: int, writers: int):
         self.writer, self.writers = writer, writers
-        self._specs, self.pieces, self.sizes, self._row_bytes = None, {}, [], {}
+        self._specs, self.pieces, self.sizes = None, {}, []
         self._image: torch.Tensor | None = None
 
     def own_pieces(self):
@@ -44,7 +47,6 @@ class ShardWriter:
         if specs != self._specs:
             self._specs = specs
             self.pieces, self.sizes = cut(specs, self.writers)
-            self._row_bytes = {s.name: s.row_bytes for s in slots}
         size = self.sizes[self.writer]
         if self._image is None or self._image.numel() != size:
             cuda = any(s.local.device.type == "cuda" for s in slots)
@@ -69,8 +71,7 @@ class ShardWriter:
         """Write this writer's files durably; returns what the manifest records of them."""
         view = memoryview(image.numpy()) if image.numel() else memoryview(b"")
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot-hash") as pool:  # beside the write
-            hashing = pool.submit(lambda: [sha256(view[p.offset:p.offset + (p.stop - p.start) * self._row_bytes[name]])
-                                           for name, p in self.own_pieces()])
+            hashing = pool.submit(lambda: [sha256(view[i:i + CHUNK_BYTES]) for i in range(0, len(view), CHUNK_BYTES)])
             store.write_file(step, SHARD_FORMAT.format(self.writer, self.writers), view)
             hashes = hashing.result()
         record = {"writer": self.writer, "size": len(view), "sha256": hashes}
@@ -80,24 +81,26 @@ class ShardWriter:
         return record
 
     def manifest(self, meta: dict, records: list[dict]) -> dict:
-        """The manifest of a snapshot from every writer's record (run by the committing writer)."""
-        hashes = {r["writer"]: iter(r["sha256"]) for r in records}
-        tensors = {}
-        for name, shape, dtype in self._specs:
-            tensors[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "pieces": []}
-            for p in self.pieces[name]:
-                tensors[name]["pieces"].append([p.writer, p.offset, p.start, p.stop, next(hashes[p.writer])])
-        files = {SHARD_FORMAT.format(r["writer"], self.writers): {"size": r["size"]} for r in records}
+        """The manifest of a snapshot from every writer's record (run by the committing writer): the
+        tensors (where their rows lie follows from them and the number of writers: layout.cut) and
+        each file's size and chunk checksums. Its size does not grow with tensors x writers."""
+        tensors = {name: {"dtype": dtype_name(dtype), "shape": list(shape)} for name, shape, dtype in self._specs}
+        files = {SHARD_FORMAT.format(r["writer"], self.writers): {"size": r["size"], "sha256": r["sha256"]}
+                 for r in records}
         files.update({EXTRA_FILE: r["extra"] for r in records if "extra" in r})
-        return {**meta, "writers": self.writers, "files": files, "tensors": tensors}
+        return {**meta, "writers": self.writers, "chunk_bytes": CHUNK_BYTES, "files": files, "tensors": tensors}
+
+    def record_bytes(self) -> int:
+        """An upper bound of the JSON of any writer's record (every writer computes the same)."""
+        return 512 + 70 * math.ceil(max(self.sizes, default=0) / CHUNK_BYTES)
 
 
 class Snapshotter:
     """Asynchronous, retried snapshot saving, one instance per rank (writer).
 
     `save` blocks only while this rank's rows are copied to CPU. On a background thread each writer
-    then writes its shard; the writers' records meet in an all-gather on `group` (a gloo group of
-    their own, so that it never races the training loop's collectives), and writer 0 commits the
+    then writes its shard; the writers' records go to writer 0 in one gather on `group` (a gloo group
+    of their own, so that it never races the training loop's collectives), which commits the
     manifest only when every shard is durable and hashed, then prunes. A failed save is logged and
     training goes on: the previous snapshot stays the latest committed one. Writer 0 reports each
     save's outcome (committed, failed, retried) to `events` as a metrics record.
@@ -143,7 +146,7 @@ class Snapshotter:
         as this writer can tell (the committer: committed; the others: every shard written)."""
         self._retried_now = 0
         ready = not self.committer or self._retried(step, "preparing", lambda: self.store.begin(step) or True)
-        if not all(self._gather(bool(ready))):  # nobody writes before the folder is uncommitted
+        if not self._from_committer(bool(ready)):  # nobody writes before the folder is uncommitted
             return self._failed(step, t0, "the snapshot folder could not be prepared")
         record = self._retried(step, "writing its shard", lambda: self.shard.write(self.store, step, image, extra))
         if record is not None:
@@ -151,6 +154,10 @@ class Snapshotter:
             if self.cache is not None:
                 self.cache.put(step, SHARD_FORMAT.format(self.shard.writer, self.shard.writers), image.numpy())
         records = self._gather(record)
+        if not self.committer:  # the records went to the committer alone, which reports the outcome
+            self.last_saved_step = step if record is not None else self.last_saved_step
+            self.save_s.append(time.perf_counter() - t0)
+            return record is not None
         if any(r is None for r in records):
             bad = [SHARD_FORMAT.format(i, self.shard.writers) for i, r in enumerate(records) if r is None]
             if self.committer:
@@ -199,12 +206,28 @@ class Snapshotter:
                 time.sleep(delay)
         return None
 
-    def _gather(self, obj) -> list:
+    def _from_committer(self, ok: bool) -> bool:
+        """The committer's flag on every writer (one broadcast)."""
         if self.shard.writers == 1:
-            return [obj]
-        out = [None] * self.shard.writers
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.uint8)
+        dist.broadcast(flag, src=0, group=self.group)
+        return bool(flag.item())
+
+    def _gather(self, record: dict | None) -> list:
+        """Every writer's record on the committer (one gather of fixed-size JSON buffers: O(writers)
+        bytes in all, nothing pickled); [] on the other writers."""
+        if self.shard.writers == 1:
+            return [record]
+        size = self.shard.record_bytes()
+        data = json.dumps(record).encode()
+        if len(data) > size:
+            raise RuntimeError(f"a snapshot record of {len(data)} bytes exceeds its bound of {size}")
+        buf = torch.zeros(size, dtype=torch.uint8)
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = [torch.empty(size, dtype=torch.uint8) for _ in range(self.shard.writers)] if self.committer else None
+        dist.gather(buf, out, dst=0, group=self.group)
+        return [json.loads(bytes(b.numpy()).rstrip(b"\0")) for b in out] if self.committer else []
 
     def wait(self) -> bool | None:
         """Block until the save in flight (if any) has committed or failed; the outcome of the newest

@@ -1,14 +1,16 @@
 """Snapshots through fsspec (a local directory or s3://): write, commit, find, read, prune.
 
-Layout of a store (format 2):
+Layout of a store (format 3):
 
     <store>/step_000000500/shard-00000-of-00002.bin   writer 0's rows of every tensor (raw bytes)
     <store>/step_000000500/shard-00001-of-00002.bin   writer 1's rows
     <store>/step_000000500/extra.pt                   the small state: sampler, counters, GradScaler
     <store>/step_000000500/manifest.json              written last: its presence commits the snapshot
 
-The manifest lists every tensor's dtype, shape and pieces (writer, offset, rows, sha256) and every
-file's size, so a reader takes just the rows it needs and checks them. A snapshot is found by
+The manifest lists every tensor's name, dtype and shape (where its rows lie in the shards follows
+from them and the number of writers: layout.cut) and every file's size and the sha256 of each of
+its chunks, so a reader takes just the chunks it needs and checks them (chunks.py). Format 2 (a
+sha256 per tensor piece) still loads. A snapshot is found by
 scanning for step folders that hold a manifest; anything else (an interrupted write, a leftover
 file) is invisible. This module is the catalogue; the bytes move through transport.py (a local
 directory or an S3 bucket).
@@ -23,20 +25,20 @@ import logging
 import re
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Piece, as_rows, dtype_of
+from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, targets_of, whole_slots
+from mingpt.snapshot.layout import EXTRA_FILE
 from mingpt.snapshot.s3 import S3Objects
-from mingpt.snapshot.transport import Files, LocalFiles, join, pread_into, retried
+from mingpt.snapshot.transport import Files, LocalFiles, join, retried
 from mingpt.storage import is_local
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (2,)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 MANIFEST_FILE = "manifest.json"
 STEP_RE = re.compile(r"^step_(\d{9})$")
 
@@ -181,20 +183,20 @@ class SnapshotStore:
         missing = self.missing_files(path, manifest)
         if missing:
             raise SnapshotError(f"snapshot {path} is incomplete: {', '.join(missing)}")
-        tensors = {name: torch.empty(e["shape"], dtype=dtype_of(e["dtype"])) for name, e in manifest["tensors"].items()}
-        jobs = [(name, Piece.from_json(p), as_rows(t)[p[2]:p[3]]) for name, t in tensors.items()
-                for p in manifest["tensors"][name]["pieces"]]
-        errors = read_pieces(self, path, manifest, jobs)
+        slots = whole_slots(manifest)
+        copier = Copier(targets_of(manifest, slots))
+        sizes = {name: f["size"] for name, f in manifest["files"].items()}
+        errors = read_chunks(self.files, path, needed(chunks_of(manifest), copier), copier, sizes=sizes)
         if errors:
             raise SnapshotError(f"snapshot {path}: {'; '.join(errors)}")
         state = {"model": {}, "optimizer": {}, **self.read_extra(path, manifest)}
-        for name, t in tensors.items():
-            kind, _, rest = name.partition(".")
+        for slot in slots:
+            kind, _, rest = slot.name.partition(".")
             if kind == "model":
-                state["model"][rest] = t
+                state["model"][rest] = slot.local
             else:
                 param, _, key = rest.rpartition(".")
-                state["optimizer"].setdefault(param, {})[key] = t
+                state["optimizer"].setdefault(param, {})[key] = slot.local
         for alias, target in manifest.get("aliases", {}).items():
             state["model"][alias.partition(".")[2]] = state["model"][target.partition(".")[2]]
         return state, manifest
@@ -279,54 +281,3 @@ def load_from(path: str, storage_options: dict | None = None) -> tuple[dict, dic
     if found is None:
         raise SnapshotError(f"no committed snapshot in {path}")
     return found
-
-
-
-def _shard_of(piece: Piece, manifest: dict) -> str:
-    """The name of the shard file that holds `piece`."""
-    return SHARD_FORMAT.format(piece.writer, manifest["writers"])
-
-
-def _read_cached(cache, manifest: dict, jobs: list) -> list:
-    """Fill the pieces that the node cache holds (each checked against its sha256); returns the jobs
-    left for the store: not cached, or a damaged copy."""
-    def one(job) -> bool:
-        _, piece, out = job
-        name = _shard_of(piece, manifest)
-        file = cache.file(manifest["step"], name, manifest["files"][name]["size"])
-        if file is None or not out.numel():
-            return file is not None
-        view = memoryview(out.numpy()).cast("B")
-        try:
-            pread_into(file, piece.offset, view)
-        except OSError:
-            return False
-        return sha256(view) == piece.sha256
-
-    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="snapshot-cache") as pool:
-        done = list(pool.map(one, jobs))
-    if any(done):
-        log.info("node cache: %d of %d pieces read from %s", sum(done), len(jobs), cache.dir)
-    return [job for job, ok in zip(jobs, done) if not ok]
-
-
-def read_pieces(store: SnapshotStore, path: str, manifest: dict, jobs: list, cache=None) -> list[str]:
-    """Read pieces (tensor name, Piece, uint8 rows view of the piece's rows) in parallel, each
-    verified against its sha256; returns one message per damaged piece, naming its shard. Pieces
-    that the node `cache` holds intact are read from it; the others from the store."""
-    if cache is not None and cache.enabled:
-        jobs = _read_cached(cache, manifest, jobs)
-    views = [memoryview(out.numpy()).cast("B") if out.numel() else memoryview(b"") for _, _, out in jobs]
-    failed = store.files.fill([(join(path, _shard_of(piece, manifest)), piece.offset, view)
-                               for (_, piece, _), view in zip(jobs, views)])
-
-    def check(i: int) -> str | None:
-        name, piece, _ = jobs[i]
-        if i in failed:
-            return failed[i]
-        if sha256(views[i]) != piece.sha256:
-            return f"shard {_shard_of(piece, manifest)} fails its checksum (rows {piece.start}-{piece.stop} of {name})"
-        return None
-
-    with ThreadPoolExecutor(max_workers=8, thread_name_prefix="snapshot-check") as pool:
-        return sorted({m for m in pool.map(check, range(len(jobs))) if m})
