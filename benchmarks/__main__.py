@@ -7,6 +7,7 @@
     plan        epoch planning time and memory of the samplers at 10^7 pieces and 10^9 tokens
     goodput     a 2-worker job SIGKILLed every T seconds: goodput and its breakdown by snapshot interval
     data        prepare throughput, start-up time and memory by dataset size, S3 against local disk
+    scale       snapshot costs per rank at 2 to 32 ranks (manifest, commit, restore), fitted and projected
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput")
+BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput", "scale")
 
 
 def main(argv: list[str] | None = None) -> None:

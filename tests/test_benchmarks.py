@@ -76,3 +76,10 @@ def test_goodput(corpus_file, tmp_path):
                 "--corpus", str(corpus_file), "--keep", str(tmp_path), timeout=600)
     faulted = [line for line in out.splitlines() if line.startswith("| 6 s |")]
     assert len(faulted) == 1 and "bitwise equal" in faulted[0], out
+
+
+def test_scale():
+    out = bench("scale", "--ranks", "2", "3", "--shapes", "gpt-nano")
+    rows = [line for line in out.splitlines() if line.startswith("| gpt-nano |")]
+    assert len(rows) == 2, out
+    assert re.search(r"gpt-nano restore_collectives: [\d.,]+ \+ [-\d.,]+ \* N", out), out

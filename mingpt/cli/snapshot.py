@@ -43,7 +43,7 @@ def _describe(store: SnapshotStore, info: SnapshotInfo, verify: bool) -> dict:
         row["error"] = f"{e.__class__.__name__}: {e}"
         return row
     if verify:
-        try:  # every shard, every piece against its sha256
+        try:  # every shard, every chunk against its sha256
             state, _ = store.load(info.path)
             row["checksum"] = "ok"
             row["weights"] = weights_digest(state["model"]) if "model" in state else None
