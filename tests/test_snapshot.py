@@ -138,6 +138,19 @@ def sample_state(seed: int = 0) -> dict[str, torch.Tensor]:
             "optim.wte.weight.exp_avg": torch.randn(67, 8, generator=g), "optim.wte.weight.step": torch.tensor(7.0)}
 
 
+def rank_slots(tensors: dict, rank: int, ranks: int) -> list:
+    """Rank `rank`'s empty slots in an FSDP-like world of `ranks`: its rows (torch.chunk's rule) of
+    every tensor but the scalars, which it holds whole."""
+    from mingpt.snapshot.layout import Slot, n_rows, rows_of
+
+    slots = []
+    for name, full in tensors.items():
+        start, stop = rows_of(n_rows(full.shape), ranks, rank)
+        local = torch.full_like(full, -1.0) if full.dim() == 0 else torch.full_like(full[start:stop], -1.0)
+        slots.append(Slot(name, local, tuple(full.shape), start if full.dim() else 0, sharded=full.dim() > 0))
+    return slots
+
+
 def write_sharded(store: SnapshotStore, step: int, tensors: dict, writers: int) -> str:
     """A snapshot written by `writers` writers, each with only its own ShardWriter (as the ranks do)."""
     from mingpt.snapshot.layout import Slot
@@ -174,7 +187,6 @@ def test_a_snapshot_of_n_writers_loads_into_m_shards_bitwise(store_url, monkeypa
     the pieces of any number of writers. On S3 the pieces come in merged ranged GETs, here of at
     most 1 KB, so that a piece is also cut over several GETs."""
     from mingpt.snapshot import s3 as s3_module
-    from mingpt.snapshot.layout import Slot, n_rows, rows_of
     from mingpt.snapshot.restore import restore
 
     monkeypatch.setattr(s3_module, "READ_BYTES", 1024)
@@ -183,11 +195,7 @@ def test_a_snapshot_of_n_writers_loads_into_m_shards_bitwise(store_url, monkeypa
     path = write_sharded(store, 9, tensors, writers)
     manifest = store.read_manifest(path)
     for rank in range(readers):
-        slots = []
-        for name, full in tensors.items():
-            start, stop = rows_of(n_rows(full.shape), readers, rank)
-            local = torch.full_like(full, -1.0) if full.dim() == 0 else torch.full_like(full[start:stop], -1.0)
-            slots.append(Slot(name, local, tuple(full.shape), start if full.dim() else 0, sharded=full.dim() > 0))
+        slots = rank_slots(tensors, rank, readers)
         extra = restore(store, path, manifest, slots, rank=0, world=1)
         assert extra["trainer"] == {"step": 9}
         for slot in slots:
@@ -276,7 +284,6 @@ def as_format_2(path: str) -> None:
 
 @pytest.mark.parametrize("writers,readers", [(3, 2), (2, 1)])
 def test_a_format_2_snapshot_still_loads_and_its_pieces_are_still_checked(tmp_path, writers, readers):
-    from mingpt.snapshot.layout import Slot, n_rows, rows_of
     from mingpt.snapshot.restore import restore
 
     tensors = sample_state(writers)
@@ -288,11 +295,7 @@ def test_a_format_2_snapshot_still_loads_and_its_pieces_are_still_checked(tmp_pa
     loaded, _ = store.load(path)
     assert all(torch.equal(loaded["model"][k.partition(".")[2]], v) for k, v in tensors.items() if k.startswith("model"))
     for rank in range(readers):
-        slots = []
-        for name, full in tensors.items():
-            start, stop = rows_of(n_rows(full.shape), readers, rank)
-            local = torch.full_like(full, -1.0) if full.dim() == 0 else torch.full_like(full[start:stop], -1.0)
-            slots.append(Slot(name, local, tuple(full.shape), start if full.dim() else 0, sharded=full.dim() > 0))
+        slots = rank_slots(tensors, rank, readers)
         restore(store, path, manifest, slots, rank=0, world=1)
         assert all(torch.equal(s.local, tensors[s.name] if s.local.dim() == 0 else tensors[s.name][s.start:s.stop])
                    for s in slots)
