@@ -132,7 +132,7 @@ def train_weights(data_path: str, tmp_path: Path, name: str, *overrides: str) ->
 
 
 @pytest.mark.parametrize("kind", ["stream", "documents"])
-def test_training_from_s3_equals_training_from_local_disk(inputs, tmp_path, s3_server, kind):
+def test_training_from_s3_equals_training_from_local_disk(inputs, tmp_path, s3, kind):
     import s3fs
 
     fs = s3fs.S3FileSystem()
@@ -153,7 +153,7 @@ def test_training_from_s3_equals_training_from_local_disk(inputs, tmp_path, s3_s
         time.sleep(0.1)
 
 
-def test_a_damaged_shard_on_s3_is_named(inputs, tmp_path, s3_server):
+def test_a_damaged_shard_on_s3_is_named(inputs, tmp_path, s3):
     import s3fs
 
     fs = s3fs.S3FileSystem()
@@ -211,7 +211,7 @@ def test_a_prepared_dataset_of_another_tokenizer_than_the_snapshot_is_named(inpu
         load_corpus(d, tokenizer_state={"kind": "char", "chars": "abc", "eot": False})
 
 
-def test_a_cache_limit_beyond_the_disk_is_refused(inputs, tmp_path, s3_server, monkeypatch):
+def test_a_cache_limit_beyond_the_disk_is_refused(inputs, tmp_path, s3, monkeypatch):
     import shutil
 
     import s3fs
@@ -261,7 +261,7 @@ def test_ranks_under_torchrun_prepare_one_dataset_together(inputs, tmp_path):
     assert proc.stdout.count("1,151 documents") == 1  # one summary, from rank 0
 
 
-def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs, tmp_path, s3_server):
+def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs, tmp_path, s3):
     import s3fs
 
     from mingpt.data.prepare import DatasetDir
@@ -300,7 +300,7 @@ def test_verify_names_a_damaged_local_shard(inputs, tmp_path, capsys):
     assert f"damaged: {m['shards'][2]['name']} fails its checksum" in err and err.count("damaged:") == 1
 
 
-def test_the_shard_cache_survives_a_copy_vanishing_under_another_local_rank(inputs, tmp_path, s3_server,
+def test_the_shard_cache_survives_a_copy_vanishing_under_another_local_rank(inputs, tmp_path, s3,
                                                                              monkeypatch):
     """Local ranks share the cache and each evicts: a file listed by one may be gone when it looks at
     it. Usage and eviction go on (they used to raise FileNotFoundError from stat)."""
@@ -333,7 +333,7 @@ def test_the_shard_cache_survives_a_copy_vanishing_under_another_local_rank(inpu
     assert cache.get(c).stat().st_size == c["bytes"]  # evicts among files that vanish meanwhile
 
 
-def test_a_failing_background_copy_is_reported_by_the_next_read(inputs, tmp_path, s3_server, monkeypatch):
+def test_a_failing_background_copy_is_reported_by_the_next_read(inputs, tmp_path, s3, monkeypatch):
     """An unexpected error in the thread that copies shards (a full disk, a bug) stops the run at the
     next read, named; it used to end the thread silently."""
     import s3fs

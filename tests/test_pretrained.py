@@ -114,7 +114,7 @@ def test_a_character_level_run_exports_its_weights_and_says_there_is_no_tokenize
     assert json.loads((out / "mingpt_tokenizer.json").read_text())["kind"] == "char"
 
 
-def test_export_from_an_s3_store(s3_server, tmp_path):
+def test_export_from_an_s3_store(s3, tmp_path):
     import s3fs
 
     s3fs.S3FileSystem().mkdir("export-bucket")

@@ -127,7 +127,7 @@ def test_restore_reads_through_one_bounded_buffer(tmp_path, monkeypatch):
     assert all(torch.equal(s.local, state(3)[s.name]) for s in slots)
 
 
-def test_a_failed_part_aborts_the_upload_only_after_every_part_has_ended(s3_server, monkeypatch):
+def test_a_failed_part_aborts_the_upload_only_after_every_part_has_ended(s3, monkeypatch):
     """An abort while other parts are still uploading can leave those parts stored (and billed):
     the upload is aborted once every part has ended, and the store holds no unfinished upload."""
     import s3fs
@@ -163,7 +163,7 @@ def test_a_failed_part_aborts_the_upload_only_after_every_part_has_ended(s3_serv
     assert SnapshotStore("s3://mpu-abort/run").uploads() == []
 
 
-def test_mingpt_snapshot_lists_and_aborts_uploads_that_dead_processes_left(s3_server, capsys):
+def test_mingpt_snapshot_lists_and_aborts_uploads_that_dead_processes_left(s3, capsys):
     """A process killed during an upload leaves an unfinished multipart upload (its parts are billed
     until aborted): the tool lists them, and aborts them with --abort."""
     import s3fs

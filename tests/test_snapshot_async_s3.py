@@ -26,7 +26,7 @@ def test_async_save_copies_state_before_training_goes_on(store_url):
     assert snap.last_saved_step == 1 and len(snap.blocking_s) == 1
 
 
-def test_multipart_sized_snapshot_on_s3(s3_server):
+def test_multipart_sized_snapshot_on_s3(s3):
     import s3fs
 
     s3fs.S3FileSystem().mkdir("multipart")
@@ -70,7 +70,7 @@ def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server,
     snap.close()
 
 
-def test_unreachable_bucket_is_one_clear_error_without_credentials(s3_server):
+def test_unreachable_bucket_is_one_clear_error_without_credentials(s3):
     with pytest.raises(SnapshotError, match="cannot reach snapshot store s3://no-such-bucket/x") as e:
         open_store("s3://no-such-bucket/x", None)
     assert "test-secret-do-not-log" not in str(e.value)

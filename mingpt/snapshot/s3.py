@@ -153,10 +153,16 @@ class S3Objects:
             self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+        # Servers with real directories (SeaweedFS, MinIO) keep an emptied folder listed until its
+        # own key goes; on AWS that key does not exist and the delete is a no-op.
+        bucket, key, _ = self.fs.split_path(path)
+        if key:
+            self._call("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+        self.fs.invalidate_cache(path)
 
     def move(self, folder: str, dest: str) -> None:  # no rename on S3: server-side copies, then deletes
         self.fs.copy(folder, dest, recursive=True)
-        self.fs.rm(folder, recursive=True)
+        self.remove(folder)
 
     def sync_dir(self, folder: str) -> None:
         pass

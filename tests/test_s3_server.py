@@ -1,0 +1,73 @@
+"""Snapshots on a real S3 server (SeaweedFS on loopback) that dies in the middle of a save."""
+
+import logging
+import time
+
+import pytest
+import torch
+
+from conftest import SeaweedFS
+from mingpt.snapshot import Snapshotter, SnapshotStore
+from mingpt.snapshot.layout import Slot
+
+
+@pytest.fixture
+def own_server(tmp_path, monkeypatch):
+    """A server of this test's own (the session's one must not die)."""
+    import s3fs
+
+    server = SeaweedFS(tmp_path / "weed")
+    (tmp_path / "weed").mkdir()
+    server.start()
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    s3fs.S3FileSystem.clear_instance_cache()
+    yield server
+    server.stop()
+    s3fs.S3FileSystem.clear_instance_cache()
+
+
+def uploading(store: SnapshotStore) -> bool:
+    """A multipart upload of the store is under way."""
+    try:
+        return bool(store.uploads())
+    except Exception:  # noqa: BLE001 - the server is busy or gone
+        return False
+
+
+def test_the_server_killed_mid_save_and_restarted_loses_nothing_committed(own_server, caplog):
+    import s3fs
+
+    s3fs.S3FileSystem().mkdir("ckpt")
+    store = SnapshotStore("s3://ckpt/run", {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
+    snap = Snapshotter(store, keep_last=5, retries=1, backoff_s=0.2)
+    small = torch.arange(1000, dtype=torch.float32)
+    snap.save(1, [Slot("model.w", small, (1000,))], {"trainer": {"step": 1}}, {})
+    assert snap.wait() is True
+    big = torch.randn(40_000_000)  # 160 MB: a multipart upload of 5 parts
+    caplog.set_level(logging.WARNING)
+    snap.save(2, [Slot("model.w", big, tuple(big.shape))], {"trainer": {"step": 2}}, {})
+    deadline = time.monotonic() + 60
+    while not uploading(store) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert uploading(store), "the upload never started"
+    own_server.stop()  # SIGKILL, mid-upload
+    assert snap.wait() is False  # reported, not raised: training would go on
+    assert snap.failures == 1 and "snapshot step 2 failed" in caplog.text
+    own_server.start()
+    s3fs.S3FileSystem.clear_instance_cache()
+    store = SnapshotStore("s3://ckpt/run")
+    assert [s.step for s in store.list() if s.committed] == [1]
+    state, manifest = store.load_latest()
+    assert manifest["step"] == 1 and torch.equal(state["model"]["w"], small)
+    # the job goes on: the next save commits, and the killed upload is found and aborted
+    snap = Snapshotter(store, keep_last=5)
+    snap.save(3, [Slot("model.w", big, tuple(big.shape))], {"trainer": {"step": 3}}, {})
+    assert snap.wait() is True
+    state, manifest = store.load_latest()
+    assert manifest["step"] == 3 and torch.equal(state["model"]["w"], big)
+    orphans = store.uploads()
+    for upload in orphans:
+        store.abort_upload(upload)
+    assert store.uploads() == []
+    snap.close()
