@@ -32,13 +32,12 @@ def test_throughput(corpus_file, tmp_path):
 
 
 def test_snapshot(corpus_file):
-    """The layouts' comparison is left out here (it is the same loop as the uploaders', over four more
-    torchrun jobs: too long for CI)."""
-    out = bench("snapshot", "--shapes", "gpt-nano", "--configs", "1:ddp", "--compare-shape", "gpt-nano",
-                "--layouts", "exchange", "--recovery-model", "gpt-nano", "--corpus", str(corpus_file))
+    """On local disk only, without the layouts' comparison: the S3 rows and the uploaders' and
+    layouts' comparisons are the same loops over more torchrun jobs, too long for CI."""
+    out = bench("snapshot", "--shapes", "gpt-nano", "--configs", "1:ddp", "2:fsdp", "--no-s3", "--layouts", "exchange",
+                "--recovery-model", "gpt-nano", "--corpus", str(corpus_file))
     rows = [line for line in out.splitlines() if line.startswith("| gpt-nano |")]
-    assert len(rows) == 2 and not any("failed" in r for r in rows), out  # local, S3
-    assert re.search(r"- s3fs: [\d.]+ s\n- boto3: [\d.]+ s", out), out
+    assert len(rows) == 2 and not any("failed" in r for r in rows), out  # 1 process DDP, 2 ranks FSDP
     m = re.search(r"([\d.]+) s to the first resumed step, resumed from step (\d+), (\d+) steps lost", out)
     assert m and float(m[1]) > 0 and int(m[2]) == 20, out
 
@@ -72,10 +71,11 @@ def test_data(tmp_path):
 
 
 def test_goodput(corpus_file, tmp_path):
-    out = bench("goodput", "--model", "gpt-nano", "--kill-every", "6", "--snapshot-every", "5", "--steps", "60",
+    out = bench("goodput", "--model", "gpt-nano", "--kill-every", "5", "--snapshot-every", "5", "--steps", "40",
                 "--corpus", str(corpus_file), "--keep", str(tmp_path), timeout=600)
-    faulted = [line for line in out.splitlines() if line.startswith("| 6 s |")]
+    faulted = [line for line in out.splitlines() if line.startswith("| 5 s |")]
     assert len(faulted) == 1 and "bitwise equal" in faulted[0], out
+    assert int(faulted[0].split("|")[3]) >= 1, out  # at least one SIGKILL, recovered from
 
 
 def test_scale():
