@@ -14,6 +14,7 @@ A `Target` is a byte range of one shard file and the uint8 view of the tensor ro
 from __future__ import annotations
 
 import bisect
+import hashlib
 import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,10 @@ log = logging.getLogger(__name__)
 
 CHUNK_BYTES = 4 * 2**20
 BATCH_BYTES = 256 * 2**20  # the host buffer chunks are read through, a batch at a time
+
+
+def sha256(view) -> str:
+    return hashlib.sha256(view).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -123,13 +128,11 @@ def needed(chunks: list[Chunk], copier: Copier) -> list[Chunk]:
 def read_chunks(files: Files, path: str, chunks: list[Chunk], copier: Copier, cache=None, step: int | None = None,
                 sizes: dict | None = None, batch_bytes: int = BATCH_BYTES) -> list[str]:
     """Read `chunks` of snapshot `path` through one host buffer (a batch at a time), check each
-    against its sha256 and copy it into the targets; one message per damaged or unreadable chunk."""
-    import hashlib
-
+    against its sha256 and copy it into the targets; one message per damaged or unreadable chunk.
+    `sizes` (each file's size) serve the node `cache`, whose copies are checked as they are read."""
     if not chunks:
         return []
-    pinned = torch.cuda.is_available() and any(t.dest.device.type == "cuda" for ts in copier.by_file.values()
-                                                 for t in ts[:1])
+    pinned = torch.cuda.is_available() and any(t.dest.is_cuda for ts in copier.by_file.values() for t in ts)
     buf = host_buffer(min(max(batch_bytes, max(c.size for c in chunks)), sum(c.size for c in chunks)), pinned)
     errors, i, from_cache = [], 0, 0
     while i < len(chunks):
@@ -145,16 +148,18 @@ def read_chunks(files: Files, path: str, chunks: list[Chunk], copier: Copier, ca
         failed = files.fill([(join(path, batch[k][0].file), batch[k][0].start, views[k]) for k in todo])
         failed = {todo[k]: msg for k, msg in failed.items()}
 
-        def check(k: int) -> str | None:
+        def check(k: int) -> str | None:  # the chunks from the store (the cache's were checked)
             c = batch[k][0]
             if k in failed:
                 return failed[k]
-            if hashlib.sha256(views[k]).hexdigest() != c.sha256:
+            if sha256(views[k]) != c.sha256:
                 return f"shard {c.file} fails its checksum (bytes {c.start}-{c.start + c.size})"
             return None
 
+        problems = [None] * len(batch)
         with ThreadPoolExecutor(max_workers=8, thread_name_prefix="snapshot-check") as pool:
-            problems = list(pool.map(check, range(len(batch))))
+            for k, problem in zip(todo, pool.map(check, todo)):
+                problems[k] = problem
         for (c, o), problem in zip(batch, problems):
             if problem:
                 errors.append(problem)
@@ -173,8 +178,6 @@ def host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
 
 def _from_cache(cache, step: int, sizes: dict, chunk: Chunk, view: memoryview) -> bool:
     """Fill `view` with the chunk from this node's copy, checked; False when it is missing or damaged."""
-    import hashlib
-
     file = cache.file(step, chunk.file, sizes[chunk.file])
     if file is None:
         return False
@@ -182,7 +185,7 @@ def _from_cache(cache, step: int, sizes: dict, chunk: Chunk, view: memoryview) -
         pread_into(file, chunk.start, view)
     except OSError:
         return False
-    return hashlib.sha256(view).hexdigest() == chunk.sha256
+    return sha256(view) == chunk.sha256
 
 
 def whole_slots(manifest: dict) -> list[Slot]:

@@ -42,26 +42,24 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
                  if s.name in entries and entries[s.name]["shape"] != list(s.shape)]
     if problems:
         raise SnapshotError(f"snapshot {path} does not fit this model and optimizer: {'; '.join(problems[:5])}")
-    targets = targets_of(manifest, slots)
-    chunks = chunks_of(manifest)
+    targets, chunks = targets_of(manifest, slots), chunks_of(manifest)
     exchange = layout == "exchange" and world > 1
-    shares = _shares(needed(chunks, Copier([t for t in targets if t.replicated])), world) if exchange else None
-    mine = Copier([t for t in targets if not (exchange and t.replicated)])
-    to_read = needed(chunks, mine)
-    if exchange:  # my share of the replicated chunks too, once each
-        seen = {(c.file, c.start) for c in to_read}
-        to_read = sorted(to_read + [c for c in shares[rank] if (c.file, c.start) not in seen],
-                         key=lambda c: (c.file, c.start))
-        mine = Copier(targets)  # a share's bytes land in this rank's replicated tensors too
+    if exchange:  # the chunks of this rank's own rows, and its share of the replicated ones
+        replicated = Copier([t for t in targets if t.replicated])
+        shares = _shares(needed(chunks, replicated), world)
+        own = needed(chunks, Copier([t for t in targets if not t.replicated]))
+        to_read = sorted(set(own) | set(shares[rank]), key=lambda c: (c.file, c.start))
+    else:
+        to_read = needed(chunks, Copier(targets))
     sizes = {name: f["size"] for name, f in manifest["files"].items()}
-    errors = read_chunks(store.files, path, to_read, mine, cache, manifest["step"], sizes, batch_bytes)
+    errors = read_chunks(store.files, path, to_read, Copier(targets), cache, manifest["step"], sizes, batch_bytes)
     try:
         extra = store.read_extra(path, manifest)
     except Exception as e:  # noqa: BLE001 - any failure to read it makes the snapshot unusable
         errors.append(f"{e.__class__.__name__}: {e}")
     _agree(errors, path, world, targets[0].dest.device if targets else torch.device("cpu"))
     if exchange:
-        _exchange([t for t in targets if t.replicated], shares, rank, world, exchange_bytes)
+        _exchange(replicated, shares, rank, world, exchange_bytes)
     return extra
 
 
@@ -84,13 +82,12 @@ def _segments(share: list[Chunk], copier: Copier) -> list[tuple[Target, int, int
     return out
 
 
-def _exchange(replicated: list[Target], shares: list[list[Chunk]], rank: int, world: int, limit: int) -> None:
+def _exchange(replicated: Copier, shares: list[list[Chunk]], rank: int, world: int, limit: int) -> None:
     """Every rank's share into every other rank's tensors: rounds of one all-gather, each rank
     adding `limit // world` bytes of its share (read from its own tensors) to a flat buffer."""
-    copier = Copier(replicated)
-    streams = [_segments(s, copier) for s in shares]
+    streams = [_segments(s, replicated) for s in shares]
     lengths = [sum(hi - lo for _, lo, hi in s) for s in streams]
-    device = replicated[0].dest.device if replicated else torch.device("cpu")
+    device = next((ts[0].dest.device for ts in replicated.by_file.values()), torch.device("cpu"))
     unit = max(1, min(limit // world, max(lengths)))
     out = torch.empty(unit * world, dtype=torch.uint8, device=device)
     parts = list(out.split(unit))
@@ -121,7 +118,7 @@ def _move(stream: list[tuple[Target, int, int]], pos: int, buf: torch.Tensor, in
 
 def _agree(errors: list[str], path: str, world: int, device: torch.device) -> None:
     """Raise on every rank if any rank met a problem (each problem named once): one all-reduce, and
-    the messages only when there are some (as JSON, nothing pickled)."""
+    only when there are some, the messages (JSON strings, through all_gather_object)."""
     if world > 1:
         flag = torch.tensor([float(len(errors))], device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(flag)

@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from mingpt.snapshot.chunks import CHUNK_BYTES
+from mingpt.snapshot.chunks import CHUNK_BYTES, sha256
 from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Slot, as_rows, cut, dtype_name, specs_of
-from mingpt.snapshot.store import SnapshotStore, sha256
+from mingpt.snapshot.store import SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +155,15 @@ class Snapshotter:
                 self.cache.put(step, SHARD_FORMAT.format(self.shard.writer, self.shard.writers), image.numpy())
         records = self._gather(record)
         if not self.committer:  # the records went to the committer alone, which reports the outcome
-            self.last_saved_step = step if record is not None else self.last_saved_step
+            if record is None:
+                return self._failed(step, t0, "its shard could not be written")
+            self.last_saved_step = step
             self.save_s.append(time.perf_counter() - t0)
-            return record is not None
+            return True
         if any(r is None for r in records):
             bad = [SHARD_FORMAT.format(i, self.shard.writers) for i, r in enumerate(records) if r is None]
-            if self.committer:
-                log.error("snapshot step %d not committed: %s could not be written; training goes on and the "
-                          "previous snapshot stays the latest", step, ", ".join(bad))
+            log.error("snapshot step %d not committed: %s could not be written; training goes on and the "
+                      "previous snapshot stays the latest", step, ", ".join(bad))
             return self._failed(step, t0, f"{', '.join(bad)} could not be written")
         if self.committer:
             path = self._retried(step, "committing", lambda: self.store.commit(step, self.shard.manifest(manifest, records)))

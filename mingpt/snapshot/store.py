@@ -18,7 +18,6 @@ directory or an S3 bucket).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, targets_of, whole_slots
+from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, sha256, targets_of, whole_slots
 from mingpt.snapshot.layout import EXTRA_FILE
 from mingpt.snapshot.s3 import S3Objects
 from mingpt.snapshot.transport import Files, LocalFiles, join, retried
@@ -72,10 +71,6 @@ def open_files(url: str, options: dict | None = None, uploader: str = "s3fs", co
     if url.startswith("s3://"):
         return S3Objects(url, options or {}, uploader, concurrency)
     raise SnapshotError(f"{url}: snapshots go to a local directory or s3://bucket/prefix")
-
-
-def sha256(view) -> str:
-    return hashlib.sha256(view).hexdigest()
 
 
 class SnapshotStore:
@@ -185,8 +180,7 @@ class SnapshotStore:
             raise SnapshotError(f"snapshot {path} is incomplete: {', '.join(missing)}")
         slots = whole_slots(manifest)
         copier = Copier(targets_of(manifest, slots))
-        sizes = {name: f["size"] for name, f in manifest["files"].items()}
-        errors = read_chunks(self.files, path, needed(chunks_of(manifest), copier), copier, sizes=sizes)
+        errors = read_chunks(self.files, path, needed(chunks_of(manifest), copier), copier)
         if errors:
             raise SnapshotError(f"snapshot {path}: {'; '.join(errors)}")
         state = {"model": {}, "optimizer": {}, **self.read_extra(path, manifest)}
