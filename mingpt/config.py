@@ -166,7 +166,9 @@ class TrainerConfig:
     """Exit (for torchrun to restart) when a step makes no progress for this long; 0 = off."""
     parallel: str = "ddp"
     """How the model is spread over the ranks: "ddp" (every rank holds all of it and the optimizer
-    state) or "fsdp" (FSDP2: each rank holds 1/world of weights, gradients and optimizer state)."""
+    state), "fsdp" (FSDP2: each rank holds 1/world of weights, gradients and optimizer state) or
+    "hsdp" (FSDP2 within each node, replicated across nodes: only gradient shards cross between
+    nodes; every node must run the same number of processes)."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")
@@ -174,7 +176,7 @@ class TrainerConfig:
         _check(self.precision in ("auto", "fp32", "bf16", "fp16"),
                f"trainer.precision={self.precision!r}: use auto, fp32, bf16 or fp16")
         _check(self.log_every > 0, f"trainer.log_every must be positive, got {self.log_every}")
-        _check(self.parallel in ("ddp", "fsdp"), f"trainer.parallel={self.parallel!r}: use ddp or fsdp")
+        _check(self.parallel in ("ddp", "fsdp", "hsdp"), f"trainer.parallel={self.parallel!r}: use ddp, fsdp or hsdp")
         _check(self.eval_every >= 0 and self.eval_iters > 0, "trainer.eval_every must be >= 0 and eval_iters > 0")
         _check(self.threads >= 0, f"trainer.threads must be >= 0, got {self.threads}")
 

@@ -28,7 +28,7 @@ from mingpt.data import Corpus, DataError, load_corpus
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler, validation_batches
 from mingpt.distributed import DistInfo, PreemptionFlag
 from mingpt.model import GPT
-from mingpt.parallel import Parallel, parallelize
+from mingpt.parallel import Parallel, ParallelError, parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SaveFailedError, SnapshotError, Snapshotter, SnapshotStore, open_store
@@ -43,7 +43,7 @@ from mingpt.training.trainer import SavePolicy, TrainData, Trainer
 
 log = logging.getLogger("mingpt")
 
-USER_ERRORS = (ConfigError, DataError, distributed.ProcessGroupError, PreflightError, PretrainedError, SnapshotError,
+USER_ERRORS = (ConfigError, DataError, ParallelError, distributed.ProcessGroupError, PreflightError, PretrainedError, SnapshotError,
                TokenizerError)
 
 
@@ -137,7 +137,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                       scaler=torch.amp.GradScaler(torch.device(info.device).type,
                                                   enabled=cfg.trainer.precision == "fp16"),
                       data=build_train_data(cfg, corpus, parallel.gpt, info),
-                      saving=build_saving(cfg, info, start, metrics, preempt or PreemptionFlag()),
+                      saving=build_saving(cfg, info, start, metrics, preempt or PreemptionFlag(), parallel.replicas),
                       meta={"run_id": start.run_id, "job_id": info.job_id, "config": cfg.to_dict(),
                             "model_shape": cfg.model.shape_dict(), "tokenizer": corpus.tokenizer.state_dict(),
                             "corpus": corpus.source},
@@ -193,7 +193,8 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
         gpt = GPT(cfg.model)
     fresh = not start.candidates
     parallel = parallelize(gpt, cfg.trainer.parallel, info, seed=cfg.trainer.seed if fresh else None,
-                           compile=cfg.trainer.compile)
+                           compile=cfg.trainer.compile,  # HSDP on one node only to carry on an HSDP run
+                           one_node_ok=(start.manifest or {}).get("parallel") == "hsdp")
     if start.pretrained is not None and fresh:
         checkpoint_vocab = read_config(start.pretrained)["vocab_size"]
         if checkpoint_vocab != cfg.model.vocab_size:
@@ -215,13 +216,15 @@ def build_train_data(cfg: RunConfig, corpus: Corpus, gpt: GPT, info: DistInfo) -
     return TrainData(corpus.train, corpus.val, sampler, val[info.rank] + [np.zeros(0, int)] * (longest - len(val[info.rank])))
 
 
-def build_saving(cfg: RunConfig, info: DistInfo, start: Start, metrics: MetricsWriter,
-                 preempt: PreemptionFlag) -> SavePolicy:
-    """Where, how and when snapshots are saved: every rank writes its share, the first commits."""
+def build_saving(cfg: RunConfig, info: DistInfo, start: Start, metrics: MetricsWriter, preempt: PreemptionFlag,
+                 replicas: int) -> SavePolicy:
+    """Where, how and when snapshots are saved: every rank writes its share (HSDP: its part of the
+    rows its node's replica holds), the first commits."""
     sc = cfg.snapshot
     cache = NodeCache(sc.node_cache_dir, start.store.url, info.job_id) if sc.node_cache == "on" or (
         sc.node_cache == "auto" and not start.store.local) else None
-    snapshotter = Snapshotter(start.store, writer=info.rank, writers=info.world_size, group=distributed.side_group(),
+    snapshotter = Snapshotter(start.store, writer=info.rank, writers=info.world_size, replicas=replicas,
+                              group=distributed.side_group(),
                               keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries,
                               events=metrics.write, cache=cache)
     return SavePolicy(snapshotter, sc.every_steps, sc.every_seconds, preempt, torch.device(info.device))

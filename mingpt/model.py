@@ -30,14 +30,22 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size", "bias")
 
 
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """Rows [start, stop) of dimension 0 that this rank holds of an FSDP2 DTensor: torch.chunk's
+    rule over the mesh dimension it is sharded on (HSDP: the second; the first replicates)."""
+    dim = next(i for i, p in enumerate(t.placements) if p.is_shard())
+    n, parts = int(t.shape[0]) if t.dim() else 1, t.device_mesh.size(dim)
+    size = -(-n // parts)
+    start = min(t.device_mesh.get_local_rank(dim) * size, n)
+    return start, min(start + size, n)
+
+
 def assign(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the leading rows of a whole tensor, `full`, into a parameter: a plain tensor, or a shard
     of rows (an FSDP2 DTensor, cut by torch.chunk's rule) that takes just its own rows."""
     with torch.no_grad():
         if hasattr(param, "device_mesh"):  # a DTensor
-            mesh, local = param.device_mesh, param.to_local()
-            size = -(-param.shape[0] // mesh.size())
-            start = min(mesh.get_local_rank() * size, param.shape[0])
+            local, (start, _) = param.to_local(), local_rows(param)
             rows = max(0, min(len(full) - start, len(local)))
             local[:rows].copy_(full[start:start + rows])
         else:

@@ -1,7 +1,12 @@
-"""How the model is spread over the ranks, behind one seam: `parallelize` builds it (DDP, FSDP2 or
-a single process, chosen by `trainer.parallel`) and the returned `Parallel` is all the Trainer knows
-of it: the module to call, gradient sync during accumulation, clipping, the compute timing, and the
-tensors a snapshot saves and loads.
+"""How the model is spread over the ranks, behind one seam: `parallelize` builds it (DDP, FSDP2,
+HSDP or a single process, chosen by `trainer.parallel`) and the returned `Parallel` is all the
+Trainer knows of it: the module to call, gradient sync during accumulation, clipping, the compute
+timing, and the tensors a snapshot saves and loads.
+
+HSDP is FSDP2 on a 2-D device mesh: the parameters are sharded over the processes of one node and
+replicated across the nodes, so the all-gathers and reduce-scatters stay inside a node and only the
+all-reduce of each rank's gradient shard with its replicas (the same local rank on every other
+node) crosses the link between nodes.
 
 The model arrives built on the meta device (no memory, no initialisation). It is wrapped first,
 then materialised on the device, then initialised by `GPT.init_weights` (the same values as a plain
@@ -20,17 +25,18 @@ import torch
 import torch.nn as nn
 
 from mingpt.distributed import DistInfo
-from mingpt.model import GPT
-from mingpt.snapshot.layout import Slot, n_rows, rows_of
+from mingpt.model import GPT, local_rows
+from mingpt.snapshot.layout import Slot, n_rows
 
 log = logging.getLogger(__name__)
 
 class Parallel:
     """One strategy's answers to the Trainer's questions; see `parallelize`."""
 
-    def __init__(self, name: str, model: nn.Module, gpt: GPT):
+    def __init__(self, name: str, model: nn.Module, gpt: GPT, replicas: int = 1):
         self.name, self.model, self.gpt = name, model, gpt
-        self.sharded = name == "fsdp"
+        self.sharded = name in ("fsdp", "hsdp")
+        self.replicas = replicas  # HSDP: the nodes, each holding the whole state sharded over its ranks
         # This rank's own compute time per step ends when the gradient reaches the token embedding,
         # the last computation of the backward pass: the gradient all-reduce that follows makes
         # every rank look as slow as the slowest. (A tensor hook, not a DDP comm hook: a Python
@@ -95,8 +101,7 @@ class Parallel:
 def _slot(name: str, t: torch.Tensor) -> Slot:
     t = t.detach()
     if hasattr(t, "device_mesh"):  # an FSDP2 shard: rows [start, stop) of dimension 0
-        mesh, local = t.device_mesh, t.to_local()
-        start, stop = rows_of(n_rows(t.shape), mesh.size(), mesh.get_local_rank())
+        local, (start, stop) = t.to_local(), local_rows(t)
         if n_rows(local.shape) != stop - start or not local.is_contiguous():
             raise RuntimeError(f"{name}: FSDP holds {tuple(local.shape)} here, not rows {start}-{stop}")
         return Slot(name, local, tuple(t.shape), start, sharded=True)
@@ -118,22 +123,64 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
                 table[name] = new[id(t)]
 
 
-def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False) -> Parallel:
-    """Wrap a model built on the meta device for `strategy` ("ddp" or "fsdp"; one process runs it
-    plainly), materialise it on this rank's device, and initialise it from `seed` (None: leave it
-    uninitialised, for a snapshot that overwrites every value)."""
+class ParallelError(ValueError):
+    """A world the chosen strategy cannot run on; the message says what to use instead."""
+
+
+def node_mesh(info: DistInfo, one_node_ok: bool):
+    """HSDP's 2-D mesh, (nodes, processes per node) from torchrun's environment: dimension 0
+    replicates across nodes, dimension 1 shards within a node. Every node must hold the same number
+    of processes, each node's ranks in one row (torchrun numbers them so); one node is FSDP and is
+    refused unless `one_node_ok` (a run that lost its other nodes carries on as one replica)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mine = torch.tensor([info.node, info.local_world_size, info.local_rank, info.rank])
+    every = [torch.empty_like(mine) for _ in range(info.world_size)]
+    dist.all_gather(every, mine)
+    places = [tuple(int(v) for v in t) for t in every]
+    per_node: dict[int, int] = {}
+    for node, *_ in places:
+        per_node[node] = per_node.get(node, 0) + 1
+    if len(set(per_node.values())) > 1:
+        counts = ", ".join(f"{n}" for _, n in sorted(per_node.items()))
+        raise ParallelError(f"trainer.parallel=hsdp needs the same number of processes on every node, these nodes "
+                            f"hold {counts}: give every node the same --nproc_per_node, or use trainer.parallel=fsdp")
+    size = info.local_world_size
+    nodes = info.world_size // size
+    if nodes == 1 and not one_node_ok:
+        raise ParallelError(f"trainer.parallel=hsdp on one node ({size} processes) is FSDP: use trainer.parallel=fsdp, "
+                            "or start on several nodes")
+    rows = {node: {rank // size for n, _, _, rank in places if n == node} for node in per_node}
+    if any(len(r) != 1 for r in rows.values()) or any(rank % size != local for _, _, local, rank in places):
+        raise ParallelError("trainer.parallel=hsdp needs each node's ranks to be consecutive (torchrun numbers them "
+                            "so): launch with torchrun, or use trainer.parallel=fsdp")
+    if nodes == 1:
+        log.warning("HSDP on one node: carrying on as one replica (FSDP over %d processes) until another node joins",
+                    size)
+    device_type = "cuda" if info.device.startswith("cuda") else "cpu"
+    return init_device_mesh(device_type, (nodes, size), mesh_dim_names=("replicate", "shard"))
+
+
+def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False,
+                one_node_ok: bool = False) -> Parallel:
+    """Wrap a model built on the meta device for `strategy` ("ddp", "fsdp" or "hsdp"; one process
+    runs it plainly), materialise it on this rank's device, and initialise it from `seed` (None: leave
+    it uninitialised, for a snapshot that overwrites every value). `one_node_ok`: see `node_mesh`."""
     device = torch.device(info.device)
-    if strategy == "fsdp" and info.distributed:
+    replicas = 1
+    if strategy in ("fsdp", "hsdp") and info.distributed:
         from torch.distributed.fsdp import fully_shard
 
         # The logits are a view (the padded vocabulary sliced off); nothing changes them in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-
+        mesh = node_mesh(info, one_node_ok) if strategy == "hsdp" else None
+        replicas = mesh.size(0) if mesh is not None else 1
         for block in gpt.blocks:  # one all-gather per block: only one block is ever whole at a time
-            fully_shard(block)
-        fully_shard(gpt)
+            fully_shard(block, mesh=mesh)
+        fully_shard(gpt, mesh=mesh)
         gpt.to_empty(device=device)
-        name = "fsdp"
+        name = strategy
     else:
         _materialise(gpt, device)
         gpt.tie_weights()
@@ -145,4 +192,4 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             init_sync=False)  # every rank initialised the same values, or will load them
-    return Parallel(name, model, gpt)
+    return Parallel(name, model, gpt, replicas)

@@ -263,3 +263,15 @@ def char_tokenizer(text: str, eot: bool = False):
     from mingpt.tokenizer import CharTokenizer
 
     return CharTokenizer("".join(sorted(set(text))), eot)
+
+
+@pytest.fixture
+def two_nodes():
+    """Two "nodes" in their own network namespaces joined by a veth pair: {"a": Node, "b": Node}."""
+    from benchmarks.netns import NoNamespaces, two_nodes as make
+
+    try:
+        with make() as (a, b):
+            yield {"a": a, "b": b}
+    except NoNamespaces as e:
+        pytest.skip(str(e))

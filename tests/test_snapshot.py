@@ -17,6 +17,7 @@ from mingpt.config import DataConfig, OptimConfig, RunConfig, TokenizerConfig
 from mingpt.snapshot.start import MismatchError, check_compatible
 from mingpt.model import GPTConfig
 from mingpt.snapshot import SnapshotError, SnapshotStore
+from mingpt.snapshot.layout import Slot
 
 
 SHARD = "shard-00000-of-00001.bin"
@@ -198,6 +199,48 @@ def test_a_snapshot_of_n_writers_loads_into_m_shards_bitwise(store_url, monkeypa
         slots = rank_slots(tensors, rank, readers)
         extra = restore(store, path, manifest, slots, rank=0, world=1)
         assert extra["trainer"] == {"step": 9}
+        for slot in slots:
+            full = tensors[slot.name]
+            assert torch.equal(slot.local, full if full.dim() == 0 else full[slot.start:slot.stop]), slot.name
+
+
+@pytest.mark.parametrize("readers", [1, 3, 4])
+def test_an_hsdp_snapshot_is_written_once_across_replicas_and_loads_at_any_size(tmp_path, readers):
+    """HSDP, 2 nodes x 2 processes: rank w = replica * 2 + shard holds its shard's rows (the same on
+    both replicas). Each row is written once, every writer about the same bytes, and the snapshot
+    loads whole (DDP, one process) and into FSDP-like worlds of 3 and 4 ranks, bitwise."""
+    from mingpt.snapshot.layout import n_rows, rows_of
+    from mingpt.snapshot.restore import restore
+    from mingpt.snapshot.snapshotter import ShardWriter
+
+    tensors, replicas, shards = sample_state(3), 2, 2
+    store = SnapshotStore(str(tmp_path))
+    writers = [ShardWriter(w, replicas * shards, replicas) for w in range(replicas * shards)]
+    store.begin(5)
+    records = []
+    for w, sh in enumerate(writers):
+        slots = rank_slots(tensors, w % shards, shards)
+        for slot in slots:  # what this rank holds: its shard's rows, as its replica on the other node
+            full = tensors[slot.name]
+            slot.local.copy_(full if full.dim() == 0 else full[slot.start:slot.stop])
+        for name, p in sh.own_pieces():  # within the rows it holds
+            first, last = rows_of(n_rows(tensors[name].shape), shards, w % shards)
+            assert first <= p.start < p.stop <= last, (w, name, p)
+        records.append(sh.write(store, 5, *sh.copy(slots, {"trainer": {"step": 5}})))
+    path = store.commit(5, writers[0].manifest({"world_size": 4, "parallel": "hsdp"}, records))
+    for name, v in tensors.items():  # the pieces tile every tensor's rows exactly once
+        rows = sorted(r for p in writers[0].pieces[name] for r in range(p.start, p.stop))
+        assert rows == list(range(n_rows(v.shape))), name
+    sizes = [r["size"] for r in records]
+    slack = sum(2 * v[0].numel() * v.element_size() if v.dim() else v.element_size() for v in tensors.values())
+    assert sum(sizes) == sum(v.numel() * v.element_size() for v in tensors.values())
+    assert max(sizes) - min(sizes) <= slack, sizes
+    manifest = store.read_manifest(path)
+    assert manifest["replicas"] == 2
+    for rank in range(readers):
+        slots = rank_slots(tensors, rank, readers) if readers > 1 else [
+            Slot(k, torch.empty_like(v), tuple(v.shape)) for k, v in tensors.items()]
+        restore(store, path, manifest, slots, rank=0, world=1)
         for slot in slots:
             full = tensors[slot.name]
             assert torch.equal(slot.local, full if full.dim() == 0 else full[slot.start:slot.stop]), slot.name

@@ -61,7 +61,7 @@ def layout_of(manifest: dict) -> dict[str, list[Piece]]:
     if manifest["format_version"] == 2:
         return {name: [Piece(*p) for p in e["pieces"]] for name, e in tensors.items()}
     specs = [(name, tuple(e["shape"]), dtype_of(e["dtype"])) for name, e in tensors.items()]
-    return cut(specs, manifest["writers"])[0]
+    return cut(specs, manifest["writers"], manifest.get("replicas", 1))[0]
 
 
 def row_bytes(entry: dict) -> int:

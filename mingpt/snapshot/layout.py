@@ -85,21 +85,30 @@ class Piece:
         return cls(*row)
 
 
-def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int
-         ) -> tuple[dict[str, list[Piece]], list[int]]:
+def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int, replicas: int = 1
+        ) -> tuple[dict[str, list[Piece]], list[int]]:
     """({tensor name: its pieces}, each writer's file size) for tensors given as (name, shape, dtype),
-    in the order given (the same on every rank)."""
+    in the order given (the same on every rank).
+
+    `replicas` > 1 (HSDP): writer w is rank w of a mesh of `replicas` rows of writers // replicas
+    shards (w = replica * shards + shard); each tensor is cut into the shards' row ranges, and each
+    shard's range into one part per replica, so the replicas of a shard write its rows once between
+    them, each about the same number of bytes."""
+    shards = writers // replicas
     sizes = [0] * writers
     pieces: dict[str, list[Piece]] = {}
     for name, shape, dtype in specs:
         rows = n_rows(shape)
         row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
         pieces[name] = []
-        for w in range(writers):
-            start, stop = rows_of(rows, writers, w)
-            if stop > start:
-                pieces[name].append(Piece(w, sizes[w], start, stop))
-                sizes[w] += (stop - start) * row_bytes
+        for s in range(shards):
+            first, last = rows_of(rows, shards, s)
+            for r in range(replicas):
+                start, stop = rows_of(last - first, replicas, r)
+                w = r * shards + s
+                if stop > start:
+                    pieces[name].append(Piece(w, sizes[w], first + start, first + stop))
+                    sizes[w] += (stop - start) * row_bytes
     return pieces, sizes
 
 

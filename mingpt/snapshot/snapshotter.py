@@ -32,8 +32,8 @@ class ShardWriter:
     into one flat CPU buffer laid out as the shard file (reused from save to save), then hashed and
     written. Writer 0 also writes the small state."""
 
-    def __init__(self, writer: int, writers: int):
-        self.writer, self.writers = writer, writers
+    def __init__(self, writer: int, writers: int, replicas: int = 1):
+        self.writer, self.writers, self.replicas = writer, writers, replicas
         self._specs, self.pieces, self.sizes = None, {}, []
         self._image: torch.Tensor | None = None
 
@@ -46,7 +46,7 @@ class ShardWriter:
         specs = specs_of(slots)
         if specs != self._specs:
             self._specs = specs
-            self.pieces, self.sizes = cut(specs, self.writers)
+            self.pieces, self.sizes = cut(specs, self.writers, self.replicas)
         size = self.sizes[self.writer]
         if self._image is None or self._image.numel() != size:
             cuda = any(s.local.device.type == "cuda" for s in slots)
@@ -88,7 +88,8 @@ class ShardWriter:
         files = {SHARD_FORMAT.format(r["writer"], self.writers): {"size": r["size"], "sha256": r["sha256"]}
                  for r in records}
         files.update({EXTRA_FILE: r["extra"] for r in records if "extra" in r})
-        return {**meta, "writers": self.writers, "chunk_bytes": CHUNK_BYTES, "files": files, "tensors": tensors}
+        return {**meta, "writers": self.writers, "replicas": self.replicas, "chunk_bytes": CHUNK_BYTES,
+                "files": files, "tensors": tensors}
 
     def record_bytes(self) -> int:
         """An upper bound of the JSON of any writer's record (every writer computes the same)."""
@@ -106,7 +107,8 @@ class Snapshotter:
     save's outcome (committed, failed, retried) to `events` as a metrics record.
     """
 
-    def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, group=None, keep_last: int = 3,
+    def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, replicas: int = 1, group=None,
+                 keep_last: int = 3,
                  keep_every: int = 0, retries: int = 3, backoff_s: float = 1.0,
                  events: Callable[[dict], None] | None = None, cache=None):
         self.store, self.keep_last, self.keep_every = store, keep_last, keep_every
@@ -114,7 +116,7 @@ class Snapshotter:
         self._events = events or (lambda record: None)
         self.cache = cache  # a NodeCache: this node's copy of what this writer wrote
         self._retried_now = 0  # retries of the save in flight, by this writer
-        self.shard = ShardWriter(writer, writers)
+        self.shard = ShardWriter(writer, writers, replicas)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._pending: Future | None = None
         self.last_saved_step: int | None = None
