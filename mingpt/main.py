@@ -203,7 +203,7 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
         load_into(gpt, start.pretrained)
         log.info("initialised from %s (%s)", cfg.model.init_from, start.pretrained)
     log.info("model %s: %.2fM parameters, context %d, %s", cfg.model.preset or "custom", gpt.num_params() / 1e6,
-             cfg.model.block_size, parallel.name)
+             cfg.model.block_size, parallel)
     return parallel
 
 

@@ -33,10 +33,11 @@ log = logging.getLogger(__name__)
 class Parallel:
     """One strategy's answers to the Trainer's questions; see `parallelize`."""
 
-    def __init__(self, name: str, model: nn.Module, gpt: GPT, replicas: int = 1):
+    def __init__(self, name: str, model: nn.Module, gpt: GPT, replicas: int = 1, shards: int = 1):
         self.name, self.model, self.gpt = name, model, gpt
         self.sharded = name in ("fsdp", "hsdp")
         self.replicas = replicas  # HSDP: the nodes, each holding the whole state sharded over its ranks
+        self.shards = shards
         # This rank's own compute time per step ends when the gradient reaches the token embedding,
         # the last computation of the backward pass: the gradient all-reduce that follows makes
         # every rank look as slow as the slowest. (A tensor hook, not a DDP comm hook: a Python
@@ -44,6 +45,11 @@ class Parallel:
         # process if they drop it while the interpreter shuts down.)
         self.grads_ready_t = 0.0
         self._hook = gpt.wte.register_forward_hook(self._watch_embedding)
+
+    def __str__(self) -> str:
+        if self.name != "hsdp":
+            return self.name
+        return f"hsdp ({self.replicas} node{'s' if self.replicas > 1 else ''} x {self.shards} processes)"
 
     def _watch_embedding(self, module, args, out) -> None:  # noqa: ARG002 - hook signature
         if out.requires_grad:
@@ -168,14 +174,14 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
     runs it plainly), materialise it on this rank's device, and initialise it from `seed` (None: leave
     it uninitialised, for a snapshot that overwrites every value). `one_node_ok`: see `node_mesh`."""
     device = torch.device(info.device)
-    replicas = 1
+    replicas, shards = 1, 1
     if strategy in ("fsdp", "hsdp") and info.distributed:
         from torch.distributed.fsdp import fully_shard
 
         # The logits are a view (the padded vocabulary sliced off); nothing changes them in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         mesh = node_mesh(info, one_node_ok) if strategy == "hsdp" else None
-        replicas = mesh.size(0) if mesh is not None else 1
+        replicas, shards = (mesh.size(0), mesh.size(1)) if mesh is not None else (1, info.world_size)
         for block in gpt.blocks:  # one all-gather per block: only one block is ever whole at a time
             fully_shard(block, mesh=mesh)
         fully_shard(gpt, mesh=mesh)
@@ -192,4 +198,4 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             init_sync=False)  # every rank initialised the same values, or will load them
-    return Parallel(name, model, gpt, replicas)
+    return Parallel(name, model, gpt, replicas, shards)

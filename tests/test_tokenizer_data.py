@@ -52,6 +52,23 @@ def data_config(path, kind="char", cache="cache", block_size=32, **kw) -> DataCo
                       tokenizer=TokenizerConfig(kind, ranks), **kw)
 
 
+def test_a_raw_corpus_is_prepared_with_bpe_from_the_ranks_file_alone(corpus_file, tmp_path, monkeypatch):
+    """Offline (a node with no route out): data.tokenizer.ranks_file is the only source, for the
+    process that prepares the corpus too (before, its tokenizing worker went to the network)."""
+    import tiktoken
+
+    import mingpt.tokenizer
+
+    def offline(*_a, **_k):
+        raise ConnectionError("no network on this node")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    monkeypatch.setattr(mingpt.tokenizer, "_ranks_from_registry", offline)
+    c = load_corpus(data_config(corpus_file, kind="bpe", cache=tmp_path / "cache"))
+    assert c.tokenizer.vocab_size == 50257
+    assert corpus_file.read_text().startswith(c.tokenizer.decode(all_tokens(c.train)[:20]))
+
+
 def all_tokens(split: StreamDataset) -> list[int]:
     return split.tokens.read(split.begin, split.end).tolist()
 

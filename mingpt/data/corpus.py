@@ -87,7 +87,7 @@ def prepare_raw(d: DataConfig, tokenizer_state: dict | None) -> tuple[PreparedDa
                 # one unit is prepared in this process)
                 log.info("preparing %s into %s", source, out)
                 prepare(files, str(out), settings, tokenizer=known, kind="char", workers=default_threads(1),
-                        char_eot=docs)
+                        char_eot=docs, ranks_file=d.tokenizer.ranks_file)  # the workers rebuild a BPE from it
     return PreparedData(str(out), d.cache_dir, d.shard_cache_gb), source
 
 

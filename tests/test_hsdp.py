@@ -1,0 +1,154 @@
+"""HSDP across two "nodes": two torchrun agents of two processes each, in network namespaces joined
+by a veth pair (sharded within a node, replicated across the two)."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.netns import NoNamespaces, agent_cmd, link_bytes, two_nodes
+from conftest import REPO, free_port, make_corpus, read_metrics, torchrun_env
+from mingpt.snapshot import SnapshotStore
+from test_elastic import records, wait_until
+
+pytestmark = pytest.mark.slow
+
+STEPS = 160
+CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=64",
+       "trainer.batch_size=8", "trainer.micro_batch_size=2", "trainer.log_every=1", "trainer.eval_every=0",
+       "trainer.progress=false", "optim.warmup_steps=10", "snapshot.every_steps=10", "trainer.parallel=hsdp"]
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    try:
+        with two_nodes(subnet=232) as pair:
+            yield pair
+    except NoNamespaces as e:
+        pytest.skip(str(e))
+
+
+def launch(node, host, port: int, log: Path, *args: str, nnodes: str = "1:2", max_restarts: int = 3):
+    return subprocess.Popen(agent_cmd(node, host, port, 2, *args, nnodes=nnodes, max_restarts=max_restarts,
+                                      run_id=f"hsdp{port}"),
+                            cwd=REPO, env=torchrun_env(GLOO_SOCKET_IFNAME=node.veth), stdout=open(log, "a"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def train_args(tmp: Path, run_dir: Path, corpus: Path, steps: int = STEPS) -> list[str]:
+    return ["mingpt/main.py", *CFG, f"trainer.max_steps={steps}", f"data.path={corpus}",
+            f"data.cache_dir={tmp / 'cache'}", f"trainer.run_dir={run_dir}"]
+
+
+def both(nodes, tmp: Path, name: str, *args: str, **kw) -> list[subprocess.Popen]:
+    a, b = nodes
+    port = free_port()
+    return [launch(a, a, port, tmp / f"{name}-a.log", *args, **kw), launch(b, a, port, tmp / f"{name}-b.log", *args, **kw)]
+
+
+def finish(procs, tmp: Path, name: str, timeout: float = 240) -> None:
+    try:
+        for p in procs:
+            assert p.wait(timeout=timeout) == 0, (tmp / f"{name}-a.log").read_text()[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def final_state(run_dir: Path) -> dict:
+    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()  # whole, as one process reads it
+    assert manifest["step"] == STEPS and manifest["parallel"] == "hsdp"
+    return state
+
+
+def tensors(state: dict) -> dict:
+    """The weights and the optimizer's moments, by name."""
+    out = {f"model.{k}": v for k, v in state["model"].items()}
+    out.update({f"optim.{p}.{k}": v for p, moments in state["optimizer"].items() for k, v in moments.items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(nodes, tmp_path_factory):
+    """An uninterrupted HSDP run of 2 x 2 processes."""
+    tmp = tmp_path_factory.mktemp("hsdp-ref")
+    corpus = make_corpus(tmp)
+    before = link_bytes(nodes[0])
+    procs = both(nodes, tmp, "ref", *train_args(tmp, tmp / "run", corpus), nnodes="2", max_restarts=0)
+    finish(procs, tmp, "ref")
+    log = (tmp / "ref-a.log").read_text()
+    assert "parameters, context 64, hsdp (2 nodes x 2 processes)" in log, log[-3000:]
+    assert link_bytes(nodes[0]) - before > 0  # it did cross the link
+    return corpus, tmp / "run"
+
+
+def test_hsdp_gradients_equal_one_process(nodes, tmp_path):
+    corpus = make_corpus(tmp_path)
+    args = [*CFG, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "snapshot.resume=never"]
+    one, four = tmp_path / "g1.pt", tmp_path / "g4.pt"
+    subprocess.run([sys.executable, "tests/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"],
+                   cwd=REPO, env=torchrun_env(), check=True, capture_output=True, timeout=120)
+    finish(both(nodes, tmp_path, "grad", "tests/grad_worker.py", str(four), *args, f"trainer.run_dir={tmp_path / 'b'}",
+                nnodes="2", max_restarts=0), tmp_path, "grad", timeout=120)
+    g1, g4 = torch.load(one), torch.load(four)
+    assert g1.keys() == g4.keys()
+    for name in g1:  # fp32 sums in another order: equal to within rounding
+        torch.testing.assert_close(g4[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert max(g.abs().max().item() for g in g1.values()) > 1e-3  # real, non-zero gradients
+
+
+def test_a_sigkilled_worker_resumes_bitwise(nodes, reference, tmp_path):
+    corpus, ref_dir = reference
+    run_dir = tmp_path / "run"
+    procs = both(nodes, tmp_path, "kill", *train_args(tmp_path, run_dir, corpus), nnodes="2", max_restarts=3)
+    try:
+        wait_until(lambda: any(r.get("step", 0) >= 45 for r in records(run_dir)), procs, what="step 45")
+        workers = Path(f"/proc/{procs[1].pid}/task/{procs[1].pid}/children").read_text().split()
+        os.kill(int(workers[-1]), signal.SIGKILL)  # a worker on node b, mid-run
+    finally:
+        finish(procs, tmp_path, "kill")
+    log = (tmp_path / "kill-a.log").read_text() + (tmp_path / "kill-b.log").read_text()
+    assert "saved by 4 ranks with hsdp, now 4 with hsdp" in log, log[-4000:]
+    ref, got = tensors(final_state(ref_dir)), tensors(final_state(run_dir))
+    assert ref.keys() == got.keys() and len(ref) > 20
+    for k, v in ref.items():
+        assert torch.equal(v, got[k]), f"{k} differs from the uninterrupted run"
+
+
+def test_a_lost_node_leaves_one_replica_and_the_returning_node_rejoins(nodes, reference, tmp_path):
+    corpus, ref_dir = reference
+    a, b = nodes
+    run_dir, port = tmp_path / "run", free_port()
+    args = train_args(tmp_path, run_dir, corpus)
+    first = launch(a, a, port, tmp_path / "a.log", *args)
+    second = launch(b, a, port, tmp_path / "b.log", *args)
+    procs = [first, second]
+    try:
+        wait_until(lambda: any(r.get("world_size") == 4 and r.get("step", 0) >= 40 for r in records(run_dir)),
+                   procs, what="training at world size 4")
+        os.killpg(second.pid, signal.SIGKILL)  # the whole node: its agent and workers
+        second.wait()
+        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == 2 for r in records(run_dir)),
+                   [first], what="the survivor resuming as one replica")
+        procs.append(launch(b, a, port, tmp_path / "c.log", *args))
+        wait_until(lambda: [r["world_size"] for r in records(run_dir) if r["kind"] == "resume"][-1:] == [4],
+                   [first, procs[2]], what="the returning node rejoining")
+        assert first.wait(timeout=240) == 0 and procs[2].wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    log = (tmp_path / "a.log").read_text()
+    assert "HSDP on one node: carrying on as one replica" in log, log[-4000:]
+    assert [r["world_size"] for r in records(run_dir) if r["kind"] == "resume"] == [2, 4]
+    train, ref = read_metrics(run_dir / "metrics.jsonl"), read_metrics(ref_dir / "metrics.jsonl")
+    assert {2, 4} <= {r["world_size"] for r in train.values()}
+    assert set(train) == set(ref)  # every step logged, the last one reached
+    worst = max(abs(train[s]["loss"] - ref[s]["loss"]) for s in ref)  # the same batches, summed in another order
+    assert worst < 2e-3, f"loss curve differs from the uninterrupted run by {worst}"
+    assert tensors(final_state(run_dir)).keys() == tensors(final_state(ref_dir)).keys()
