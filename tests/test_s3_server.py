@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from conftest import SeaweedFS
+from benchmarks.seaweed import SeaweedFS
 from mingpt.snapshot import Snapshotter, SnapshotStore
 from mingpt.snapshot.layout import Slot
 
