@@ -34,7 +34,7 @@ from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SaveFailedError, SnapshotError, Snapshotter, SnapshotStore, open_store
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore, restore_newest
-from mingpt.snapshot.start import MismatchError, check_compatible, choose_start
+from mingpt.snapshot.start import MismatchError, abort_unfinished, check_compatible, choose_start
 from mingpt.storage import write_json_atomic
 from mingpt.tokenizer import TokenizerError
 from mingpt.training.metrics import MetricsWriter
@@ -115,6 +115,7 @@ def where_to_start(cfg: RunConfig, info: DistInfo) -> tuple[RunConfig, Start]:
         check_compatible(cfg, start.manifest)
     if info.is_rank0:
         set_aside(store, others, Path(cfg.trainer.run_dir), info.job_id, fresh=not found)
+        abort_unfinished(store)
     return cfg, start
 
 

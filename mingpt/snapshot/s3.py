@@ -16,6 +16,7 @@ from mingpt.snapshot.transport import Request, ShortFileError, failure, retried
 
 PART_BYTES = 32 * 2**20  # multipart upload part size; ranges closer than this are merged into one GET
 READ_BYTES = 256 * 2**20  # the longest ranged GET
+GETS_IN_FLIGHT = 4
 
 
 class S3Objects:
@@ -116,7 +117,7 @@ class S3Objects:
             except Exception as e:  # noqa: BLE001 - any read failure names the shard
                 failed.update(dict.fromkeys(members, failure(path, e)))
 
-        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="snapshot-get") as pool:
+        with ThreadPoolExecutor(max_workers=GETS_IN_FLIGHT, thread_name_prefix="snapshot-get") as pool:
             list(pool.map(get, merged_ranges(requests)))
         return failed
 

@@ -124,3 +124,22 @@ def choose_start(store: SnapshotStore, scfg: SnapshotConfig, job_id: str | None)
 def _steps(snaps) -> str:
     steps = [s.step for s in snaps]
     return f"step {steps[0]}" if len(steps) == 1 else f"{len(steps)} snapshots, steps {steps[0]}-{steps[-1]}"
+
+
+def abort_unfinished(store: SnapshotStore) -> int:
+    """Abort every multipart upload under the store left unfinished by an earlier attempt of this job
+    (a writer SIGKILLed mid-upload leaves its parts stored, and billed, until an abort). Called by
+    the first rank at start, before any rank of this attempt saves: every upload under the store is
+    then an orphan. Returns how many; a store that refuses to list them is only warned about."""
+    try:
+        found = store.uploads(0.0)
+        for upload in found:
+            store.abort_upload(upload)
+    except Exception as e:  # noqa: BLE001 - cleaning up must never stop a job from starting
+        log.warning("could not look for unfinished multipart uploads in %s (%s: %s); `mingpt-snapshot uploads "
+                    "--abort` cleans them up later", store.url, e.__class__.__name__, e)
+        return 0
+    if found:
+        log.info("aborted %d unfinished multipart upload%s left in %s by an earlier attempt", len(found),
+                 "" if len(found) == 1 else "s", store.url)
+    return len(found)
