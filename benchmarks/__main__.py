@@ -9,6 +9,7 @@
     data        prepare throughput, start-up time and memory by dataset size, S3 against local disk
     scale       snapshot costs per rank at 2 to 32 ranks (manifest, commit, restore), fitted and projected
     s3tune      the S3 transport's part size, parts in flight, GET size and GETs in flight, on SeaweedFS
+    soak        a 2-worker job with S3 snapshots SIGKILLed again and again: bitwise equal, nothing orphaned
     internode   bytes between two nodes (network namespaces) per step under DDP, FSDP and HSDP
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput", "scale", "internode", "s3tune")
+BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput", "scale", "internode", "s3tune", "soak")
 
 
 def main(argv: list[str] | None = None) -> None:
