@@ -5,8 +5,8 @@ training throughput reading shards from S3 against local disk.
                                 [--s3-sizes 10MB,1GB] [--prepare-mb 512]
 
 Synthetic text (words of tiny Shakespeare in random order, when ../shared/data has it) is written
-to a temporary directory, prepared with GPT-2's BPE, and removed at the end. S3 is the moto server
-on loopback. Each start is a real `python -m mingpt.main` process training one step of a small
+to a temporary directory, prepared with GPT-2's BPE, and removed at the end. S3 is a real S3
+server on loopback (SeaweedFS, its objects on this machine's disk). Each start is a real `python -m mingpt.main` process training one step of a small
 model; its time is launch to exit, and its peak RSS is the process's maximum resident set.
 """
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     default_ranks = SHARED / "r50k_base.tiktoken"
     ap.add_argument("--ranks-file", default=str(default_ranks) if default_ranks.exists() else None)
     ap.add_argument("--sizes", default="10MB,1GB,10GB", help="text sizes for start-up (local)")
-    ap.add_argument("--s3-sizes", default="10MB,1GB", help="text sizes for start-up from S3 (moto keeps them in RAM)")
+    ap.add_argument("--s3-sizes", default="10MB,1GB", help="text sizes for start-up from S3")
     ap.add_argument("--prepare-mb", type=int, default=512, help="text for the prepare throughput (MiB; 0: skip it)")
     ap.add_argument("--repeats", type=int, default=3, help="starts per size and place (the median is shown)")
     ap.add_argument("--steps", type=int, default=60, help="steps for the S3 against local throughput")
@@ -125,20 +125,13 @@ def main(argv: list[str] | None = None) -> None:
             for name, mbs in prepare_throughput(tmp, args.prepare_mb, ranks):
                 print(f"  {name:<40} {mbs:7.1f} MiB/s", flush=True)
 
-        import logging
+        from benchmarks.seaweed import SeaweedFS
 
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        (tmp / "weed").mkdir()
+        server = SeaweedFS(tmp / "weed")
         server.start()
-        host, port = server.get_host_and_port()
-        env = {**os.environ, "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "bench",
-               "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-               "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                               "AWS_DEFAULT_REGION")})
+        os.environ.update(server.env)
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         import s3fs
 
         fs = s3fs.S3FileSystem()

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shapes", nargs="*", default=["gpt2", "gpt2-medium"], help="none: only the other figures")
     ap.add_argument("--configs", nargs="+", default=[f"{w}:{s}" for w, s in CONFIGS],
                     help="world:strategy pairs (default: 1:ddp 2:ddp 2:fsdp)")
-    ap.add_argument("--no-s3", action="store_true", help="skip the loopback S3 server (moto)")
+    ap.add_argument("--no-s3", action="store_true", help="skip the loopback S3 server (SeaweedFS)")
     ap.add_argument("--uploaders", nargs="+", default=["s3fs", "boto3"],
                     help="compare these S3 uploaders (gpt2, 2 DDP ranks)")
     ap.add_argument("--layouts", nargs="+", default=["exchange", "direct"],
@@ -117,30 +117,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--recovery-model", default="gpt-mini", help="the model of the recovery run")
     ap.add_argument("--corpus", default="data/input.txt", help="corpus for the recovery run")
     args = ap.parse_args(argv)
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    server = None
-    if not args.no_s3:
-        import logging
-
-        from moto.server import ThreadedMotoServer
-
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
-
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        host, port = server.get_host_and_port()
-        env.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                   AWS_DEFAULT_REGION="us-east-1")
-        os.environ.update({k: env[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                               "AWS_DEFAULT_REGION")})
-        import s3fs
-
-        s3fs.S3FileSystem().mkdir("bench")
     print("| shape | ranks | strategy | store | state MB per rank | blocking ms | save s | load s | resume s | "
           "fresh RSS MB | resume RSS MB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     n = 0
     with tempfile.TemporaryDirectory() as tmp:
+        env, server = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, None
+        if not args.no_s3:  # a real S3 server, its objects on this machine's disk
+            from benchmarks.seaweed import SeaweedFS
+
+            (Path(tmp) / "weed").mkdir()
+            server = SeaweedFS(Path(tmp) / "weed")
+            server.start()
+            os.environ.update(server.env)
+            env.update(server.env)
+            import s3fs
+
+            s3fs.S3FileSystem().mkdir("bench")
         def url(store: str) -> str:
             nonlocal n
             n += 1
@@ -174,5 +167,5 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nrecovery (2 workers, {args.recovery_model}, snapshot every 20 steps, SIGKILL at step {r['killed_at_step']}): "
                   f"{r['recovery_s']:.1f} s to the first resumed step, resumed from step {r['resumed_from_step']}, "
                   f"{r['steps_lost']} steps lost")
-    if server is not None:
-        server.stop()
+        if server is not None:
+            server.stop()

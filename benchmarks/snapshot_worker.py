@@ -27,7 +27,7 @@ from mingpt.training.optim import build_optimizer, init_state
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory (VmHWM; ru_maxrss would also count the pages of the
-    parent at fork, such as the moto server's objects in the bench process)."""
+    parent at fork)."""
     with open("/proc/self/status") as fh:
         return next(int(line.split()[1]) for line in fh if line.startswith("VmHWM")) / 1024
 

@@ -133,39 +133,43 @@ class ParallelError(ValueError):
     """A world the chosen strategy cannot run on; the message says what to use instead."""
 
 
-def node_mesh(info: DistInfo, one_node_ok: bool):
-    """HSDP's 2-D mesh, (nodes, processes per node) from torchrun's environment: dimension 0
-    replicates across nodes, dimension 1 shards within a node. Every node must hold the same number
-    of processes, each node's ranks in one row (torchrun numbers them so); one node is FSDP and is
-    refused unless `one_node_ok` (a run that lost its other nodes carries on as one replica)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mine = torch.tensor([info.node, info.local_world_size, info.local_rank, info.rank])
-    every = [torch.empty_like(mine) for _ in range(info.world_size)]
-    dist.all_gather(every, mine)
-    places = [tuple(int(v) for v in t) for t in every]
-    per_node: dict[int, int] = {}
-    for node, *_ in places:
-        per_node[node] = per_node.get(node, 0) + 1
-    if len(set(per_node.values())) > 1:
-        counts = ", ".join(f"{n}" for _, n in sorted(per_node.items()))
+def mesh_shape(places: list[tuple[int, int, int]], one_node_ok: bool) -> tuple[int, int]:
+    """(nodes, processes per node) of HSDP's mesh from every rank's (torchrun node, local rank, rank),
+    indexed by rank. Every node must hold the same number of processes, each node's ranks
+    consecutive (torchrun numbers them so); one node is FSDP and is refused unless `one_node_ok` (a
+    run that lost its other nodes carries on as one replica)."""
+    per_node: dict[int, list[tuple[int, int]]] = {}
+    for node, local, rank in places:
+        per_node.setdefault(node, []).append((local, rank))
+    sizes = sorted({len(ranks) for ranks in per_node.values()})
+    if len(sizes) > 1:
+        counts = ", ".join(str(len(per_node[n])) for n in sorted(per_node))
         raise ParallelError(f"trainer.parallel=hsdp needs the same number of processes on every node, these nodes "
                             f"hold {counts}: give every node the same --nproc_per_node, or use trainer.parallel=fsdp")
-    size = info.local_world_size
-    nodes = info.world_size // size
+    nodes, size = len(per_node), sizes[0]
     if nodes == 1 and not one_node_ok:
         raise ParallelError(f"trainer.parallel=hsdp on one node ({size} processes) is FSDP: use trainer.parallel=fsdp, "
                             "or start on several nodes")
-    rows = {node: {rank // size for n, _, _, rank in places if n == node} for node in per_node}
-    if any(len(r) != 1 for r in rows.values()) or any(rank % size != local for _, _, local, rank in places):
-        raise ParallelError("trainer.parallel=hsdp needs each node's ranks to be consecutive (torchrun numbers them "
-                            "so): launch with torchrun, or use trainer.parallel=fsdp")
+    for ranks in per_node.values():
+        if len({rank // size for _, rank in ranks}) != 1 or any(rank % size != local for local, rank in ranks):
+            raise ParallelError("trainer.parallel=hsdp needs each node's ranks to be consecutive (torchrun numbers "
+                                "them so): launch with torchrun, or use trainer.parallel=fsdp")
+    return nodes, size
+
+
+def node_mesh(info: DistInfo, one_node_ok: bool):
+    """HSDP's 2-D mesh: dimension 0 replicates across nodes, dimension 1 shards within a node."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mine = torch.tensor([info.node, info.local_rank, info.rank], device=info.device)
+    every = [torch.empty_like(mine) for _ in range(info.world_size)]
+    dist.all_gather(every, mine)
+    nodes, size = mesh_shape([tuple(t.tolist()) for t in every], one_node_ok)
     if nodes == 1:
         log.warning("HSDP on one node: carrying on as one replica (FSDP over %d processes) until another node joins",
                     size)
-    device_type = "cuda" if info.device.startswith("cuda") else "cpu"
-    return init_device_mesh(device_type, (nodes, size), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(torch.device(info.device).type, (nodes, size), mesh_dim_names=("replicate", "shard"))
 
 
 def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False,

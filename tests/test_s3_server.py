@@ -44,7 +44,7 @@ def test_the_server_killed_mid_save_and_restarted_loses_nothing_committed(own_se
     small = torch.arange(1000, dtype=torch.float32)
     snap.save(1, [Slot("model.w", small, (1000,))], {"trainer": {"step": 1}}, {})
     assert snap.wait() is True
-    big = torch.randn(40_000_000)  # 160 MB: a multipart upload of 5 parts
+    big = torch.randn(40_000_000)  # 160 MB: a multipart upload of 10 parts
     caplog.set_level(logging.WARNING)
     snap.save(2, [Slot("model.w", big, tuple(big.shape))], {"trainer": {"step": 2}}, {})
     deadline = time.monotonic() + 60

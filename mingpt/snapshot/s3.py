@@ -14,8 +14,8 @@ import fsspec.asyn
 
 from mingpt.snapshot.transport import Request, ShortFileError, failure, retried
 
-PART_BYTES = 32 * 2**20  # multipart upload part size; ranges closer than this are merged into one GET
-READ_BYTES = 256 * 2**20  # the longest ranged GET
+PART_BYTES = 16 * 2**20  # multipart upload part size; ranges closer than this are merged into one GET
+READ_BYTES = 64 * 2**20  # the longest ranged GET (benchmarks/s3tune.py chose both on a real server)
 GETS_IN_FLIGHT = 4
 
 
