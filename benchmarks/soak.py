@@ -49,6 +49,23 @@ def workers(agent_pid: int) -> list[int]:
         return []
 
 
+def outlived(pids: list[int], wait_s: float = 5.0) -> int:
+    """How many of these processes are still alive (not zombies) after wait_s; they are killed."""
+    def alive(pid: int) -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.time() + wait_s
+    while time.time() < deadline and any(map(alive, pids)):
+        time.sleep(0.05)
+    left = [p for p in pids if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    return len(left)
+
+
 def uploading(store) -> bool:
     try:
         return bool(store.uploads())
@@ -93,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit("the uninterrupted job failed:\n" + (tmp / "ref" / "console.log").read_text()[-3000:])
             print(f"uninterrupted job: {time.time() - t0:.0f} s", flush=True)
             store = SnapshotStore("s3://soak/faulty")
-            t0, kills = time.time(), []
+            t0, kills, orphans = time.time(), [], 0
             job = agent(store.url, tmp / "faulty", args.corpus, args.steps, args.every, model, env)
             while len(kills) < args.faults and job.poll() is None:
                 time.sleep(rng.uniform(1.0, 4.0))
@@ -108,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
                 if whole:
                     os.killpg(job.pid, signal.SIGKILL)
                     job.wait()
+                    orphans += outlived(victims)  # its workers must die with it, even those still starting
                     job = agent(store.url, tmp / "faulty", args.corpus, args.steps, args.every, model, env)
                 else:
                     os.kill(rng.choice(victims), signal.SIGKILL)
@@ -122,19 +140,20 @@ def main(argv: list[str] | None = None) -> None:
             got, manifest = store.load_latest()
             a, b = tensors(want), tensors(got)
             same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-            orphans = store.uploads()
+            unfinished = store.uploads()
             fs = s3fs.S3FileSystem()
             fs.invalidate_cache()
-            committed = {s.name for s in store.list() if s.committed}
+            committed = {s.path.rstrip("/").rsplit("/", 1)[-1] for s in store.list() if s.committed}
             stray = [p for p in fs.find("soak/faulty") if p.split("/")[2] not in committed]
             during = sum(d for _, d in kills)
             print(f"\n{len(kills)} faults ({sum(k == 'worker' for k, _ in kills)} workers, "
                   f"{sum(k == 'agent' for k, _ in kills)} whole agents; {during} during an upload), {wall:.0f} s")
             print(f"final step {manifest['step']}: weights and optimizer state "
                   f"{'bitwise equal' if same else 'DIFFERENT'} to the uninterrupted job ({len(a)} tensors)")
-            print(f"unfinished multipart uploads left: {len(orphans)}; objects outside committed snapshots: {len(stray)}"
-                  + (f" ({stray[:3]})" if stray else ""))
-            if not same or orphans or stray:
+            print(f"workers that outlived their SIGKILLed agent: {orphans}")
+            print(f"unfinished multipart uploads left: {len(unfinished)}; objects outside committed snapshots: "
+                  f"{len(stray)}" + (f" ({stray[:3]})" if stray else ""))
+            if not same or orphans or unfinished or stray:
                 raise SystemExit(1)
         finally:
             server.stop()

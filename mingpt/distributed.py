@@ -77,23 +77,6 @@ class DistInfo:
         )
 
 
-def die_with_parent() -> None:
-    """Under torchrun, make the kernel SIGKILL this worker when its agent dies.
-
-    torchrun starts workers in their own session, so a SIGKILLed agent would leave orphans that
-    keep training at the old world size (and hold the cores). Linux only; a no-op elsewhere. A worker
-    whose agent died before this ran is an orphan already: it exits at once.
-    """
-    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the agent died before prctl took effect
-        os._exit(1)
-
-
 def init(info: DistInfo, timeout_s: float) -> None:
     """Set the device and join the process group (nothing to do for a single process)."""
     if info.device.startswith("cuda"):

@@ -13,7 +13,9 @@ import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mingpt.training.ledger import Ledger  # noqa: I001 - first: the clock of this process's start-up
+from mingpt.orphan import die_with_agent  # noqa: I001 - first: a worker whose agent dies must die with it
+die_with_agent()
+from mingpt.training.ledger import Ledger  # noqa: E402 - the clock of this process's start-up
 from mingpt import distributed
 
 import hydra
@@ -335,7 +337,6 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
 
 @record
 def main() -> None:
-    distributed.die_with_parent()  # first: a torchrun worker (mingpt/main.py, -m mingpt.main, mingpt-train)
     ledger = Ledger()  # the process's age so far (interpreter, imports) is its launch
     ledger.switch("config")
     overrides = sys.argv[1:]

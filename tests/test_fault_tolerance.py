@@ -176,6 +176,39 @@ def test_workers_die_with_a_sigkilled_agent_and_no_process_of_the_job_listens(re
             os.kill(p, signal.SIGKILL)
 
 
+def test_workers_of_an_agent_killed_while_they_start_die_too(reference, tmp_path):
+    """The agent SIGKILLed while its workers are still importing (a scheduler killing a job that
+    was just relaunched): before, PR_SET_PDEATHSIG was armed only after seconds of imports, so such
+    workers lived on as orphans and trained beside the job's next attempt, into the same store."""
+    run_dir = tmp_path / "run"
+    long_run = [a for a in args(reference["corpus"], tmp_path, run_dir) if "max_steps" not in a]
+    for attempt in range(3):
+        agent = subprocess.Popen(torchrun_cmd(2, "mingpt/main.py", *long_run, "trainer.max_steps=1000000"),
+                                 cwd=REPO, env=torchrun_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        workers = {}
+        try:
+            deadline = time.time() + 60
+            while len(workers) < 2 and time.time() < deadline:
+                try:
+                    workers = workers_of(agent.pid)
+                except OSError:  # a child between fork and exec
+                    pass
+                time.sleep(0.005)
+            assert len(workers) == 2, "the workers never started"
+            time.sleep(0.3 * attempt)  # early in their start, and a little later
+            agent.kill()
+            agent.wait()
+            deadline = time.time() + 10
+            while time.time() < deadline and alive(list(workers.values())):
+                time.sleep(0.05)
+            assert alive(list(workers.values())) == [], f"attempt {attempt}: workers outlived their agent"
+        finally:
+            agent.kill()
+            agent.wait()
+            for p in alive(list(workers.values())):
+                os.kill(p, signal.SIGKILL)
+
+
 def processes_with(env_entry: bytes) -> list[int]:
     """The processes whose environment holds env_entry (this job's TORCHELASTIC_RUN_ID=...)."""
     out = []

@@ -1,0 +1,39 @@
+"""A torchrun worker dies with its agent. Standard library only: main.py calls this before the
+imports that take seconds, so the window in which a dying agent leaves an orphan is the
+interpreter's start.
+
+torchrun starts each worker in its own session, so a SIGKILLed agent (a node's job killed by a
+scheduler, an OOM killer) would leave workers that keep training, and writing snapshots, beside the
+job's next attempt, holding the GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+
+def die_with_agent() -> None:
+    """Under torchrun, make the kernel SIGKILL this worker when its agent dies (Linux; a no-op
+    elsewhere). A worker whose agent died before this ran is an orphan already (the kernel gave it
+    to PID 1): it exits at once, unless PID 1 is the launcher itself (torchrun as a container's
+    entry point)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1 and not _is_launcher(1):
+        os._exit(1)
+
+
+def _is_launcher(pid: int) -> bool:
+    """Whether process `pid` is a torchrun agent (torchrun, python -m torch.distributed.run,
+    mingpt-torchrun)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            words = fh.read().split(b"\0")
+    except OSError:
+        return True  # cannot tell: never kill a worker on a guess
+    return any(w.endswith((b"torchrun", b"torch.distributed.run", b"torch.distributed.launch")) for w in words)
