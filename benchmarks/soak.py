@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> None:
             job = agent(store.url, tmp / "faulty", args.corpus, args.steps, args.every, model, env)
             while len(kills) < args.faults and job.poll() is None:
                 time.sleep(rng.uniform(1.0, 4.0))
-                deadline = time.time() + 10
+                deadline = time.time() + (10 if rng.random() < 0.75 else 0)
                 while not uploading(store) and time.time() < deadline and job.poll() is None:
-                    time.sleep(0.02)  # most kills land while an upload is in flight
+                    time.sleep(0.02)  # three kills in four wait for an upload in flight
                 during = uploading(store)
                 whole = rng.random() < args.agent_share
                 victims = workers(job.pid)
