@@ -14,7 +14,6 @@ import pytest
 
 from conftest import REPO, free_port, make_corpus, torchrun_env
 from mingpt.preflight import Report, code_fingerprint, compare
-from test_netns import ADDR_A, two_nodes  # noqa: F401 - the fixture
 
 TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
         "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "trainer.progress=false",
@@ -121,13 +120,13 @@ def test_a_corpus_missing_on_one_node_is_named(tmp_path):
     assert "data.path=corpus.txt is missing on" in text and "but present on the other nodes" in text, text[-3000:]
 
 
-def netns_agents(two_nodes, tmp_path, run_dir: Path, private: bool):  # noqa: F811 - the fixture
+def netns_agents(two_nodes, tmp_path, run_dir: Path, private: bool):
     corpus = make_corpus(tmp_path)
     port, procs = free_port(), []
     for name in ("a", "b"):
-        ns, veth, addr = two_nodes[name]
+        ns, veth, addr = two_nodes[name].ns, two_nodes[name].veth, two_nodes[name].addr
         inner = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                 "--rdzv_backend=c10d", f"--rdzv_endpoint={ADDR_A}:{port}", "--rdzv_id=netns-preflight",
+                 "--rdzv_backend=c10d", f"--rdzv_endpoint={two_nodes['a'].addr}:{port}", "--rdzv_id=netns-preflight",
                  f"--rdzv_conf={RDZV},is_host={int(name == 'a')}", f"--local-addr={addr}", "--max-restarts=0",
                  "mingpt/main.py", *TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
                  f"trainer.run_dir={run_dir}"]
@@ -141,7 +140,7 @@ def netns_agents(two_nodes, tmp_path, run_dir: Path, private: bool):  # noqa: F8
 
 
 @pytest.mark.slow
-def test_a_local_snapshot_dir_not_shared_between_nodes_is_refused(two_nodes, tmp_path):  # noqa: F811
+def test_a_local_snapshot_dir_not_shared_between_nodes_is_refused(two_nodes, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     codes, out = netns_agents(two_nodes, tmp_path, run_dir, private=True)
@@ -151,7 +150,7 @@ def test_a_local_snapshot_dir_not_shared_between_nodes_is_refused(two_nodes, tmp
 
 
 @pytest.mark.slow
-def test_the_same_with_one_shared_directory_passes(two_nodes, tmp_path):  # noqa: F811
+def test_the_same_with_one_shared_directory_passes(two_nodes, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     codes, out = netns_agents(two_nodes, tmp_path, run_dir, private=False)
