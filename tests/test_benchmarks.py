@@ -92,11 +92,3 @@ def test_s3tune():
     write, read = re.search(r"\| 16 \| ([\d,]+) \| ([\d,]+) \|", out), re.search(r"\| 64 \| ([\d,]+) \|", out)
     assert write and read and all(int(v.replace(",", "")) > 0 for v in (*write.groups(), *read.groups())), out
 
-
-def test_internode(corpus_file, tmp_path):
-    """The point of HSDP, measured on the link between two network-namespace nodes: far fewer bytes
-    between nodes per step than FSDP."""
-    out = bench("internode", "--models", "gpt-nano", "--strategies", "fsdp", "hsdp", "--steps", "1", "2",
-                "--data", str(corpus_file), "--tmp", str(tmp_path), timeout=400)
-    mb = {s: float(m) for s, m in re.findall(r"\| gpt-nano \| (\w+) \| ([\d.]+) \|", out)}
-    assert mb.keys() == {"fsdp", "hsdp"} and 0 < mb["hsdp"] < 0.5 * mb["fsdp"], out

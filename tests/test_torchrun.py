@@ -58,7 +58,7 @@ def test_a_finished_job_never_ends_in_sigabrt(corpus_file, tmp_path):
     one launch in six died of SIGABRT at exit ("terminate called without an active exception")."""
     args = [*TINY, *common(corpus_file, tmp_path), "trainer.batch_size=8", "trainer.micro_batch_size=4",
             "snapshot.resume=never"]
-    for i in range(8):
+    for i in range(6):
         out = run(torchrun_cmd(2, "tests/grad_worker.py", str(tmp_path / "g.pt"), *args,
                                f"trainer.run_dir={tmp_path / str(i)}"), timeout=120)
         assert "terminate called" not in out and "SIGABRT" not in out, out[-3000:]
@@ -80,8 +80,7 @@ def test_an_error_under_torchrun_is_printed_once_and_is_torchruns_root_cause(cor
     assert "Error executing job" not in out
 
 
-@pytest.mark.parametrize("batch, micro, parallel", [(8, 4, "ddp"), (5, 2, "ddp"), (5, 2, "fsdp")],
-                         ids=["even", "uneven", "uneven-fsdp"])
+@pytest.mark.parametrize("batch, micro, parallel", [(5, 2, "ddp"), (5, 2, "fsdp")], ids=["uneven", "uneven-fsdp"])
 def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, batch, micro, parallel):
     args = [*TINY, *common(corpus_file, tmp_path), f"trainer.batch_size={batch}", f"trainer.micro_batch_size={micro}",
             "snapshot.resume=never", f"trainer.parallel={parallel}"]
