@@ -150,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
                     if store == "local":
                         shutil.rmtree(u, ignore_errors=True)
         if server is not None and len(args.uploaders) > 1:
-            print(f"\nS3 uploaders ({args.compare_shape}, 2 DDP ranks, 32 MiB parts, 8 in flight): total save time")
+            from mingpt.snapshot.s3 import PART_BYTES
+
+            print(f"\nS3 uploaders ({args.compare_shape}, 2 DDP ranks, {PART_BYTES >> 20} MiB parts, 8 in flight): "
+                  "total save time")
             for uploader in args.uploaders:
                 r = measure(args.compare_shape, 2, "ddp", url("s3"), env, uploader=uploader)
                 print(f"- {uploader}: {r['save_s']:.2f} s{failed(r)}",
