@@ -4,8 +4,10 @@ Every tensor of the training state (weights and optimizer moments) is cut along 
 into as many row ranges as there are writers, by FSDP's own rule (ceil(n / writers) rows each), and
 writer w writes range w of every tensor into its shard file. So each byte is written once, the
 writers' files are the same size to within a row per tensor, and a rank of an FSDP run writes
-exactly the rows it holds. The cut depends only on the tensors' names, shapes and dtypes and on
-the number of writers: every rank computes the same one, and the manifest records it.
+exactly the rows it holds. Under HSDP the nodes are replicas holding the same rows: each shard's
+range is cut again into one part per replica (see `cut`). The cut depends only on the tensors'
+names, shapes and dtypes and on the numbers of writers and replicas: every rank computes the same
+one, and the manifest records them.
 
 A `Slot` is one tensor as one rank holds it: all its rows (replicated: DDP, or one process) or
 its own range of rows (sharded: FSDP). Loading fills every slot's rows from whichever writers'
