@@ -166,7 +166,7 @@ def node_mesh(info: DistInfo, one_node_ok: bool):
     every = [torch.empty_like(mine) for _ in range(info.world_size)]
     dist.all_gather(every, mine)
     nodes, size = mesh_shape([tuple(t.tolist()) for t in every], one_node_ok)
-    if nodes == 1:
+    if nodes == 1 and info.is_rank0:
         log.warning("HSDP on one node: carrying on as one replica (FSDP over %d processes) until another node joins",
                     size)
     return init_device_mesh(torch.device(info.device).type, (nodes, size), mesh_dim_names=("replicate", "shard"))
