@@ -1,5 +1,7 @@
 """Every benchmark runs, at a tiny size, as a user runs it from a checkout (`python -m benchmarks NAME`),
-and prints its figures: none can rot unnoticed again."""
+and prints its figures: none can rot unnoticed again. The two that take minutes even when small,
+`internode` and `soak`, are not here: test_hsdp.py asserts the traffic between nodes, and
+test_s3_server.py and test_fault_tolerance.py the orphans the soak looks for."""
 
 import json
 import os
