@@ -209,6 +209,32 @@ def test_workers_of_an_agent_killed_while_they_start_die_too(reference, tmp_path
                 os.kill(p, signal.SIGKILL)
 
 
+def test_a_launcher_as_pid_1_is_not_taken_for_a_dead_agent():
+    """torchrun as a container's entry point (the Dockerfile's) is PID 1: its workers' parent is 1
+    and they must not take themselves for orphans; any other PID 1 (an init) means the agent died."""
+    from mingpt.orphan import _is_launcher
+
+    for argv0, launcher in (("/usr/local/bin/torchrun", True), ("/usr/bin/mingpt-torchrun", True),
+                            ("/sbin/init", False), ("tini", False)):
+        proc = subprocess.Popen(["bash", "-c", f"exec -a {argv0} sleep 30"])
+        try:
+            deadline = time.time() + 10
+            while not Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(argv0.encode()):
+                assert time.time() < deadline
+                time.sleep(0.01)
+            assert _is_launcher(proc.pid) is launcher, argv0
+        finally:
+            proc.kill()
+            proc.wait()
+    python_m = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", "-m", "torch.distributed.run"])
+    try:
+        time.sleep(0.2)
+        assert _is_launcher(python_m.pid)  # `python -m torch.distributed.run ...`
+    finally:
+        python_m.kill()
+        python_m.wait()
+
+
 def processes_with(env_entry: bytes) -> list[int]:
     """The processes whose environment holds env_entry (this job's TORCHELASTIC_RUN_ID=...)."""
     out = []
