@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import die_with_bench
+from benchmarks.goodput import trainers as workers
 from benchmarks.seaweed import SeaweedFS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,13 +41,6 @@ def agent(store: str, run_dir: Path, corpus: str, steps: int, every: int, model:
     run_dir.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(run_dir / "console.log", "a"), stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=die_with_bench)
-
-
-def workers(agent_pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def outlived(pids: list[int], wait_s: float = 5.0) -> int:
@@ -74,6 +68,7 @@ def uploading(store) -> bool:
 
 
 def tensors(state: dict) -> dict:
+    """The weights and the optimizer's moments of a state read whole (SnapshotStore.load), by name."""
     out = {f"model.{k}": v for k, v in state["model"].items()}
     out.update({f"optim.{p}.{k}": v for p, m in state["optimizer"].items() for k, v in m.items()})
     return out

@@ -30,14 +30,19 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size", "bias")
 
 
-def local_rows(t: torch.Tensor) -> tuple[int, int]:
-    """Rows [start, stop) of dimension 0 that this rank holds of an FSDP2 DTensor: torch.chunk's
-    rule over the mesh dimension it is sharded on (HSDP: the second; the first replicates)."""
-    dim = next(i for i, p in enumerate(t.placements) if p.is_shard())
-    n, parts = int(t.shape[0]) if t.dim() else 1, t.device_mesh.size(dim)
+def rows_of(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Rows [start, stop) of part i when n rows are cut into `parts` parts of ceil(n / parts) rows
+    (the last parts may be shorter or empty): the rule of torch.chunk, which FSDP2 shards by."""
     size = -(-n // parts)
-    start = min(t.device_mesh.get_local_rank(dim) * size, n)
+    start = min(i * size, n)
     return start, min(start + size, n)
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """Rows [start, stop) of dimension 0 that this rank holds of an FSDP2 DTensor: `rows_of` over the
+    mesh dimension it is sharded on (HSDP: the second; the first replicates)."""
+    dim = next(i for i, p in enumerate(t.placements) if p.is_shard())
+    return rows_of(int(t.shape[0]) if t.dim() else 1, t.device_mesh.size(dim), t.device_mesh.get_local_rank(dim))
 
 
 def assign(param: torch.Tensor, full: torch.Tensor) -> None:

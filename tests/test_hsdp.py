@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from benchmarks.netns import NoNamespaces, agent_cmd, link_bytes, two_nodes
+from benchmarks.soak import tensors
 from conftest import REPO, free_port, make_corpus, read_metrics, torchrun_env
 from mingpt.snapshot import SnapshotStore
 from test_elastic import records, wait_until
@@ -65,13 +66,6 @@ def final_state(run_dir: Path) -> dict:
     state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()  # whole, as one process reads it
     assert manifest["step"] == STEPS and manifest["parallel"] == "hsdp"
     return state
-
-
-def tensors(state: dict) -> dict:
-    """The weights and the optimizer's moments, by name."""
-    out = {f"model.{k}": v for k, v in state["model"].items()}
-    out.update({f"optim.{p}.{k}": v for p, moments in state["optimizer"].items() for k, v in moments.items()})
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -21,16 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from mingpt.model import rows_of  # noqa: F401 - the one cut rule, FSDP2's; the snapshot's users take it from here
+
 SHARD_FORMAT = "shard-{:05d}-of-{:05d}.bin"
 EXTRA_FILE = "extra.pt"
-
-
-def rows_of(n: int, parts: int, i: int) -> tuple[int, int]:
-    """Rows [start, stop) of part i when n rows are cut into `parts` parts of ceil(n / parts) rows
-    (the last parts may be shorter or empty): the rule of torch.chunk, which FSDP2 shards by."""
-    size = -(-n // parts)
-    start = min(i * size, n)
-    return start, min(start + size, n)
 
 
 def n_rows(shape) -> int:
