@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from benchmarks import die_with_bench
+from mingpt.training.metrics import read_records
 
 REPO = Path(__file__).resolve().parents[1]  # benchmarks run from a checkout
 
@@ -78,7 +79,7 @@ def recovery(tmp: Path, corpus: str, model: str = "gpt-mini") -> dict:
     metrics = run_dir / "metrics.jsonl"
 
     def records():
-        return [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+        return read_records(metrics) if metrics.exists() else []  # a line being written is skipped
 
     try:
         while not any(r.get("step", 0) >= 30 for r in records()):

@@ -158,6 +158,13 @@ def save_state(store, step: int, state: dict, manifest: dict) -> str:
 
 # Test helpers over the library's own parts (the library has no test-only code).
 
+def records(path) -> list[dict]:
+    """Every whole record of a metrics file that may still be written to ([] before it exists)."""
+    from mingpt.training.metrics import read_records
+
+    return read_records(path) if Path(path).exists() else []
+
+
 def read_metrics(path, kind: str = "train") -> dict:
     """step -> the last record of that kind ("train" or "eval") in a metrics file."""
     from mingpt.training.metrics import read_records

@@ -1,6 +1,5 @@
 """Two torchrun agents on loopback (--nnodes=1:2): lose a node, go on at WORLD_SIZE=1, take it back."""
 
-import json
 import os
 import re
 import signal
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, free_port, make_corpus, torchrun_env, read_metrics
+from conftest import REPO, free_port, make_corpus, records, torchrun_env, read_metrics
 from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow
@@ -28,11 +27,6 @@ def agent_cmd(port: int, run_dir: Path, corpus: Path, cache: Path, extra_conf: s
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic-test",
             f"--rdzv_conf={RDZV_CONF}{extra_conf}", "--max-restarts=5", "--monitor-interval=0.5",
             "mingpt/main.py", *CFG, f"data.path={corpus}", f"data.cache_dir={cache}", f"trainer.run_dir={run_dir}"]
-
-
-def records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
 def wait_until(cond, procs, timeout=120, what=""):
@@ -79,7 +73,7 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
     time.sleep(0.5)
     b = start(agent_cmd(port, run_dir, corpus, cache, extra), tmp_path / "b.log")
     try:
-        wait_until(lambda: any(r.get("world_size") == 2 and r.get("step", 0) >= 40 for r in records(run_dir)),
+        wait_until(lambda: any(r.get("world_size") == 2 and r.get("step", 0) >= 40 for r in records(run_dir / "metrics.jsonl")),
                    [a, b], what="training at world size 2")
         # kill the node that hosts rank 0 with the standalone store (the rendezvous survives it);
         # with the agent-hosted store, kill the other node (the store dies with its host).
@@ -87,12 +81,12 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
         t_kill = time.time()
-        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == 1 for r in records(run_dir)),
+        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == 1 for r in records(run_dir / "metrics.jsonl")),
                    [survivor], what="the survivor resuming at world size 1")
         resumed_after = time.time() - t_kill
         victim = start(agent_cmd(port, run_dir, corpus, cache, extra), tmp_path / "c.log")
         t_back = time.time()
-        wait_until(lambda: [r["world_size"] for r in records(run_dir) if r["kind"] == "resume"][-1:] == [2],
+        wait_until(lambda: [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"][-1:] == [2],
                    [survivor, victim], what="the returning node rejoining at world size 2")
         print(f"\n[{store} store] resumed at world size 1 {resumed_after:.1f} s after the kill; "
               f"back at world size 2 {time.time() - t_back:.1f} s after the node returned")
@@ -109,7 +103,7 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
     assert "Error executing job" not in survivor_log and "Traceback" not in survivor_log, survivor_log[-4000:]
     logs = "".join((tmp_path / f"{n}.log").read_text() for n in "abc")
     assert re.search(r"\[rank 1/2\] INFO mingpt.node: \S+ joined", logs), logs[-3000:]
-    sizes = [r["world_size"] for r in records(run_dir) if r["kind"] == "resume"]
+    sizes = [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"]
     assert sizes == [1, 2]
     assert resumed_after < 30
     train = read_metrics(run_dir / "metrics.jsonl")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, torchrun_cmd, torchrun_env, read_metrics
+from conftest import REPO, records, torchrun_cmd, torchrun_env, read_metrics
 from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow
@@ -42,10 +42,9 @@ def wait_for_step(metrics: Path, step: int, proc, timeout=120) -> int:
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, "the run ended before the fault was injected"
-        if metrics.exists():
-            steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines() if line]
-            if steps and max(steps) >= step:
-                return max(steps)
+        steps = [r.get("step", 0) for r in records(metrics)]
+        if steps and max(steps) >= step:
+            return max(steps)
         time.sleep(0.005)
     raise AssertionError(f"step {step} not reached in {timeout}s")
 

@@ -2,7 +2,6 @@
 partition path: the survivor's collective stalls, the process-group timeout / watchdog ends the
 stuck worker, torchrun restarts it, and training goes on at WORLD_SIZE=1."""
 
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 import pytest
 
 from benchmarks.netns import agent_cmd, sh
-from conftest import REPO, free_port, make_corpus, torchrun_env
+from conftest import REPO, free_port, make_corpus, records, torchrun_env
 from test_elastic import CFG
 
 pytestmark = pytest.mark.slow
@@ -32,13 +31,10 @@ def test_link_cut_partition_survivor_goes_on_alone(two_nodes, tmp_path):
                                        start_new_session=True)
         time.sleep(0.5)
 
-    def records():
-        p = run_dir / "metrics.jsonl"
-        return [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
 
     try:
         deadline = time.time() + 120
-        while not any(r.get("world_size") == 2 and r.get("step", 0) >= 30 for r in records()):
+        while not any(r.get("world_size") == 2 and r.get("step", 0) >= 30 for r in records(run_dir / "metrics.jsonl")):
             assert time.time() < deadline and all(p.poll() is None for p in procs.values()), \
                 (tmp_path / "a.log").read_text()[-3000:]
             time.sleep(0.1)
@@ -46,7 +42,7 @@ def test_link_cut_partition_survivor_goes_on_alone(two_nodes, tmp_path):
         sh("ip", "-n", ns_b, "link", "set", veth_b, "down")  # the partition
         t_cut = time.time()
         deadline = time.time() + 150
-        while not any(r["kind"] == "resume" and r["world_size"] == 1 for r in records()):
+        while not any(r["kind"] == "resume" and r["world_size"] == 1 for r in records(run_dir / "metrics.jsonl")):
             assert time.time() < deadline, (tmp_path / "a.log").read_text()[-4000:]
             time.sleep(0.2)
         recovered_s = time.time() - t_cut
@@ -56,7 +52,7 @@ def test_link_cut_partition_survivor_goes_on_alone(two_nodes, tmp_path):
         for p in procs.values():
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-    train = [r for r in records() if r["kind"] == "train"]
+    train = [r for r in records(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert max(r["step"] for r in train) == 600
     assert train[-1]["world_size"] == 1
     log_a = (tmp_path / "a.log").read_text()

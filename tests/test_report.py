@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, make_corpus, torchrun_cmd, torchrun_env
+from conftest import REPO, make_corpus, records, torchrun_cmd, torchrun_env
 from mingpt.report.goodput import CATEGORIES, account
 from mingpt.training.ledger import STATES
 
@@ -79,7 +79,7 @@ def faulted_run(tmp_path_factory):
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 120
-    while not (metrics.exists() and any(json.loads(x).get("step", 0) >= 25 for x in metrics.read_text().splitlines())):
+    while not any(r.get("step", 0) >= 25 for r in records(metrics)):
         assert agent.poll() is None and time.time() < deadline, "step 25 not reached"
         time.sleep(0.01)
     workers = [int(p) for p in open(f"/proc/{agent.pid}/task/{agent.pid}/children").read().split()]

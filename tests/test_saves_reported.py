@@ -2,7 +2,6 @@
 and a final or preemption snapshot that fails is one error line and exit code 74, never "saved".
 The runs are real processes without root's capabilities, so that file permissions bite."""
 
-import json
 import os
 import signal
 import subprocess
@@ -11,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, WITHOUT_CAPABILITIES, make_corpus
+from conftest import REPO, WITHOUT_CAPABILITIES, make_corpus, records
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +47,9 @@ def wait_for_step(metrics, step, proc, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        if metrics.exists():
-            steps = [json.loads(x).get("step", 0) for x in metrics.read_text().splitlines() if x.endswith("}")]
-            if steps and max(steps) >= step:
-                return
+        steps = [r.get("step", 0) for r in records(metrics)]
+        if steps and max(steps) >= step:
+            return
         time.sleep(0.02)
     raise AssertionError(f"step {step} not reached")
 
