@@ -13,9 +13,9 @@ import torch
 
 from benchmarks.netns import NoNamespaces, agent_cmd, link_bytes, two_nodes
 from benchmarks.soak import tensors
-from conftest import REPO, free_port, make_corpus, read_metrics, torchrun_env
+from conftest import REPO, free_port, make_corpus, read_metrics, records, torchrun_env
 from mingpt.snapshot import SnapshotStore
-from test_elastic import records, wait_until
+from test_elastic import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_a_sigkilled_worker_resumes_bitwise(nodes, reference, tmp_path):
     run_dir = tmp_path / "run"
     procs = both(nodes, tmp_path, "kill", *train_args(tmp_path, run_dir, corpus), nnodes="2", max_restarts=3)
     try:
-        wait_until(lambda: any(r.get("step", 0) >= 45 for r in records(run_dir)), procs, what="step 45")
+        wait_until(lambda: any(r.get("step", 0) >= 45 for r in records(run_dir / "metrics.jsonl")), procs, what="step 45")
         workers = Path(f"/proc/{procs[1].pid}/task/{procs[1].pid}/children").read_text().split()
         os.kill(int(workers[-1]), signal.SIGKILL)  # a worker on node b, mid-run
     finally:
@@ -135,14 +135,14 @@ def test_a_lost_node_leaves_one_replica_and_the_returning_node_rejoins(nodes, re
     second = launch(b, a, port, tmp_path / "b.log", *args)
     procs = [first, second]
     try:
-        wait_until(lambda: any(r.get("world_size") == 4 and r.get("step", 0) >= 40 for r in records(run_dir)),
+        wait_until(lambda: any(r.get("world_size") == 4 and r.get("step", 0) >= 40 for r in records(run_dir / "metrics.jsonl")),
                    procs, what="training at world size 4")
         os.killpg(second.pid, signal.SIGKILL)  # the whole node: its agent and workers
         second.wait()
-        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == 2 for r in records(run_dir)),
+        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == 2 for r in records(run_dir / "metrics.jsonl")),
                    [first], what="the survivor resuming as one replica")
         procs.append(launch(b, a, port, tmp_path / "c.log", *args))
-        wait_until(lambda: [r["world_size"] for r in records(run_dir) if r["kind"] == "resume"][-1:] == [4],
+        wait_until(lambda: [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"][-1:] == [4],
                    [first, procs[2]], what="the returning node rejoining")
         assert first.wait(timeout=240) == 0 and procs[2].wait(timeout=60) == 0
     finally:
@@ -151,7 +151,7 @@ def test_a_lost_node_leaves_one_replica_and_the_returning_node_rejoins(nodes, re
                 os.killpg(p.pid, signal.SIGKILL)
     log = (tmp_path / "a.log").read_text()
     assert "HSDP on one node: carrying on as one replica" in log, log[-4000:]
-    assert [r["world_size"] for r in records(run_dir) if r["kind"] == "resume"] == [2, 4]
+    assert [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"] == [2, 4]
     train, ref = read_metrics(run_dir / "metrics.jsonl"), read_metrics(ref_dir / "metrics.jsonl")
     assert {2, 4} <= {r["world_size"] for r in train.values()}
     assert set(train) == set(ref)  # every step logged, the last one reached
