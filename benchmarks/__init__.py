@@ -3,12 +3,25 @@
 import ctypes
 import signal
 import socket
+from pathlib import Path
 
 
 def die_with_bench() -> None:
     """preexec_fn of a torchrun agent a benchmark starts: the kernel SIGKILLs it when the benchmark
     dies, however (a SIGTERM skips the benchmark's own cleanup), and its workers die with it."""
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of these processes that still run (zombies, waiting for their parent, do not)."""
+    out = []
+    for p in pids:
+        try:
+            if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                out.append(p)
+        except OSError:
+            continue
+    return out
 
 
 def free_port() -> int:

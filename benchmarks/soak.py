@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import die_with_bench
+from benchmarks import alive, die_with_bench
 from benchmarks.goodput import trainers as workers
 from benchmarks.seaweed import SeaweedFS
 
@@ -45,16 +45,10 @@ def agent(store: str, run_dir: Path, corpus: str, steps: int, every: int, model:
 
 def outlived(pids: list[int], wait_s: float = 5.0) -> int:
     """How many of these processes are still alive (not zombies) after wait_s; they are killed."""
-    def alive(pid: int) -> bool:
-        try:
-            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
     deadline = time.time() + wait_s
-    while time.time() < deadline and any(map(alive, pids)):
+    while time.time() < deadline and alive(pids):
         time.sleep(0.05)
-    left = [p for p in pids if alive(p)]
+    left = alive(pids)
     for p in left:
         os.kill(p, signal.SIGKILL)
     return len(left)

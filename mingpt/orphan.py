@@ -29,8 +29,8 @@ def die_with_agent() -> None:
 
 
 def _is_launcher(pid: int) -> bool:
-    """Whether process `pid` is a torchrun agent (torchrun, python -m torch.distributed.run,
-    mingpt-torchrun)."""
+    """Whether process `pid` is a torchrun agent: a program whose name ends in torchrun, or
+    python -m torch.distributed.run (or .launch)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             words = fh.read().split(b"\0")

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import alive
+from benchmarks.soak import outlived
 from conftest import REPO, records, torchrun_cmd, torchrun_env, read_metrics
 from mingpt.snapshot import SnapshotStore
 
@@ -197,10 +199,7 @@ def test_workers_of_an_agent_killed_while_they_start_die_too(reference, tmp_path
             time.sleep(0.3 * attempt)  # early in their start, and a little later
             agent.kill()
             agent.wait()
-            deadline = time.time() + 10
-            while time.time() < deadline and alive(list(workers.values())):
-                time.sleep(0.05)
-            assert alive(list(workers.values())) == [], f"attempt {attempt}: workers outlived their agent"
+            assert outlived(list(workers.values()), wait_s=10) == 0, f"attempt {attempt}: workers outlived their agent"
         finally:
             agent.kill()
             agent.wait()
@@ -241,17 +240,6 @@ def processes_with(env_entry: bytes) -> list[int]:
         try:
             if env_entry in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
                 out.append(int(pid))
-        except OSError:
-            continue
-    return out
-
-
-def alive(pids: list[int]) -> list[int]:
-    out = []
-    for p in pids:
-        try:
-            if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                out.append(p)
         except OSError:
             continue
     return out

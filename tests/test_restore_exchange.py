@@ -23,7 +23,8 @@ def tensors() -> dict[str, torch.Tensor]:
 
 
 def worker(rank: int, world: int, port: int, path: str, layout: str, sharded: bool, out: dict) -> None:
-    from mingpt.snapshot.layout import Slot, n_rows, rows_of
+    from mingpt.model import rows_of
+    from mingpt.snapshot.layout import Slot, n_rows
     from mingpt.snapshot.restore import restore
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
