@@ -36,6 +36,9 @@ class TokenizerConfig:
 
     def __post_init__(self) -> None:
         _check(self.kind in ("char", "bpe"), f"data.tokenizer.kind={self.kind!r}: use 'char' or 'bpe'")
+        _check(self.kind == "bpe" or self.ranks_file is None,
+               "data.tokenizer.ranks_file applies to data.tokenizer.kind=bpe only (the char tokenizer builds its "
+               "vocabulary from the text): add data.tokenizer.kind=bpe (or data=shakespeare_bpe), or leave it out")
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class DocumentsConfig:
                f"data.documents.batching={self.batching!r}: use length_grouped or random")
         _check(self.micro_batches_per_step > 0 and self.pool_size > 0 and self.token_budget > 0,
                "data.documents.token_budget, micro_batches_per_step and pool_size must be positive")
+        # A setting of another format would be ignored: refuse it, naming the format it belongs to.
+        for key, fmt in (("separator", "text"), ("text_field", "jsonl")):
+            _check(self.format == fmt or getattr(self, key) == getattr(DocumentsConfig, key),
+                   f"data.documents.{key} applies to data.documents.format={fmt} only (it is {self.format}): "
+                   "leave it out, or set the format")
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,14 @@ import logging
 import os
 import sys
 
-from mingpt.data.prepare import Settings, count, prepare, verify
+from mingpt.data.prepare import Settings, prepare, verify
 from mingpt.data.prepare import __doc__ as prepare_doc
 from mingpt.data.sources import DataError
 from mingpt.tokenizer import TokenizerError
+
+
+def count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name the INPUTs and --out DIR (or --verify DATASET)")
     if not 0 < args.val_fraction < 1:
         print(f"error: --val-fraction must be between 0 and 1, got {args.val_fraction}", file=sys.stderr)
+        return 2
+    if args.kind == "char" and args.ranks_file:
+        print("error: --tokenizer.ranks_file applies to --tokenizer.kind=bpe only (the char tokenizer builds its "
+              "vocabulary from the text); leave one of them out", file=sys.stderr)
         return 2
     settings = Settings(args.format, args.separator, args.text_field, args.val_fraction, int(args.unit_mb * 2**20),
                         int(args.shard_mb * 2**20))

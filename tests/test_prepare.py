@@ -285,6 +285,20 @@ def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs
     assert np.fromfile(pa, dtype=np.uint16).nbytes == a["bytes"]
 
 
+def test_the_command_prints_its_summary_once_and_refuses_a_ranks_file_for_char(tmp_path):
+    (tmp_path / "a.txt").write_text("\n".join(texts(50)) + "\n")
+    cmd = [sys.executable, "-m", "mingpt.prepare", str(tmp_path / "a.txt"), "--workers", "1"]
+    done = subprocess.run([*cmd, "--out", str(tmp_path / "ds"), "--tokenizer.ranks_file", RANKS], capture_output=True,
+                          text=True, timeout=120)
+    tokens = json.loads((tmp_path / "ds" / "manifest.json").read_text())["tokens"]
+    assert done.returncode == 0 and (done.stdout + done.stderr).count(f"{tokens:,} tokens") == 1, done
+    char = subprocess.run([*cmd, "--out", str(tmp_path / "c"), "--tokenizer.kind", "char", "--tokenizer.ranks_file",
+                           RANKS], capture_output=True, text=True, timeout=120)
+    assert char.returncode == 2 and char.stderr.startswith("error: --tokenizer.ranks_file applies to "
+                                                           "--tokenizer.kind=bpe only"), char
+    assert len(char.stderr.splitlines()) == 1 and not (tmp_path / "c").exists()
+
+
 def test_verify_names_a_damaged_local_shard(inputs, tmp_path, capsys):
     from mingpt.prepare import main
 

@@ -338,13 +338,7 @@ def _commit(dest: DatasetDir, plan: dict, tokenizer: Tokenizer, settings: Settin
                           "sha256": hashlib.sha256(index_bytes).hexdigest()},
                 "shards": shards, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     dest.write(MANIFEST, json.dumps(manifest, indent=1).encode())
-    log.info("prepared %s: %s tokens, %s, %s", dest.url, f"{base:,}", count(docs, "document"),
-             count(len(shards), "shard"))
     return manifest
-
-
-def count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _progress(total_bytes: int, show: bool):
