@@ -1,4 +1,6 @@
+import copy
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -74,6 +76,49 @@ def test_resume_mid_epoch_same_and_other_world_size():
     other.load_state_dict(state)
     rest = all_pieces(other, world=3, steps=other.steps_per_epoch - 15)
     assert sorted(first + rest) == list(range(len(lengths)))
+
+
+def rest_of_epoch(sampler, world):
+    """The pieces of the steps left in the sampler's epoch, and the first step of the next one."""
+    epoch, seen = sampler.epoch, []
+    while True:
+        step = sampler.next_step()
+        if sampler.epoch != epoch:
+            return seen, step
+        seen += [i for mbs in sampler.split(step, world) for mb in mbs for i in mb.tolist()]
+
+
+@pytest.mark.parametrize("change", [{"token_budget": 2048}, {"token_budget": 512, "micro_per_step": 2},
+                                    {"pool_size": 500}, {"mode": "random"}])
+def test_a_resume_with_other_batching_settings_trains_every_piece_of_the_epoch_once(change, caplog):
+    """Issue 33: a resume with another token budget left 9,886 of 20,000 pieces of the epoch untrained."""
+    lengths = skewed_lengths(20000)
+    old = {"token_budget": 1024, "micro_per_step": 4, "pool_size": 4096, "mode": "length_grouped", "seed": 5}
+    run = LengthGroupedSampler(lengths, **old)
+    first = all_pieces(run, world=2, steps=run.steps_per_epoch // 2)
+    resumed = LengthGroupedSampler(lengths, **old | change)
+    with caplog.at_level(logging.INFO):
+        resumed.load_state_dict(run.state_dict())
+    assert all(f"{k} {old[k]} -> {v}" in caplog.text for k, v in change.items())  # said, not silent
+    rest, _ = rest_of_epoch(copy.deepcopy(resumed), world=3)
+    assert len(lengths) - len(set(first + rest)) == 0 and len(first + rest) == len(lengths)  # none skipped, none twice
+    mid = all_pieces(resumed, world=3, steps=5)
+    # a restart with the new settings continues that plan step for step
+    again = LengthGroupedSampler(lengths, **old | change)
+    again.load_state_dict(resumed.state_dict())
+    for _ in range(5):
+        step = again.next_step()
+        assert all(np.array_equal(x, y) for x, y in zip(resumed.next_step(), step))
+        mid += np.concatenate(step).tolist()
+    # and the settings changed back at a third start: still every piece once
+    back = LengthGroupedSampler(lengths, **old)
+    back.load_state_dict(again.state_dict())
+    rest, next_first = rest_of_epoch(back, world=1)
+    trained = first + mid + rest
+    assert len(lengths) - len(set(trained)) == 0  # never trained
+    assert len(trained) == len(lengths)  # nothing twice
+    # the next epoch is the whole plan of the settings in force
+    assert all(np.array_equal(x, y) for x, y in zip(next_first, LengthGroupedSampler(lengths, **old).batches_of(1)[0]))
 
 
 def test_balance_on_a_skewed_distribution_and_padding():

@@ -7,10 +7,13 @@ the same sequence of global batches and every sample is seen exactly once per ep
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from mingpt.data.sources import DataError
 
+log = logging.getLogger(__name__)
 
 def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
     """The sample order of one epoch, a function of (seed, epoch) only. Shuffled in int32 where the
@@ -237,6 +240,12 @@ class LengthGroupedSampler:
     chosen so that a micro-batch holds as many real tokens on average as the budget, handed to
     ranks round-robin. The order does not depend on the world size; the position (epoch, steps
     done) is in global units. Stateful.
+
+    Other batching settings at a resume cut the epoch otherwise, so a step number of the old plan
+    means nothing in the new one (it skipped half an epoch). The snapshot's steps stay done and the
+    rest of the epoch is planned with the new settings over the pieces they left (`earlier`):
+    exact, where refusing would leave a run that must lower its token budget (a smaller GPU, out
+    of memory) no way to go on. It costs a replay of the earlier plans at the resume.
     """
 
     def __init__(self, lengths: np.ndarray, token_budget: int, micro_per_step: int, seed: int,
@@ -253,22 +262,33 @@ class LengthGroupedSampler:
         self.mode, self.pool_size, self.attn_coeff = mode, pool_size, attn_coeff
         self.num_samples = len(lengths)
         self.epoch, self.step_in_epoch = 0, 0
+        self.earlier: list[dict] = []  # this epoch's steps done under other settings: {"settings", "steps"}
         self._batches: EpochBatches | None = None
         self._batches_epoch = -1
 
-    def batches_of(self, epoch: int) -> EpochBatches:
-        """The epoch's global steps, each a list of micro-batches of piece indices. Vectorised but
-        for one loop per micro-batch: seconds for 10^7 pieces."""
+    @property
+    def settings(self) -> dict:
+        """What cuts an epoch into steps (the world size and attn_coeff only split a step)."""
+        return {"mode": self.mode, "token_budget": self.token_budget, "micro_per_step": self.micro_per_step,
+                "pool_size": self.pool_size}
+
+    def batches_of(self, epoch: int, settings: dict | None = None, done: np.ndarray | None = None) -> EpochBatches:
+        """The epoch's global steps, each a list of micro-batches of piece indices: under `settings`
+        (this sampler's by default), over the pieces not `done` (a mask; all by default). Vectorised
+        but for one loop per micro-batch: seconds for 10^7 pieces."""
+        s = settings or self.settings
         rng = np.random.default_rng([self.seed, epoch])
         order = _compact(rng.permutation(self.num_samples))  # 40 MB per 10^7 pieces
-        if self.mode == "length_grouped":
-            order = longest_first_within_pools(order, self.lengths, self.pool_size)
-            bounds = micro_batch_bounds(order, self.lengths, self.token_budget)
+        if done is not None:
+            order = order[~done[order]]
+        if s["mode"] == "length_grouped":
+            order = longest_first_within_pools(order, self.lengths, s["pool_size"])
+            bounds = micro_batch_bounds(order, self.lengths, s["token_budget"])
         else:
-            per_batch = max(1, self.token_budget // max(1, int(self.lengths.mean())))
-            bounds = np.append(np.arange(0, self.num_samples, per_batch), self.num_samples)
-        num_steps = -(-(len(bounds) - 1) // self.micro_per_step)
-        return EpochBatches(order, bounds, rng.permutation(num_steps), self.micro_per_step)
+            per_batch = max(1, s["token_budget"] // max(1, int(self.lengths.mean())))
+            bounds = np.append(np.arange(0, len(order), per_batch), len(order))
+        num_steps = -(-(len(bounds) - 1) // s["micro_per_step"])
+        return EpochBatches(order, bounds, rng.permutation(num_steps), s["micro_per_step"])
 
     @property
     def steps_per_epoch(self) -> int:
@@ -276,12 +296,18 @@ class LengthGroupedSampler:
 
     def _epoch_batches(self) -> EpochBatches:
         if self._batches_epoch != self.epoch:
-            self._batches, self._batches_epoch = self.batches_of(self.epoch), self.epoch
+            done = np.zeros(self.num_samples, dtype=bool) if self.earlier else None
+            for part in self.earlier:  # each plan covers the pieces the ones before it left
+                plan = self.batches_of(self.epoch, part["settings"], done)
+                for i in range(part["steps"]):
+                    for mb in plan[i]:
+                        done[mb] = True
+            self._batches, self._batches_epoch = self.batches_of(self.epoch, done=done), self.epoch
         return self._batches
 
     def next_step(self) -> list[np.ndarray]:
         if self.step_in_epoch >= len(self._epoch_batches()):
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+            self.epoch, self.step_in_epoch, self.earlier = self.epoch + 1, 0, []
         step = self._epoch_batches()[self.step_in_epoch]
         self.step_in_epoch += 1
         return step
@@ -308,8 +334,18 @@ class LengthGroupedSampler:
         return out
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "offset": self.step_in_epoch, "seed": self.seed, "num_samples": self.num_samples}
+        return {"epoch": self.epoch, "offset": self.step_in_epoch, "seed": self.seed, "num_samples": self.num_samples,
+                "settings": self.settings, "earlier": self.earlier}
 
     def load_state_dict(self, state: dict) -> None:
         _check_same_order(state, self.num_samples, self.seed)
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["offset"])
+        self.earlier = list(state.get("earlier", []))
+        saved = state.get("settings", self.settings)  # snapshots of earlier versions did not say
+        if saved != self.settings and self.step_in_epoch:
+            changed = ", ".join(f"{k} {saved[k]} -> {v}" for k, v in self.settings.items() if saved[k] != v)
+            log.info("batching changed since the snapshot (%s): the rest of epoch %d is planned anew over the "
+                     "pieces its %d steps left", changed, self.epoch, self.step_in_epoch)
+            self.earlier.append({"settings": saved, "steps": self.step_in_epoch})
+            self.step_in_epoch = 0
+        self._batches_epoch = -1  # the plan of this epoch may differ from the one made before the load
