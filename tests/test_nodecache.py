@@ -9,7 +9,7 @@ import torch
 from conftest import fs_of
 from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
 from mingpt.snapshot.layout import Slot
-from mingpt.snapshot.nodecache import NodeCache
+from mingpt.snapshot.nodecache import NodeCache, reclaim, user_dir
 from mingpt.snapshot.restore import restore
 
 SHARD = "shard-00000-of-00001.bin"
@@ -159,3 +159,42 @@ def test_stale_copies_are_reclaimed_by_the_next_job_and_by_the_command(shm, tmp_
     running.close()
     assert snapshot_cli(["clean-cache", "--dir", shm]) == 0
     assert not running.dir.exists() and not new.dir.exists()
+
+
+def _reclaim_at_once(root, barrier, out):
+    barrier.wait()  # every process starts reclaiming at the same moment
+    out.put([p.name for p, _ in reclaim(root)])
+
+
+def test_the_ranks_of_a_node_reclaim_the_same_stale_directories_at_once(tmp_path):
+    """Issue 33: local ranks reclaiming the same stale directory crashed at start (3 of 20 tries).
+    Six processes reclaim four stale directories at once, 20 times: none fails, each directory is
+    removed once, and the directory of a running job stays."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    root = str(tmp_path / "shm")
+    running = NodeCache(root, "/store", "running")  # holds its lock, like a live job
+    running.put(1, SHARD, b"live" * 1000)
+    for attempt in range(20):
+        stale = [f"job-dead-{attempt}-{j}" for j in range(4)]
+        for name in stale:  # what a job killed mid-run leaves: nobody holds its lock
+            for step in (1, 2):
+                folder = user_dir(root) / name / f"step_{step:09d}"
+                folder.mkdir(parents=True)
+                for shard in range(16):
+                    (folder / f"shard-{shard:05d}-of-00016.bin").write_bytes(b"x" * 4096)
+            (user_dir(root) / name / ".lock").touch()
+        barrier, out = ctx.Barrier(6), ctx.Queue()
+        procs = [ctx.Process(target=_reclaim_at_once, args=(root, barrier, out)) for _ in range(6)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        assert [p.exitcode for p in procs] == [0] * 6, f"attempt {attempt}: a reclaiming process failed"
+        assert sorted(name for _ in procs for name in out.get()) == stale  # each removed by one process
+        assert sorted(p.name for p in user_dir(root).iterdir()) == [running.dir.name]
+        assert (running.folder(1) / SHARD).read_bytes() == b"live" * 1000
+    (user_dir(root) / ".reclaimed-123-job-x" / "step_000000001").mkdir(parents=True)  # its reclaimer was killed
+    reclaim(root)
+    assert sorted(p.name for p in user_dir(root).iterdir()) == [running.dir.name]

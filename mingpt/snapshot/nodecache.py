@@ -76,19 +76,28 @@ def reclaim(root: str, keep: Path | None = None) -> list[tuple[Path, int]]:
     for job in sorted(base.glob("job-*")):
         if job == keep or job.is_symlink() or not job.is_dir():
             continue
+        # The node's other ranks reclaim the same directories at the same moment: under the lock,
+        # one of them measures the directory and moves it aside, and removes it alone; the others
+        # find it gone (ENOENT) or locked, which is no error.
         try:
             fd = os.open(job / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         except OSError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # a job of this user runs with it
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a job (or a reclaimer) holds it
+            if not os.path.samestat(os.fstat(fd), os.lstat(job / LOCK)):
+                continue  # a sibling moved the one we locked aside, and a job made the directory anew
+            size = sum(f.lstat().st_size for f in job.rglob("*") if f.is_file() and not f.is_symlink())
+            gone = base / f".reclaimed-{os.getpid()}-{job.name}"
+            os.rename(job, gone)  # ENOENT: a sibling moved it first
+        except OSError:
             continue
         finally:
             os.close(fd)
-        size = sum(f.stat().st_size for f in job.rglob("*") if f.is_file() and not f.is_symlink())
-        shutil.rmtree(job, ignore_errors=True)
+        shutil.rmtree(gone, ignore_errors=True)
         removed.append((job, size))
+    for left in base.glob(".reclaimed-*"):  # by a reclaimer killed while removing
+        shutil.rmtree(left, ignore_errors=True)
     return removed
 
 
