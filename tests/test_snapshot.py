@@ -367,3 +367,115 @@ def test_the_manifest_does_not_grow_with_tensors_times_writers(tmp_path):
         assert len(shards) == writers and all(len(f["sha256"]) == -(-f["size"] // CHUNK_BYTES) for f in shards.values())
         sizes[writers] = len(open(f"{path}/manifest.json").read())
     assert sizes[32] - sizes[1] < 31 * 200, sizes  # about 150 bytes per file, nothing per tensor and writer
+
+
+def keep_two(store: SnapshotStore, step: int) -> None:
+    """Save `step` as training does: committed by a Snapshotter, then retention with keep_last=2."""
+    from mingpt.snapshot import Snapshotter
+
+    snap = Snapshotter(store, keep_last=2, retries=0)
+    snap.save(step, [Slot("model.w", torch.full((4, 4), float(step)), (4, 4))], {"trainer": {"step": step}}, {})
+    assert snap.wait() is True
+    snap.close()
+
+
+def resume(store: SnapshotStore) -> int:
+    """What a start does (start.candidates, then restore_newest over real restores); the step it resumes."""
+    from mingpt.snapshot.restore import restore, restore_newest
+    from mingpt.snapshot.start import candidates
+
+    def load(path: str, manifest: dict) -> dict:
+        return restore(store, path, manifest, [Slot("model.w", torch.empty(4, 4), (4, 4))], rank=0, world=1)
+
+    found = candidates(store, [s for s in store.list() if s.committed])
+    return restore_newest(store, found, load, lambda m: None)[0]["step"]
+
+
+def flip(store: SnapshotStore, step: int) -> None:
+    """One byte of the snapshot's shard changed, its size kept: only a load finds out."""
+    f = f"{store.root}/{store.name(step)}/{SHARD}"
+    data = bytearray(fs_of(store).cat(f))
+    data[3] ^= 0xFF
+    fs_of(store).pipe(f, bytes(data))
+
+
+def test_retention_keeps_the_newest_snapshots_that_load(store_url, caplog):
+    """Issue 33's scenario: resumes fall back past damaged snapshots, more saves follow; the good
+    older ones stay, so one more damaged file still leaves a snapshot to resume."""
+    store = SnapshotStore(store_url)
+    for step in (10, 20, 30):
+        keep_two(store, step)
+    flip(store, 30)
+    assert resume(store) == 20
+    keep_two(store, 25)  # the resumed run saves (a preemption save, say): 30 is damaged, 20 is kept
+    assert [s.step for s in store.list()] == [20, 25, 30]
+    flip(store, 25)
+    assert resume(store) == 20
+    keep_two(store, 21)
+    assert [s.step for s in store.list()] == [20, 21, 25, 30]
+    flip(store, 21)
+    assert resume(store) == 20  # it used to be "no snapshot can be loaded": 20 had been pruned
+    keep_two(store, 30)  # a step saved anew is good again, and counts: what is older than 20 and 30 goes
+    keep_two(store, 40)
+    assert [s.step for s in store.list()] == [30, 40]
+    assert resume(store) == 40
+
+
+def test_a_snapshot_with_a_missing_file_does_not_count_as_kept(store_url):
+    store = SnapshotStore(store_url)
+    keep_two(store, 1)
+    keep_two(store, 2)
+    fs_of(store).rm(f"{store.root}/{store.name(2)}/{SHARD}")
+    keep_two(store, 3)
+    assert [s.step for s in store.list()] == [1, 2, 3]  # 1 and 3 load; 2 never will
+    assert resume(store) == 3
+    keep_two(store, 4)
+    assert [s.step for s in store.list()] == [3, 4]
+
+
+@pytest.mark.parametrize("failures", [1, 3])
+def test_a_failed_manifest_read_is_retried_then_fails_the_start(tmp_path, monkeypatch, caplog, failures):
+    """A timeout reading the newest manifest must not make a start resume an older snapshot: it is
+    retried, and if it persists the start fails as a transient error (exit 1, torchrun tries again),
+    not as a bad snapshot or setting (SnapshotError, exit 2)."""
+    from mingpt.snapshot.start import candidates
+    from mingpt.snapshot.store import TransientError
+
+    store = SnapshotStore(str(tmp_path))
+    for step in (1, 2):
+        save_state(store, step, state(step), {})
+    get, left = store.files.get, [failures]
+
+    def flaky(path: str) -> bytes:
+        if path.endswith(f"{store.name(2)}/manifest.json") and left[0]:
+            left[0] -= 1
+            raise TimeoutError("read timed out")
+        return get(path)
+
+    monkeypatch.setattr(store.files, "get", flaky)
+    committed = [s for s in store.list() if s.committed]
+    if failures < 3:
+        assert [m["step"] for _, m in candidates(store, committed)] == [2, 1]
+        return
+    with pytest.raises(TransientError, match="cannot read snapshot .*step_000000002 now .*TimeoutError") as e:
+        candidates(store, committed)
+    assert not isinstance(e.value, SnapshotError) and "falling back" not in caplog.text
+
+
+def test_a_read_error_that_may_pass_fails_the_load_without_marking_the_snapshot(tmp_path, monkeypatch):
+    from mingpt.snapshot import transport
+    from mingpt.snapshot.store import REJECTED_FILE, TransientError
+
+    store = SnapshotStore(str(tmp_path))
+    keep_two(store, 1)
+    keep_two(store, 2)
+
+    def timeout(*args):
+        raise TimeoutError("read timed out")
+
+    monkeypatch.setattr(transport, "pread_into", timeout)
+    with pytest.raises(TransientError, match="could not be read now"):
+        resume(store)
+    assert not any((tmp_path / store.name(s)).joinpath(REJECTED_FILE).exists() for s in (1, 2))
+    monkeypatch.undo()
+    assert resume(store) == 2

@@ -10,7 +10,8 @@ into its own tensors (no second copy of the state; at most one bounded host buff
   depends on the state's bytes, not on the world size;
 - replicated tensors, `direct` layout (or one process): every rank reads every chunk itself.
 The ranks agree on success (one all-reduce) before anything moves between them, so a damaged chunk
-makes every rank give up on that snapshot together and try the previous one.
+makes every rank give up on that snapshot together, mark it rejected and try the previous one; a
+read that failed for a reason that may pass (after retries) fails the start instead, with exit 1.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ import torch
 import torch.distributed as dist
 
 from mingpt.snapshot.chunks import BATCH_BYTES, Chunk, Copier, Target, chunks_of, needed, read_chunks, targets_of
-from mingpt.snapshot.layout import Slot
-from mingpt.snapshot.store import MismatchError, SnapshotError, SnapshotStore, nothing_loads
+from mingpt.snapshot.layout import EXTRA_FILE, Slot
+from mingpt.snapshot.store import (DamagedError, MismatchError, SnapshotError, SnapshotStore, TransientError,
+                                   nothing_loads)
+from mingpt.snapshot.transport import TRANSIENT, failure
 
 log = logging.getLogger("mingpt")
 
@@ -55,8 +58,10 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
     errors = read_chunks(store.files, path, to_read, Copier(targets), cache, manifest["step"], sizes, batch_bytes)
     try:
         extra = store.read_extra(path, manifest)
+    except SnapshotError as e:  # its checksum
+        errors.append(str(e))
     except Exception as e:  # noqa: BLE001 - any failure to read it makes the snapshot unusable
-        errors.append(f"{e.__class__.__name__}: {e}")
+        errors.append(failure(EXTRA_FILE, e))
     _agree(errors, path, world, targets[0].dest.device if targets else torch.device("cpu"))
     if exchange:
         _exchange(replicated, shares, rank, world, exchange_bytes)
@@ -118,7 +123,8 @@ def _move(stream: list[tuple[Target, int, int]], pos: int, buf: torch.Tensor, in
 
 def _agree(errors: list[str], path: str, world: int, device: torch.device) -> None:
     """Raise on every rank if any rank met a problem (each problem named once): one all-reduce, and
-    only when there are some, the messages (JSON strings, through all_gather_object)."""
+    only when there are some, the messages (JSON strings, through all_gather_object). DamagedError,
+    or TransientError if any read failed in a way that may pass: the snapshot may be good."""
     if world > 1:
         flag = torch.tensor([float(len(errors))], device=device if device.type == "cuda" else "cpu")
         dist.all_reduce(flag)
@@ -127,15 +133,19 @@ def _agree(errors: list[str], path: str, world: int, device: torch.device) -> No
             dist.all_gather_object(everyone, json.dumps(errors))
             errors = sorted({e for errs in everyone for e in json.loads(errs)})
     if errors:
-        raise SnapshotError(f"snapshot {path} is damaged: {'; '.join(errors[:5])}"
-                            + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""))
+        what = "; ".join(errors[:5]) + (f" (and {len(errors) - 5} more)" if len(errors) > 5 else "")
+        if any(TRANSIENT in e for e in errors):
+            raise TransientError(f"snapshot {path} could not be read now: {what}; exiting so that torchrun tries the "
+                                 "start again rather than resume an older snapshot")
+        raise DamagedError(f"snapshot {path} is damaged: {what}")
 
 
 def restore_newest(store: SnapshotStore, candidates: list[tuple[str, dict]], load: Callable[[str, dict], dict],
                    check: Callable[[dict], None]) -> tuple[dict, dict]:
     """(manifest, small state) of the first candidate (path, manifest; newest first) that `load`
     fills without a problem, warning for each one it passes over; `check` refuses a snapshot of
-    another model. Every rank calls this with the same candidates and passes over the same ones."""
+    another model. Every rank calls this with the same candidates and passes over the same ones;
+    the first marks each damaged one rejected, so that retention no longer counts it as kept."""
     errors = []
     for path, manifest in candidates:
         try:
@@ -146,4 +156,9 @@ def restore_newest(store: SnapshotStore, candidates: list[tuple[str, dict]], loa
         except SnapshotError as e:
             log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", path, e)
             errors.append(f"{path}: {e}")
+            if isinstance(e, DamagedError) and (not dist.is_initialized() or dist.get_rank() == 0):
+                try:
+                    store.reject(path, str(e))
+                except Exception as why:  # noqa: BLE001 - the mark only spares later starts and retention
+                    log.warning("could not mark snapshot %s rejected (%s: %s)", path, why.__class__.__name__, why)
     raise nothing_loads(store.url, "; ".join(errors))

@@ -51,15 +51,13 @@ def new_run_id() -> str:
 
 def candidates(store: SnapshotStore, infos: list, limit: int = 3) -> list[tuple[str, dict]]:
     """(path, manifest) of the newest committed snapshots whose manifest reads and whose files are
-    all there at the listed sizes (one listing each, no data read), newest first; each one passed
-    over is named in a warning. The ranks then load the first that checks out."""
+    all there at the listed sizes (one listing each, no data read), and that no load found damaged,
+    newest first; each one passed over is named in a warning. The ranks then load the first that
+    checks out. A read that fails in a way that may pass raises TransientError (after retries):
+    falling back past a good snapshot would lose its steps."""
     out = []
     for info in sorted(infos, key=lambda s: -s.step):
-        try:
-            manifest = store.read_manifest(info.path)
-            missing = store.missing_files(info.path, manifest)
-        except Exception as e:  # noqa: BLE001 - an unreadable manifest: try the previous snapshot
-            missing = [f"its manifest cannot be read ({e.__class__.__name__}: {e})"]
+        manifest, missing = store.problems(info.path)
         if missing:
             log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", info.path,
                         "; ".join(missing))
@@ -72,25 +70,27 @@ def candidates(store: SnapshotStore, infos: list, limit: int = 3) -> list[tuple[
     return out
 
 
-def choose_start(store: SnapshotStore, scfg: SnapshotConfig, job_id: str | None):
+def choose_start(store: SnapshotStore, scfg: SnapshotConfig, launch_id: str, restarted: bool):
     """(store URL, candidate snapshots, run id, other run's snapshots) this start continues from;
     a fresh run has no candidates. The candidates are (path, manifest), newest first.
 
     Two runs never share a store: starting afresh (resume=never) or from an explicit snapshot in a
     store that holds other snapshots is refused, unless `move_aside` allows moving them aside.
-    A restart of the same torchrun job (same rendezvous id) always resumes its own newest
-    snapshot, whatever `resume` says: torchrun restarts workers with the same arguments.
+    A torchrun restart of this launch, or a start of the launch that saved the newest snapshot (an
+    elastic change of nodes restarts the workers without counting a restart), always resumes its
+    own newest snapshot whatever `resume` says: torchrun restarts workers with the same arguments.
+    A new launch does what `resume` says, whatever its rendezvous id (users reuse one).
     """
     resume = scfg.resume
     committed = [s for s in store.list() if s.committed]
-    if resume != "latest" and committed and job_id:
+    if resume != "latest" and committed:
         try:
             newest = store.read_manifest(committed[-1].path)
-        except Exception:  # noqa: BLE001 - an unreadable manifest is no snapshot of this job
+        except Exception:  # noqa: BLE001 - an unreadable manifest is no snapshot of this launch
             newest = {}
-        if newest.get("job_id") == job_id:
-            log.info("this job (rendezvous id %s) saved step %d already: resuming from its own newest snapshot",
-                     job_id, newest["step"])
+        if restarted or newest.get("launch_id") == launch_id:
+            log.info("a restart of launch %s: resuming its own newest snapshot, whatever snapshot.resume=%s says",
+                     launch_id, resume)
             resume = "latest"
     if resume == "latest":
         found = candidates(store, committed)
@@ -127,10 +127,12 @@ def _steps(snaps) -> str:
 
 
 def abort_unfinished(store: SnapshotStore) -> int:
-    """Abort every multipart upload under the store left unfinished by an earlier attempt of this job
-    (a writer SIGKILLed mid-upload leaves its parts stored, and billed, until an abort). Called by
-    the first rank at start, before any rank of this attempt saves: every upload under the store is
-    then an orphan. Returns how many; a store that refuses to list them is only warned about."""
+    """Abort the multipart uploads of this store's snapshot files left unfinished by an earlier attempt
+    of this job (a writer SIGKILLed mid-upload leaves its parts stored, and billed, until an abort).
+    Called by the first rank at start, before any rank of this attempt saves: every upload into the
+    store's step folders is then an orphan; other keys under the same prefix (snapshot.dir=s3://bucket)
+    are someone else's and left alone. Returns how many; a store that refuses to list them is only
+    warned about."""
     try:
         found = store.uploads(0.0)
         for upload in found:

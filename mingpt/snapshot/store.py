@@ -6,13 +6,15 @@ Layout of a store (format 3):
     <store>/step_000000500/shard-00001-of-00002.bin   writer 1's rows
     <store>/step_000000500/extra.pt                   the small state: sampler, counters, GradScaler
     <store>/step_000000500/manifest.json              written last: its presence commits the snapshot
+    <store>/step_000000500/rejected.txt               only if a load found it damaged: why
 
 The manifest lists every tensor's name, dtype and shape (where its rows lie in the shards follows
 from them and the number of writers: layout.cut) and every file's size and the sha256 of each of
 its chunks, so a reader takes just the chunks it needs and checks them (chunks.py). Format 2 (a
 sha256 per tensor piece) still loads. A snapshot is found by
 scanning for step folders that hold a manifest; anything else (an interrupted write, a leftover
-file) is invisible. This module is the catalogue; the bytes move through transport.py (a local
+file) is invisible; a snapshot a load found damaged is marked rejected, and retention keeps the
+newest keep_last that load. This module is the catalogue; the bytes move through transport.py (a local
 directory or an S3 bucket).
 """
 
@@ -31,7 +33,7 @@ import torch
 from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, sha256, targets_of, whole_slots
 from mingpt.snapshot.layout import EXTRA_FILE
 from mingpt.snapshot.s3 import S3Objects
-from mingpt.snapshot.transport import Files, LocalFiles, join, retried
+from mingpt.snapshot.transport import Files, LocalFiles, damaged, join, retried
 from mingpt.storage import is_local
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (2, 3)
 MANIFEST_FILE = "manifest.json"
+REJECTED_FILE = "rejected.txt"
 STEP_RE = re.compile(r"^step_(\d{9})$")
 
 
@@ -48,6 +51,16 @@ class SnapshotError(RuntimeError):
 
 class MismatchError(SnapshotError):
     """The snapshot is of another model shape or tokenizer: no older one of the store would fit."""
+
+
+class DamagedError(SnapshotError):
+    """The snapshot's bytes are bad (a checksum, a short or missing file): no later load will succeed."""
+
+
+class TransientError(OSError):
+    """The store could not be read now, after retries (a timeout, a dropped connection): nothing is
+    known to be wrong with the snapshots nor the settings, so the process exits with 1 and torchrun
+    tries the start again, rather than resuming from an older snapshot."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,7 @@ class SnapshotStore:
         """Make the folder of `step` uncommitted before its files are written again (a step saved
         anew after a fall back past it); the first writer calls it before any writer starts."""
         self.files.remove(self._path(self.name(step), MANIFEST_FILE))
+        self.files.remove(self._path(self.name(step), REJECTED_FILE))
 
     def write_file(self, step: int, name: str, data) -> None:
         """Write one file of a snapshot durably (whole or not at all)."""
@@ -137,24 +151,34 @@ class SnapshotStore:
         return folder
 
     def uploads(self, older_than_s: float = 0.0) -> list[dict]:
-        """Multipart uploads under this store never completed nor aborted ([] for a local store)."""
-        return self.files.uploads(older_than_s)
+        """Multipart uploads of this store's snapshot files (`<store>/step_N/<file>`) never completed
+        nor aborted ([] for a local store); any other key under the same prefix is someone else's."""
+        prefix = self.root.partition("/")[2]
+        prefix += "/" if prefix else ""
+
+        def ours(key: str) -> bool:
+            folder, _, file = key.removeprefix(prefix).partition("/")
+            return key.startswith(prefix) and bool(STEP_RE.match(folder)) and bool(file) and "/" not in file
+        return [u for u in self.files.uploads(older_than_s) if ours(u["key"])]
 
     def abort_upload(self, upload: dict) -> None:
         self.files.abort_upload(upload)
 
     # ------------------------------------------------------------------ reading
     def read_manifest(self, path: str) -> dict:
-        manifest = json.loads(self.files.get(join(path, MANIFEST_FILE)))
+        manifest = json.loads(retried(lambda: self.files.get(join(path, MANIFEST_FILE))))
+        if not isinstance(manifest, dict):
+            raise SnapshotError(f"snapshot {path} has a manifest that is not a JSON object")
         version = manifest.get("format_version")
         if version not in READABLE_VERSIONS:
             raise SnapshotError(f"snapshot {path} has format version {version}; this mingpt reads "
                                 f"{', '.join(map(str, READABLE_VERSIONS))}: use the mingpt that wrote it")
         return manifest
 
-    def missing_files(self, path: str, manifest: dict) -> list[str]:
-        """The files a manifest lists that are absent or of another size (one listing, no reads)."""
-        sizes = self.files.sizes(path)
+    def missing_files(self, path: str, manifest: dict, sizes: dict[str, int] | None = None) -> list[str]:
+        """The files a manifest lists that are absent or of another size (one listing, no reads;
+        `sizes`: the folder's listing when the caller has it)."""
+        sizes = retried(lambda: self.files.sizes(path)) if sizes is None else sizes
         out = []
         for name, f in manifest["files"].items():
             if name not in sizes:
@@ -162,6 +186,27 @@ class SnapshotStore:
             elif sizes[name] != f["size"]:
                 out.append(f"{name} has {sizes[name]} bytes, the manifest says {f['size']}")
         return out
+
+    def problems(self, path: str) -> tuple[dict | None, list[str]]:
+        """(manifest, why the snapshot cannot load) from its manifest and one listing, no data read:
+        an unreadable manifest, a file missing or of another size, or a load that found it damaged
+        (REJECTED_FILE). A transient error is retried, then raised as TransientError: it says
+        nothing about the snapshot, and must not make a start fall back past it."""
+        try:
+            manifest = self.read_manifest(path)
+            sizes = retried(lambda: self.files.sizes(path))
+            missing = self.missing_files(path, manifest, sizes)
+        except Exception as e:  # noqa: BLE001 - any backend's error, after retries
+            if damaged(e) or isinstance(e, SnapshotError):
+                return None, [f"its manifest cannot be read ({e.__class__.__name__}: {e})"]
+            raise TransientError(f"cannot read snapshot {path} now ({e.__class__.__name__}: {e}); exiting so that "
+                                 "torchrun tries the start again rather than resume an older snapshot") from e
+        return manifest, missing + ([f"a load found it damaged ({REJECTED_FILE} says why)"] if REJECTED_FILE in sizes else [])
+
+    def reject(self, path: str, why: str) -> None:
+        """Mark a committed snapshot that a load found damaged: it no longer counts as one to keep,
+        and no start tries it again (saving its step anew clears the mark)."""
+        self.files.put(join(path, REJECTED_FILE), why.encode())
 
     def read_extra(self, path: str, manifest: dict) -> dict:
         """The small state (sampler, counters, GradScaler), checksum verified."""
@@ -232,16 +277,21 @@ class SnapshotStore:
         return f"{self.url}.aside-{stamp}"
 
     def prune(self, keep_last: int, keep_every: int = 0, protect: int | None = None) -> list[str]:
-        """Delete committed snapshots beyond the newest keep_last (except every keep_every-th
+        """Delete snapshots older than the newest keep_last that load (except every keep_every-th
         step, kept forever, and the step `protect`: the newest of the current run, whatever else
-        the store holds), and uncommitted leftovers older than the kept ones."""
-        snaps = self.list()
-        committed = [s for s in snaps if s.committed]
-        if len(committed) <= keep_last:
+        the store holds). Whether one loads is its `problems` (manifest and listing, no data): a
+        damaged one never counts, and is deleted only once older than the kept ones, as are
+        uncommitted leftovers."""
+        snaps, good = self.list(), []
+        for s in reversed(snaps):
+            if len(good) == keep_last:
+                break
+            if s.committed and not self.problems(s.path)[1]:
+                good.append(s)
+        if len(good) < keep_last:
             return []
-        oldest_kept = committed[-keep_last].step
         doomed = [s.path for s in snaps
-                  if s.step < oldest_kept and s.step != protect
+                  if s.step < good[-1].step and s.step != protect
                   and not (s.committed and keep_every and s.step % keep_every == 0)]
         for path in doomed:
             self.files.remove(path)

@@ -33,6 +33,17 @@ class ShortFileError(OSError):
     """A file ends before the bytes asked for: retrying cannot help."""
 
 
+# What a read failure that names this says: the bytes could not be fetched now (a timeout, a dropped
+# connection), which says nothing about the snapshot. The ranks pass failures around as text.
+TRANSIENT = "a storage error that may pass"
+
+
+def damaged(e: BaseException) -> bool:
+    """Whether a read error means the stored bytes are bad (missing, short, unparsable): retrying
+    cannot help. Anything else (a timeout, a dropped connection, a throttled request) may pass."""
+    return isinstance(e, (ShortFileError, FileNotFoundError, ValueError, KeyError, TypeError))
+
+
 class Files(Protocol):
     """What the snapshot catalogue needs from where the snapshots live."""
 
@@ -60,14 +71,12 @@ def join(*parts: str) -> str:
 
 def retried(fn: Callable, attempts: int = READ_ATTEMPTS, backoff_s: float = 0.5):
     """fn() again after a failure (a dropped connection, a throttled GET), with backoff: one transient
-    error must not make every rank pass over the newest snapshot. A short file stays short."""
+    error must not make every rank pass over the newest snapshot. A damaged file stays damaged."""
     for attempt in range(attempts):
         try:
             return fn()
-        except ShortFileError:
-            raise
         except Exception as e:  # noqa: BLE001 - any backend's transient error
-            if attempt == attempts - 1:
+            if damaged(e) or attempt == attempts - 1:
                 raise
             log.warning("snapshot read failed (%s: %s); retrying in %.1fs", e.__class__.__name__, e,
                         backoff_s * 2**attempt)
@@ -89,7 +98,9 @@ def pread_into(file: str, offset: int, out: memoryview) -> None:
 
 
 def failure(path: str, e: Exception) -> str:
-    return f"shard {path.rsplit('/', 1)[-1]} cannot be read ({e.__class__.__name__}: {e})"
+    """A read failure as text, naming the file, and TRANSIENT unless the file is damaged."""
+    return (f"shard {path.rsplit('/', 1)[-1]} cannot be read ({e.__class__.__name__}: {e})"
+            + ("" if damaged(e) else f"; {TRANSIENT}"))
 
 
 class LocalFiles:
