@@ -102,8 +102,10 @@ class Snapshotter:
     `save` blocks only while this rank's rows are copied to CPU. On a background thread each writer
     then writes its shard; the writers' records go to writer 0 in one gather on `group` (a gloo group
     of their own, so that it never races the training loop's collectives), which commits the
-    manifest only when every shard is durable and hashed, then prunes. A failed save is logged and
-    training goes on: the previous snapshot stays the latest committed one. Writer 0 reports each
+    manifest only when every shard is durable and hashed, then prunes (a failed prune is only warned
+    about: the save is committed). A failed save is logged once by the committer, and the previous
+    snapshot stays the latest committed one; whether training goes on is the caller's decision
+    (a periodic save: it does; the final or a preemption save: SavePolicy.finish fails the run). Writer 0 reports each
     save's outcome (committed, failed, retried) to `events` as a metrics record.
     """
 
@@ -164,14 +166,17 @@ class Snapshotter:
             return True
         if any(r is None for r in records):
             bad = [SHARD_FORMAT.format(i, self.shard.writers) for i, r in enumerate(records) if r is None]
-            log.error("snapshot step %d not committed: %s could not be written; training goes on and the "
-                      "previous snapshot stays the latest", step, ", ".join(bad))
             return self._failed(step, t0, f"{', '.join(bad)} could not be written")
         if self.committer:
             path = self._retried(step, "committing", lambda: self.store.commit(step, self.shard.manifest(manifest, records)))
             if path is None:
                 return self._failed(step, t0, "the manifest could not be committed")
-            pruned = self.store.prune(self.keep_last, self.keep_every, protect=step)
+            try:
+                pruned = self.store.prune(self.keep_last, self.keep_every, protect=step)
+            except Exception as e:  # noqa: BLE001 - step is committed whatever became of the older ones
+                log.warning("snapshot step %d committed, but pruning older snapshots failed (%s: %s); the next "
+                            "save prunes again", step, e.__class__.__name__, e)
+                pruned = []
             total = time.perf_counter() - t0
             log.info("snapshot step %d committed to %s by %d writer%s in %.2fs (%.0f ms blocking)%s", step, path,
                      self.shard.writers, "" if self.shard.writers == 1 else "s", total,
@@ -186,6 +191,7 @@ class Snapshotter:
     def _failed(self, step: int, t0: float, why: str) -> bool:
         self.failures += 1
         if self.committer:
+            log.error("snapshot step %d not committed: %s; the previous snapshot stays the latest", step, why)
             self._events({"kind": "snapshot", "step": step, "status": "failed", "reason": why,
                           "total_s": round(time.perf_counter() - t0, 4), "blocking_s": round(self.blocking_s[-1], 4)})
         return False
@@ -197,8 +203,8 @@ class Snapshotter:
                 return fn()
             except Exception as e:  # noqa: BLE001 - storage errors of any backend: retry, then report
                 if attempt == self.retries:
-                    log.error("snapshot step %d failed after %d attempts %s (%s: %s); training goes on and the "
-                              "previous snapshot stays the latest", step, attempt + 1, what, e.__class__.__name__, e)
+                    log.error("snapshot step %d failed after %d attempts %s (%s: %s)", step, attempt + 1, what,
+                              e.__class__.__name__, e)
                     return None
                 delay = self.backoff_s * 2**attempt
                 self._retried_now += 1

@@ -1,0 +1,55 @@
+"""The snapshotter's outcomes: what it logs and reports when a save, or the retention after it, fails."""
+
+import errno
+import logging
+
+import torch
+
+from mingpt.snapshot import Snapshotter, SnapshotStore
+from mingpt.snapshot.layout import Slot
+
+
+def save(snap: Snapshotter, step: int) -> bool:
+    snap.save(step, [Slot("model.w", torch.full((4, 4), float(step)), (4, 4))], {"trainer": {"step": step}}, {})
+    return snap.wait()
+
+
+def test_a_failed_prune_does_not_fail_the_committed_save(tmp_path, monkeypatch, caplog):
+    """Step 2 is committed: an error deleting older snapshots is one warning, not a failed save
+    (which would make a final save exit 74 saying step 2 could not be saved)."""
+    store = SnapshotStore(str(tmp_path))
+    snap = Snapshotter(store, keep_last=1, retries=0)
+    assert save(snap, 1) is True
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "step_000000001"))
+
+    monkeypatch.setattr(store, "prune", refused)
+    assert save(snap, 2) is True
+    snap.close()
+    assert snap.failures == 0 and [s.step for s in store.list() if s.committed] == [1, 2]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == [f"snapshot step 2 committed, but pruning older snapshots failed (PermissionError: [Errno 13] "
+                        f"Permission denied: '{tmp_path / 'step_000000001'}'); the next save prunes again"]
+    assert store.load_latest()[1]["step"] == 2
+
+
+def test_a_save_to_a_full_disk_is_reported_once_and_never_says_training_goes_on(tmp_path, monkeypatch, caplog):
+    """The snapshotter cannot know whether training goes on (a final or preemption save ends the
+    run with exit 74): it says what failed, and that the previous snapshot stays the latest, once."""
+    store = SnapshotStore(str(tmp_path))
+    snap = Snapshotter(store, retries=1, backoff_s=0.01)
+    assert save(snap, 1) is True
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(store, "write_file", full)
+    assert save(snap, 2) is False
+    snap.close()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert "training goes on" not in caplog.text
+    assert errors == ["snapshot step 2 failed after 2 attempts writing its shard (OSError: [Errno 28] No space left "
+                      "on device)",
+                      "snapshot step 2 not committed: shard-00000-of-00001.bin could not be written; the previous "
+                      "snapshot stays the latest"]
