@@ -13,18 +13,23 @@ import os
 import signal
 import sys
 
+_PARENT = os.getppid()  # the agent, recorded at main.py's first import (unless it died already)
+
 
 def die_with_agent() -> None:
     """Under torchrun, make the kernel SIGKILL this worker when its agent dies (Linux; a no-op
-    elsewhere). A worker whose agent died before this ran is an orphan already (the kernel gave it
-    to PID 1): it exits at once, unless PID 1 is the launcher itself (torchrun as a container's
-    entry point)."""
+    elsewhere). A worker whose agent died before this ran is an orphan already: it exits at once.
+    The kernel gave it to PID 1 or to the nearest child subreaper (some init systems and container
+    runtimes), so its parent is no longer the one recorded at the start; a parent of PID 1 from
+    the start means the same, unless PID 1 is the launcher itself (torchrun as a container's entry
+    point)."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1 and not _is_launcher(1):
+    parent = os.getppid()  # read after arming: a death from now on is the signal's
+    if parent != _PARENT or (parent == 1 and not _is_launcher(1)):
         os._exit(1)
 
 
