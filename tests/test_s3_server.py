@@ -73,9 +73,11 @@ def test_the_server_killed_mid_save_and_restarted_loses_nothing_committed(own_se
     snap.close()
 
 
-def test_a_start_aborts_the_uploads_an_earlier_attempt_left_unfinished(s3, tmp_path):
+def test_a_start_aborts_only_the_uploads_its_own_store_left_unfinished(s3, tmp_path):
     """A writer SIGKILLed mid-upload leaves a multipart upload with stored parts (billed until it is
-    aborted); the next start of the job, before it saves anything, aborts it."""
+    aborted); the next start of the job, before it saves anything, aborts it. With the store at the
+    bucket's root, another upload in flight elsewhere in the bucket (a dataset, another run's store)
+    is not the job's: it survives the start."""
     import subprocess
     import sys
 
@@ -85,18 +87,26 @@ def test_a_start_aborts_the_uploads_an_earlier_attempt_left_unfinished(s3, tmp_p
 
     fs = s3fs.S3FileSystem()
     fs.mkdir("orphans")
-    store = SnapshotStore("s3://orphans/run/snapshots")
-    key = "run/snapshots/step_000000010.tmp/shard-00000-of-00002.bin"
-    upload = fs.call_s3("create_multipart_upload", Bucket="orphans", Key=key)
-    fs.call_s3("upload_part", Bucket="orphans", Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 2**20)
-    assert [u["key"] for u in store.uploads()] == [key]
+    store = SnapshotStore("s3://orphans")
+
+    def begin(key: str) -> None:
+        upload = fs.call_s3("create_multipart_upload", Bucket="orphans", Key=key)
+        fs.call_s3("upload_part", Bucket="orphans", Key=key, UploadId=upload["UploadId"], PartNumber=1,
+                   Body=b"x" * 2**20)
+
+    ours = "step_000000010/shard-00000-of-00002.bin"
+    others = ["datasets/big.bin", "run2/step_000000010/shard-00000-of-00002.bin", "step_000000010.tmp/x.bin"]
+    for key in [ours, *others]:
+        begin(key)
+    assert [u["key"] for u in store.uploads()] == [ours]
     corpus = make_corpus(tmp_path)
     proc = subprocess.run([sys.executable, "mingpt/main.py", "model=custom", "model.n_layer=1", "model.n_head=2",
                            "model.n_embd=32", "data.block_size=32", "trainer.max_steps=2", "trainer.progress=false",
                            f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}",
-                           f"trainer.run_dir={tmp_path / 'run'}", "snapshot.dir=s3://orphans/run/snapshots"],
+                           f"trainer.run_dir={tmp_path / 'run'}", "snapshot.dir=s3://orphans"],
                           cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "aborted 1 unfinished multipart upload left in s3://orphans/run/snapshots" in proc.stderr
-    assert store.uploads() == []
+    assert "aborted 1 unfinished multipart upload left in s3://orphans" in proc.stderr
+    in_flight = fs.call_s3("list_multipart_uploads", Bucket="orphans").get("Uploads", [])
+    assert sorted(u["Key"] for u in in_flight) == sorted(others)
     assert [s.step for s in store.list() if s.committed] == [2]
