@@ -10,6 +10,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +25,29 @@ log = logging.getLogger(__name__)
 
 RANGE_BYTES = 16 * 2**20  # one range read
 RANGES_IN_FLIGHT = 8
+READ_ATTEMPTS = 3
+
+
+class StreamError(OSError):
+    """A remote shard could not be read during training, after retries (a timeout, a dropped
+    connection): not a fault of the dataset, so the run exits with 1 and torchrun restarts it."""
+
+
+def read_range(fs, url: str, start: int, end: int, backoff_s: float = 0.5) -> bytes:
+    """Bytes [start, end) of a remote file, retried with backoff: one dropped GET must not stop a
+    run. A missing or forbidden file is the dataset's or the settings' fault (DataError)."""
+    for attempt in range(READ_ATTEMPTS):
+        try:
+            return fs.cat_file(url, start=start, end=end)
+        except (FileNotFoundError, PermissionError) as e:
+            raise unreachable(url, e) from None
+        except Exception as e:  # noqa: BLE001 - any backend's transient error
+            if attempt == READ_ATTEMPTS - 1:
+                raise StreamError(f"reading {url} failed {READ_ATTEMPTS} times ({e.__class__.__name__}: {e}); "
+                                  "exiting so that torchrun restarts the workers") from None
+            log.warning("reading %s failed (%s: %s); retrying in %.1fs", url, e.__class__.__name__, e,
+                        backoff_s * 2**attempt)
+            time.sleep(backoff_s * 2**attempt)
 
 
 def is_prepared(path: str) -> bool:
@@ -101,7 +125,7 @@ class ShardCache:
             with ThreadPoolExecutor(RANGES_IN_FLIGHT) as pool, open(tmp, "wb") as fh:
                 for i in range(0, len(ranges), RANGES_IN_FLIGHT):
                     window = ranges[i : i + RANGES_IN_FLIGHT]
-                    for part in pool.map(lambda r: self.place.fs.cat_file(url, start=r[0], end=r[1]), window):
+                    for part in pool.map(lambda r: read_range(self.place.fs, url, *r), window):
                         fh.write(part)
                         digest.update(part)
                         written += len(part)
@@ -113,7 +137,7 @@ class ShardCache:
                                 f"{entry['sha256'][:12]}..., {size} bytes): the stored copy is damaged; prepare the "
                                 "dataset again or restore that file")
             os.replace(tmp, path)
-        except DataError:
+        except (DataError, StreamError):
             raise
         except Exception as e:  # noqa: BLE001
             raise unreachable(url, e) from None
@@ -212,11 +236,7 @@ class RemoteShard:
             data._asked.add(self.k)
             data._wanted.put(self.k)
         size = data.dtype.itemsize
-        try:
-            raw = data.place.fs.cat_file(data.place.path(self.entry["name"]), start=sl.start * size,
-                                         end=sl.stop * size)
-        except Exception as e:  # noqa: BLE001
-            raise unreachable(f"{data.place.url}/{self.entry['name']}", e) from None
+        raw = read_range(data.place.fs, data.place.path(self.entry["name"]), sl.start * size, sl.stop * size)
         return np.frombuffer(raw, dtype=data.dtype)
 
 
@@ -288,7 +308,7 @@ class PreparedData:
                 continue
             try:
                 self.cache.try_get(entry)
-            except DataError as e:
+            except (DataError, StreamError) as e:
                 self.error = e
                 return
             except Exception as e:  # noqa: BLE001 - anything else would end this thread silently
