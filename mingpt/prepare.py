@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 
+from mingpt.console import quiet_on_closed_pipe
 from mingpt.data.prepare import Settings, prepare, verify
 from mingpt.data.prepare import __doc__ as prepare_doc
 from mingpt.data.sources import DataError
@@ -46,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)

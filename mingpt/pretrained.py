@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -142,3 +143,6 @@ def write_gpt2(directory: Path, model_state: dict[str, torch.Tensor], shape: dic
     # lm_head.weight is wte.weight (tied): transformers ties them again on load, as save_pretrained does.
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    # safetensors makes its file private (0600); an export is for sharing: a new file's usual mode
+    # (0666 less the umask), which config.json has just got
+    shutil.copymode(directory / "config.json", directory / "model.safetensors")

@@ -40,8 +40,8 @@ def test_a_model_trained_at_a_short_context_is_sampled_at_that_context(corpus_fi
     assert out.shape[1] == 1 + 5 * BLOCK  # several times the context was sampled...
     assert max(seen) == BLOCK  # ...and never more positions than were trained
 
-    # the command line says the same
-    cli = subprocess.run([sys.executable, "-m", "mingpt.cli.generate", str(run_dir / "snapshots"), "--prompt", "Speaker",
+    # the command line says the same, given the run directory (its snapshots/)
+    cli = subprocess.run([sys.executable, "-m", "mingpt.cli.generate", str(run_dir), "--prompt", "Speaker",
                           "--max-new-tokens", str(5 * BLOCK)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.startswith("Speaker") and len(cli.stdout) == len("Speaker") + 5 * BLOCK + 1  # and "\n"
@@ -60,3 +60,14 @@ def test_an_older_snapshot_with_a_longer_position_table_is_sampled_at_its_traine
     seen = positions_fed(loaded)
     loaded.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=40, temperature=0)
     assert max(seen) == 16
+
+
+def test_a_reader_that_stops_early_ends_generation_quietly(tmp_path):
+    shape = GPTConfig(preset="gpt-nano", vocab_size=20, block_size=16)
+    manifest = {"config": {"data": {"block_size": 16}}, "tokenizer": {"kind": "char", "chars": "abcdefghijklmnopqrst"},
+                "model_shape": shape.shape_dict()}
+    save_state(SnapshotStore(str(tmp_path / "run" / "snapshots")), 1, {"model": GPT(shape).state_dict()}, manifest)
+    cli = subprocess.run(f"{sys.executable} -m mingpt.cli.generate {tmp_path / 'run'} --prompt a --max-new-tokens 100000 "
+                         "--num-samples 100 | head -c 10", shell=True, cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert len(cli.stdout) == 10 and cli.stderr == ""  # no BrokenPipeError traceback

@@ -2,6 +2,7 @@
 
 import json
 import os
+import stat
 import subprocess
 
 import pytest
@@ -106,8 +107,12 @@ def test_a_character_level_run_exports_its_weights_and_says_there_is_no_tokenize
     trainer.train()
     trainer.close()
     out = tmp_path / "export"
-    note = export(str(run_dir / "snapshots"), out)
+    note = export(str(run_dir), out)  # the run directory: its snapshots/
     assert "transformers has no tokenizer for it" in note
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == dict.fromkeys(
+        ["config.json", "model.safetensors", "mingpt_tokenizer.json"], 0o666 & ~umask)  # to share, as the umask says
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     ids = torch.randint(0, trainer.parallel.gpt.config.vocab_size, (1, BLOCK))
     torch.testing.assert_close(hf_logits(hf, ids), trainer.parallel.gpt.eval()(ids)[0], atol=1e-5, rtol=0)

@@ -96,7 +96,7 @@ def test_snapshot_cli_list_show_verify(tmp_path, capsys):
     assert "committed" in out and "incomplete" in out
     assert snapshot_cli(["verify", str(tmp_path)]) == 0
     assert weights_digest({"w": torch.zeros(3)}) in capsys.readouterr().out
-    assert snapshot_cli(["show", str(tmp_path), "--step", "1"]) == 0
+    assert snapshot_cli(["show", str(tmp_path), "--step", "1", "--json"]) == 0
     assert '"step": 1' in capsys.readouterr().out
     listed = subprocess.run([sys.executable, "-m", "mingpt.cli.snapshot", "list", str(tmp_path)], capture_output=True,
                             text=True, check=True).stdout  # the installed tool is the same module

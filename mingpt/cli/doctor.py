@@ -27,6 +27,7 @@ import torch.distributed as dist
 from mingpt import distributed
 from mingpt.compose import compose
 from mingpt.config import ConfigError
+from mingpt.console import quiet_on_closed_pipe
 from mingpt.distributed import DistInfo
 from mingpt.preflight import run_checks
 from mingpt.snapshot import SnapshotError, open_store
@@ -95,6 +96,7 @@ def store_speed(url: str, endpoint: str | None, megabytes: int = 32) -> str:
             f"({'same bytes' if ok else 'DIFFERENT BYTES'}), delete {1000 * (t3 - t2):.0f} ms")
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     overrides = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(overrides):

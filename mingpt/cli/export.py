@@ -1,6 +1,6 @@
 """Export a snapshot as a Hugging Face GPT-2 checkpoint that transformers loads.
 
-    mingpt-export runs/default/snapshots out/my-gpt2          # a store: its newest good snapshot
+    mingpt-export runs/default out/my-gpt2                    # a run (or a store): its newest good snapshot
     mingpt-export s3://bucket/run1/step_000002000 out/my-gpt2 --endpoint-url http://minio:9000
 
 Writes config.json and model.safetensors (GPT2LMHeadModel.from_pretrained(OUT) loads them) and,
@@ -16,6 +16,8 @@ import json
 import sys
 from pathlib import Path
 
+from mingpt.cli.snapshot import store_path
+from mingpt.console import quiet_on_closed_pipe
 from mingpt.pretrained import write_gpt2
 from mingpt.snapshot.store import SnapshotError, load_from
 from mingpt.tokenizer import EOT, TokenizerError, from_state
@@ -23,7 +25,7 @@ from mingpt.tokenizer import EOT, TokenizerError, from_state
 
 def export(source: str, out: Path, storage_options: dict | None = None, ranks_file: str | None = None) -> str:
     """Write the checkpoint; returns what a person should know about it (one line)."""
-    state, manifest = load_from(source, storage_options)
+    state, manifest = load_from(store_path(source), storage_options)
     shape, tok_state = manifest["model_shape"], manifest["tokenizer"]
     if tok_state["kind"] == "bpe":
         tokenizer = from_state(tok_state, ranks_file)
@@ -47,10 +49,12 @@ def export(source: str, out: Path, storage_options: dict | None = None, ranks_fi
             f"wide, context {shape['block_size']}, vocabulary {shape['vocab_size']}) to {out}; {note}")
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mingpt-export", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("snapshot", help="a snapshot folder, or a store (its newest good snapshot); local or s3://")
+    ap.add_argument("snapshot", help="a snapshot folder, or a run directory or a store (its newest good snapshot); "
+                    "local or s3://")
     ap.add_argument("out", help="the directory to write (created if missing)")
     ap.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint")
     ap.add_argument("--ranks-file", default=None, help="local GPT-2 ranks file, for BPE runs without internet")

@@ -1,9 +1,10 @@
 """Sample text from a snapshot.
 
-    mingpt-generate runs/default/snapshots --prompt "ROMEO:" --max-new-tokens 300
+    mingpt-generate runs/default --prompt "ROMEO:" --max-new-tokens 300
     mingpt-generate runs/default/snapshots/step_000002000 --temperature 0.8 --top-k 40
 
-The path is a snapshot store (the newest good snapshot is used) or one snapshot folder.
+The path is a run directory or a snapshot store (the newest good snapshot is used), or one
+snapshot folder.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ import sys
 
 import torch
 
+from mingpt.cli.snapshot import store_path
+from mingpt.console import quiet_on_closed_pipe
 from mingpt.model import GPT, GPTConfig
 from mingpt.snapshot.store import SnapshotError, load_from
 from mingpt.tokenizer import TokenizerError, from_state
 
 
 def load_model(path: str, storage_options: dict | None = None) -> tuple[GPT, dict]:
-    """The raw GPT of a snapshot (or of a store's newest good snapshot) and its manifest."""
-    state, manifest = load_from(path, storage_options)
+    """The raw GPT of a snapshot (or of a run's or a store's newest good snapshot) and its manifest."""
+    state, manifest = load_from(store_path(path), storage_options)
     shape = manifest["model_shape"]
     cfg = GPTConfig(preset=None, n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"],
                     block_size=shape["block_size"], vocab_size=shape["vocab_size"], bias=shape["bias"])
@@ -35,10 +38,11 @@ def load_model(path: str, storage_options: dict | None = None) -> tuple[GPT, dic
     return model.eval(), manifest
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mingpt-generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("snapshot", help="snapshot store or snapshot folder (local path or s3://)")
+    ap.add_argument("snapshot", help="run directory, snapshot store or snapshot folder (local path or s3://)")
     ap.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     ap.add_argument("--max-new-tokens", type=int, default=200)
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")

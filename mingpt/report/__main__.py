@@ -11,10 +11,12 @@ import argparse
 import sys
 from pathlib import Path
 
+from mingpt.console import quiet_on_closed_pipe
 from mingpt.report.goodput import read_records
 from mingpt.report.summary import Run, summary
 
 
+@quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mingpt.report", description=__doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

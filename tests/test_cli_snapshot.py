@@ -1,0 +1,57 @@
+"""mingpt-snapshot as a person uses it: given the run directory, a truncated snapshot is named as
+one that does not load, `show` fits a screen, and a reader that stops early (`| head`) ends it quietly."""
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, save_state
+from mingpt.cli.snapshot import main as snapshot_cli
+from mingpt.model import GPT, GPTConfig
+from mingpt.snapshot import SnapshotStore
+
+SHAPE = GPTConfig(preset="gpt-nano", vocab_size=20, block_size=16)
+MANIFEST = {"model_shape": SHAPE.shape_dict(), "tokenizer": {"kind": "char", "chars": "abcdefghijklmnopqrst"},
+            "world_size": 1, "tokens_seen": 4096}
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory whose snapshots/ holds steps 1 and 2; step 2's shard is cut short."""
+    store = SnapshotStore(str(tmp_path / "run" / "snapshots"))
+    state = {"model": GPT(SHAPE).state_dict()}
+    save_state(store, 1, state, MANIFEST)
+    shard = next((tmp_path / "run" / "snapshots" / save_state(store, 2, state, MANIFEST).rsplit("/", 1)[1]).glob("*.bin"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    return tmp_path / "run"
+
+
+def test_list_takes_the_run_directory_and_names_a_snapshot_that_does_not_load(run_dir, capsys):
+    assert snapshot_cli(["list", str(run_dir)]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:]}
+    assert rows["1"].split()[1] == "committed" and "does not load" not in rows["1"]
+    assert rows["2"].split()[1] == "damaged"
+    assert "does not load: shard-00000-of-00001.bin has 1000 bytes, the manifest says" in rows["2"]
+
+
+def test_show_is_a_summary_with_a_flag_for_every_tensor(run_dir, capsys):
+    assert snapshot_cli(["show", str(run_dir), "--step", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) < 15 and out[0].startswith("snapshot step 1: ")
+    assert any(line.split()[:2] == ["model", "3"] and "vocabulary 20" in line for line in out)
+    assert any(line.split()[:3] == ["tensors", "model", f"{len(GPT(SHAPE).state_dict())}"] for line in out)
+    assert snapshot_cli(["show", str(run_dir), "--step", "2"]) == 0  # the damaged one says so
+    assert "does not load: shard-00000-of-00001.bin has 1000 bytes" in capsys.readouterr().out
+    assert snapshot_cli(["show", str(run_dir), "--step", "1", "--full"]) == 0
+    full = capsys.readouterr().out
+    assert "model.wpe.weight  float32 (16, 48)" in full and "extra.pt" in full
+
+
+def test_a_closed_pipe_ends_the_tool_quietly(tmp_path):
+    deep = GPTConfig(preset=None, n_layer=400, n_head=1, n_embd=4, vocab_size=20, block_size=16)  # a long listing
+    save_state(SnapshotStore(str(tmp_path)), 1, {"model": GPT(deep).state_dict()},
+               {**MANIFEST, "model_shape": deep.shape_dict()})
+    proc = subprocess.run(f"{sys.executable} -m mingpt.cli.snapshot show {tmp_path} --full | head -n 1",
+                          shell=True, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.startswith("snapshot step 1: ") and proc.stderr == ""
