@@ -231,8 +231,13 @@ class SnapshotConfig:
     """Where the node cache lives: a tmpfs (memory). Copies go into mingpt-<uid>/job-<key>/ there,
     private to the user; a failed job's are reclaimed by the user's next start on the node, or by
     `mingpt-snapshot clean-cache`."""
+    lease_s: float = 30.0
+    """One live job per store: the first rank holds a lease in the store, renewed every lease_s / 4
+    seconds; another job's start is refused until it is released, or has not been renewed for
+    lease_s (a dead job's)."""
 
     def __post_init__(self) -> None:
+        _check(self.lease_s > 0, f"snapshot.lease_s must be positive, got {self.lease_s}")
         _check(self.uploader in ("s3fs", "boto3"), f"snapshot.uploader={self.uploader!r}: use s3fs or boto3")
         _check(self.load_layout in ("exchange", "direct"),
                f"snapshot.load_layout={self.load_layout!r}: use exchange or direct")

@@ -13,7 +13,8 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import torch
@@ -43,7 +44,15 @@ class DistInfo:
     device: str = "cpu"
     job_id: str | None = None
     """torchrun's rendezvous id (TORCHELASTIC_RUN_ID): the same in every restart of one job, so a
-    restart can tell its own snapshots from another run's. None outside torchrun."""
+    restart can tell its own snapshots from another run's. None outside torchrun. Users reuse one
+    id (--rdzv_id=run1) for every launch: for the report only; decisions use `launch_id`."""
+    launch_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """What tells one launch from another, the same on every node and every restart of it:
+    MINGPT_LAUNCH_ID (set by mingpt-torchrun and the mingpt rendezvous from the per-job secret),
+    else torchrun's rendezvous id, else an id of this process alone."""
+    restarted: bool = False
+    """This start is a torchrun restart of a running launch: some rank's TORCHELASTIC_RESTART_COUNT
+    is above 0 (agreed over the ranks once the process group forms; the count may differ by node)."""
 
     @property
     def is_rank0(self) -> bool:
@@ -63,6 +72,8 @@ class DistInfo:
         env = os.environ if env is None else env
         cuda = torch.cuda.is_available() if cuda is None else cuda
         local_rank = int(env.get("LOCAL_RANK", 0))
+        # torchrun's default id is the literal "none": it names no job in particular.
+        job_id = env.get("TORCHELASTIC_RUN_ID") if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") else None
         return cls(
             rank=int(env.get("RANK", 0)),
             local_rank=local_rank,
@@ -72,8 +83,9 @@ class DistInfo:
             node=int(env.get("GROUP_RANK", 0)),
             hostname=socket.gethostname(),
             device=f"cuda:{local_rank}" if cuda else "cpu",
-            # torchrun's default id is the literal "none": it names no job in particular.
-            job_id=env.get("TORCHELASTIC_RUN_ID") if env.get("TORCHELASTIC_RUN_ID") not in (None, "", "none") else None,
+            job_id=job_id,
+            launch_id=env.get("MINGPT_LAUNCH_ID") or job_id or uuid.uuid4().hex[:12],
+            restarted=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0,
         )
 
 

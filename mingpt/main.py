@@ -34,6 +34,7 @@ from mingpt.parallel import Parallel, ParallelError, parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SaveFailedError, SnapshotError, Snapshotter, SnapshotStore, open_store
+from mingpt.snapshot.lease import Lease
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore, restore_newest
 from mingpt.snapshot.start import MismatchError, abort_unfinished, check_compatible, choose_start
@@ -60,11 +61,11 @@ def setup_logging(info: DistInfo) -> None:
         logging.getLogger("mingpt.node").setLevel(logging.INFO)
 
 
-def set_aside(store: SnapshotStore, others: list, run_dir: Path, job_id: str | None, fresh: bool) -> None:
+def set_aside(store: SnapshotStore, others: list, run_dir: Path, launch_id: str, fresh: bool) -> None:
     """Move another run's snapshots (`others`) and metrics out of the way, saying where to."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     moved = [store.move_aside(others, stamp)] if others else []
-    foreign_metrics = MetricsWriter.existing(run_dir, job_id) if fresh else None
+    foreign_metrics = MetricsWriter.existing(run_dir, launch_id) if fresh else None
     if others or foreign_metrics:  # metrics describe the run whose snapshots moved, or an earlier one
         moved += MetricsWriter.move_aside(run_dir, stamp)
     if moved:
@@ -108,7 +109,10 @@ def where_to_start(cfg: RunConfig, info: DistInfo) -> tuple[RunConfig, Start]:
     the snapshot to continue is known to fit. Returns the config with the shape of the weights."""
     sc = cfg.snapshot
     store = open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader)
-    source, found, run_id, others = distributed.on_rank0(lambda: choose_start(store, sc, info.job_id))
+    # a restart is told by its launch id where it has one that lasts (a retried refusal stays refused);
+    # under torchrun's default rendezvous id "none" each start's id is its own: only the count tells
+    restarted = info.restarted and info.job_id is None
+    source, found, run_id, others = distributed.on_rank0(lambda: choose_start(store, sc, info.launch_id, restarted))
     pretrained = pretrained_checkpoint(cfg.model.init_from, info) if cfg.model.init_from else None
     if pretrained is not None:
         cfg = with_pretrained_shape(cfg, pretrained)
@@ -116,9 +120,18 @@ def where_to_start(cfg: RunConfig, info: DistInfo) -> tuple[RunConfig, Start]:
     if start.manifest:
         check_compatible(cfg, start.manifest)
     if info.is_rank0:
-        set_aside(store, others, Path(cfg.trainer.run_dir), info.job_id, fresh=not found)
+        set_aside(store, others, Path(cfg.trainer.run_dir), info.launch_id, fresh=not found and not info.restarted)
         abort_unfinished(store)
     return cfg, start
+
+
+def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
+    """Rank 0 holds the store's lease while the job runs (one live job per store), taken before the
+    store is read; a store that another live job holds is refused on every rank."""
+    sc, held = cfg.snapshot, []
+    distributed.on_rank0(lambda: held.append(
+        Lease(open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader), info.launch_id, sc.lease_s).take()))
+    return held[0] if held else None
 
 
 def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None,
@@ -141,16 +154,16 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                                                   enabled=cfg.trainer.precision == "fp16"),
                       data=build_train_data(cfg, corpus, parallel.gpt, info),
                       saving=build_saving(cfg, info, start, metrics, preempt or PreemptionFlag(), parallel.replicas),
-                      meta={"run_id": start.run_id, "job_id": info.job_id, "config": cfg.to_dict(),
-                            "model_shape": cfg.model.shape_dict(), "tokenizer": corpus.tokenizer.state_dict(),
-                            "corpus": corpus.source},
+                      meta={"run_id": start.run_id, "job_id": info.job_id, "launch_id": info.launch_id,
+                            "config": cfg.to_dict(), "model_shape": cfg.model.shape_dict(),
+                            "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source},
                       metrics=metrics, dist=info, hosts=hosts, ledger=ledger)
     if start.candidates:
         ledger.switch("restore")
         load_snapshot(cfg, trainer, start)
     ledger.record(metrics.write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
-                  kind="start", run_id=start.run_id, job_id=info.job_id, world_size=info.world_size,
-                  restart=info.restart_count, parallel=parallel.name, hosts=hosts)
+                  kind="start", run_id=start.run_id, job_id=info.job_id, launch_id=info.launch_id,
+                  world_size=info.world_size, restart=info.restart_count, parallel=parallel.name, hosts=hosts)
     return trainer
 
 
@@ -224,7 +237,7 @@ def build_saving(cfg: RunConfig, info: DistInfo, start: Start, metrics: MetricsW
     """Where, how and when snapshots are saved: every rank writes its share (HSDP: its part of the
     rows its node's replica holds), the first commits."""
     sc = cfg.snapshot
-    cache = NodeCache(sc.node_cache_dir, start.store.url, info.job_id) if sc.node_cache == "on" or (
+    cache = NodeCache(sc.node_cache_dir, start.store.url, info.launch_id) if sc.node_cache == "on" or (
         sc.node_cache == "auto" and not start.store.local) else None
     snapshotter = Snapshotter(start.store, writer=info.rank, writers=info.world_size, replicas=replicas,
                               group=distributed.side_group(),
@@ -294,15 +307,19 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     info = DistInfo.from_env()
     setup_logging(info)
     preempt = PreemptionFlag(announce=info.is_rank0).install()
-    trainer = None
+    trainer, lease = None, None
     try:
         ledger.switch("process_group")
         distributed.init(info, cfg.dist.timeout_s)
+        # a torchrun restart of this launch if any node's agent counts one (the counts may differ by node)
+        counts = distributed.all_gather_floats([info.restart_count], info.device)
+        info = replace(info, restarted=any(c > 0 for (c,) in counts))
         ledger.switch("preflight")
         logging.getLogger("mingpt.node").info(
             "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",
             info.hostname, info.local_world_size, info.rank, info.world_size, info.restart_count)
         preflight(cfg, info)
+        lease = take_lease(cfg, info)
         trainer = assemble(cfg, info, preempt, ledger)
         finished = trainer.train()
         trainer.close()
@@ -332,6 +349,8 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     finally:
         if trainer is not None:  # an error: a save in flight cannot gather every rank's record now
             trainer.close(wait=False)
+        if lease is not None:
+            lease.release()
         distributed.shutdown()
 
 

@@ -1,5 +1,5 @@
 from conftest import read_metrics
-from mingpt.training.metrics import MetricsWriter
+from mingpt.training.metrics import MetricsWriter, read_records
 
 
 def test_metrics_jsonl_last_record_wins_and_tensorboard(tmp_path):
@@ -20,3 +20,26 @@ def test_other_ranks_write_nothing(tmp_path):
     w.write({"kind": "train", "step": 1, "loss": 1.0})
     w.close()
     assert not (tmp_path / "r1").exists()
+
+
+def test_a_record_after_a_line_cut_short_reads_back_and_the_run_keeps_its_metrics(tmp_path):
+    """A process killed mid-line: the restart's `start` must not be glued to the cut line (and lost),
+    and the launch's metrics must not then be moved aside as another launch's."""
+    w = MetricsWriter(str(tmp_path), enabled=True)
+    w.write({"kind": "start", "step": 0, "launch_id": "launch-a"})
+    w.write({"kind": "train", "step": 1, "loss": 2.0})
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"time": 1.0, "kind": "train", "step": 2, "lo')  # the kill
+    assert MetricsWriter.existing(tmp_path, "launch-a") is None
+    restart = MetricsWriter(str(tmp_path), enabled=True)
+    restart.write({"kind": "start", "step": 0, "launch_id": "launch-b"})
+    restart.close()
+    MetricsWriter.append(tmp_path, {"kind": "fault", "step": 0})
+    with open(tmp_path / "metrics.jsonl", "a") as fh:
+        fh.write('{"time": 2.0, "kind": "train"')  # killed again
+    MetricsWriter.append(tmp_path, {"kind": "fault", "step": 1})
+    kinds = [(r["kind"], r.get("launch_id")) for r in read_records(tmp_path / "metrics.jsonl")]
+    assert kinds == [("start", "launch-a"), ("train", None), ("start", "launch-b"), ("fault", None), ("fault", None)]
+    assert MetricsWriter.existing(tmp_path, "launch-b") is None  # its own: kept
+    assert MetricsWriter.existing(tmp_path, "launch-c") == str(tmp_path / "metrics.jsonl")  # another launch's

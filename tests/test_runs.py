@@ -2,14 +2,19 @@
 deletes the current run's newest snapshot, and a restart of the same job always resumes."""
 
 import json
+import os
 import re
 import shlex
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, make_ranks_file, save_state
+from conftest import REPO, free_port, make_ranks_file, records as live_records, save_state, torchrun_env
 from mingpt.compose import compose
 from mingpt.distributed import DistInfo
 from mingpt.main import assemble
@@ -24,12 +29,14 @@ TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", 
 
 @pytest.fixture
 def job(corpus_file, tmp_path):
-    """train(run_dir, *overrides, steps=, job_id=) runs the real assembly and loop in this process."""
+    """train(run_dir, *overrides, steps=, launch_id=, restarted=) runs the real assembly and loop in this process."""
 
-    def train(run_dir: Path, *overrides: str, steps: int = 20, job_id: str | None = None):
+    def train(run_dir: Path, *overrides: str, steps: int = 20, launch_id: str | None = None, restarted: bool = False,
+              job_id: str | None = "run1"):  # the rendezvous id every doc uses, the same in every launch
         cfg = compose([*TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}",
                               f"trainer.run_dir={run_dir}", f"trainer.max_steps={steps}", *overrides])
-        trainer = assemble(cfg, DistInfo(job_id=job_id))
+        ids = {"launch_id": launch_id} if launch_id else {}  # else an id of this start alone
+        trainer = assemble(cfg, DistInfo(job_id=job_id, restarted=restarted, **ids))
         try:
             trainer.train()
         finally:
@@ -96,15 +103,68 @@ def test_retention_never_deletes_the_newest_snapshot_of_this_run(tmp_path):
     assert 5 in [s.step for s in store.list() if s.committed]
 
 
-def test_a_restart_of_the_same_job_resumes_whatever_resume_says(job, tmp_path):
-    """torchrun restarts workers with the same arguments: resume=never must not start over again."""
+def test_a_restart_of_the_same_launch_resumes_whatever_resume_says(job, tmp_path):
+    """torchrun restarts workers with the same arguments: resume=never must not start over again.
+    A new launch with the same rendezvous id is a new run."""
     run_dir = tmp_path / "run"
-    job(run_dir, "snapshot.resume=never", steps=10, job_id="job-a")
-    trainer = job(run_dir, "snapshot.resume=never", steps=20, job_id="job-a")  # the restart
+    job(run_dir, "snapshot.resume=never", steps=10, launch_id="launch-a")
+    trainer = job(run_dir, "snapshot.resume=never", steps=20, launch_id="launch-a")  # an elastic restart
     assert trainer.progress.step == 20 and sorted(snapshots(run_dir)) == [10, 20]
-    assert len(set(snapshots(run_dir).values())) == 1  # one run
-    with pytest.raises(SnapshotError, match="holds snapshots of another run"):  # another job: a new run
-        job(run_dir, "snapshot.resume=never", steps=20, job_id="job-b")
+    # a counted restart under torchrun's default rendezvous id "none", where each start's id is its own
+    trainer = job(run_dir, "snapshot.resume=never", steps=30, restarted=True, job_id=None)
+    assert trainer.progress.step == 30 and len(set(snapshots(run_dir).values())) == 1  # one run
+    for restarted in (False, True):  # another launch is a new run, and torchrun retrying its refusal too
+        with pytest.raises(SnapshotError, match="holds snapshots of another run"):
+            job(run_dir, "snapshot.resume=never", steps=20, launch_id="launch-b", restarted=restarted)
+    step20 = str(run_dir / "snapshots" / "step_000000020")
+    with pytest.raises(SnapshotError, match=r"resuming from .*step_000000020 \(step 20\)"):
+        job(run_dir, f"snapshot.resume={step20}", steps=20, launch_id="launch-b")
+
+
+def test_launch_id_from_the_launcher_else_torchrun_else_this_process():
+    env = {"TORCHELASTIC_RUN_ID": "run1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert DistInfo.from_env({**env, "MINGPT_LAUNCH_ID": "l1"}, cuda=False).launch_id == "l1"
+    assert DistInfo.from_env(env, cuda=False).launch_id == "run1" and not DistInfo.from_env(env, cuda=False).restarted
+    assert DistInfo.from_env({**env, "TORCHELASTIC_RESTART_COUNT": "2"}, cuda=False).restarted
+    # torchrun's default id "none" and plain python: every start is a launch of its own
+    assert len({DistInfo.from_env(e, cuda=False).launch_id for e in ({}, {}, {"TORCHELASTIC_RUN_ID": "none"})}) == 3
+
+
+@pytest.mark.slow
+def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_restart_resumes(corpus_file, tmp_path):
+    """The documented command twice (--rdzv_id=run1, snapshot.resume=never): the second launch is
+    refused; a worker SIGKILLed in the first one is restarted by torchrun and resumes its own run."""
+    run_dir = tmp_path / "run"
+
+    def launch(launch_id: str, **kw):  # the launch id mingpt-torchrun derives from a new job secret
+        cmd = [*torchrun_cmd_c10d(), "mingpt/main.py", *TINY, f"data.path={corpus_file}", "snapshot.every_steps=5",
+               f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.max_steps=40",
+               "trainer.log_every=1", "snapshot.resume=never"]
+        return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_LAUNCH_ID=launch_id), text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+
+    first = launch("launch-1")
+    while not any(r.get("kind") == "train" and r["step"] >= 6 for r in live_records(run_dir / "metrics.jsonl")):
+        assert first.poll() is None, first.communicate()[0][-3000:]
+        time.sleep(0.05)
+    worker = int(Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()[0])
+    os.kill(worker, signal.SIGKILL)
+    out, _ = first.communicate(timeout=300)
+    assert first.returncode == 0, out[-3000:]
+    resumes = [r for r in live_records(run_dir / "metrics.jsonl") if r["kind"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] >= 5, out[-3000:]
+    before = snapshots(run_dir)
+    assert max(before) == 40 and len(set(before.values())) == 1
+    second = launch("launch-2")
+    out, _ = second.communicate(timeout=300)
+    assert second.returncode != 0 and "holds snapshots of another run" in out, out[-3000:]
+    assert snapshots(run_dir) == before
+
+
+def torchrun_cmd_c10d() -> list[str]:
+    """torchrun as the docs launch it: a c10d rendezvous named run1, one worker, one restart allowed."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1", "--max-restarts=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=run1"]
 
 
 def test_resuming_an_earlier_snapshot_while_later_ones_exist_is_refused(job, tmp_path):

@@ -36,6 +36,11 @@ class Attempt:
         return self.start["t0"]
 
     @property
+    def launch(self) -> str | None:
+        """Which launch it belongs to (records of older versions name their rendezvous id only)."""
+        return self.start.get("launch_id", self.start.get("job_id"))
+
+    @property
     def first_step(self) -> int:
         return self.start["step"]
 
@@ -127,7 +132,7 @@ def account(records: list[dict]) -> Account:
         for state in ("eval", "snapshot", "log"):
             seconds[state] += s[state]
         lost_steps.append(max(0, a.last_step - max(kept_until, a.first_step)))
-        same_job = i > 0 and attempts[i - 1].start.get("job_id") == a.start.get("job_id")
+        same_job = i > 0 and attempts[i - 1].launch == a.launch
         gap = max(0.0, a.t0 - attempts[i - 1].end) if same_job else 0.0
         gaps.append(gap)
         seconds["down"] += gap

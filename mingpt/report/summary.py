@@ -80,7 +80,7 @@ def summary(run: Run, name: str) -> str:
     if not attempts:
         lines.append("  no time records (a run of an older version?): no goodput")
         return "\n".join(lines)
-    jobs = len({a.start.get("job_id") for a in attempts})
+    jobs = len({a.launch for a in attempts})
     sizes = [a.start["world_size"] for a in attempts]
     changes = [str(sizes[0])] + [str(b) for a, b in zip(sizes, sizes[1:]) if a != b]
     lines.append(f"  starts {len(attempts)} ({len(attempts) - jobs} restart{'s' * (len(attempts) - jobs != 1)}, "

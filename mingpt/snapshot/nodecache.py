@@ -102,9 +102,9 @@ def reclaim(root: str, keep: Path | None = None) -> list[tuple[Path, int]]:
 
 
 class NodeCache:
-    def __init__(self, root: str, store_url: str, job_id: str | None, keep: int = 2):
-        job = job_id if job_id is not None else f"pid-{os.getpid()}"
-        key = hashlib.sha256(f"{store_url.rstrip('/')}\0{job}".encode()).hexdigest()[:16]
+    def __init__(self, root: str, store_url: str, launch_id: str, keep: int = 2):
+        # restarts of one launch share the copies; another launch's are reclaimed when stale
+        key = hashlib.sha256(f"{store_url.rstrip('/')}\0{launch_id}".encode()).hexdigest()[:16]
         self.dir = user_dir(root) / f"job-{key}"
         self.keep, self.enabled, self._lock = keep, True, None
         try:

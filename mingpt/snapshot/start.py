@@ -76,10 +76,11 @@ def choose_start(store: SnapshotStore, scfg: SnapshotConfig, launch_id: str, res
 
     Two runs never share a store: starting afresh (resume=never) or from an explicit snapshot in a
     store that holds other snapshots is refused, unless `move_aside` allows moving them aside.
-    A torchrun restart of this launch, or a start of the launch that saved the newest snapshot (an
-    elastic change of nodes restarts the workers without counting a restart), always resumes its
-    own newest snapshot whatever `resume` says: torchrun restarts workers with the same arguments.
-    A new launch does what `resume` says, whatever its rendezvous id (users reuse one).
+    A start of the launch that saved the newest snapshot (a torchrun restart, counted or not: an
+    elastic change of nodes is not), or a torchrun restart whose launch has no lasting id
+    (`restarted`), always resumes its own newest snapshot whatever `resume` says: torchrun restarts
+    workers with the same arguments. A new launch does what `resume` says, whatever its rendezvous
+    id (users reuse one).
     """
     resume = scfg.resume
     committed = [s for s in store.list() if s.committed]

@@ -24,6 +24,7 @@ class MetricsWriter:
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._fh = open(self.path, "a", buffering=1)
+            self._fh.write(_after_cut(self.path))
             if tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -51,16 +52,16 @@ class MetricsWriter:
         path = Path(run_dir) / "metrics.jsonl"
         if path.is_file():
             with open(path, "a") as fh:
-                fh.write(_line(record))
+                fh.write(_after_cut(path) + _line(record))
 
     @staticmethod
-    def existing(run_dir: str | Path, job_id: str | None) -> str | None:
-        """What an earlier run left in run_dir (a description), or None: nothing, or only records of
-        this same torchrun job (a restart before its first snapshot)."""
+    def existing(run_dir: str | Path, launch_id: str) -> str | None:
+        """What an earlier launch left in run_dir (a description), or None: nothing, or records that
+        end with this same launch's (a restart before its first snapshot)."""
         path = Path(run_dir) / "metrics.jsonl"
         if not path.is_file() or path.stat().st_size == 0:
             return None
-        last_job = "?"
+        last = None
         with open(path) as fh:
             for line in fh:
                 if '"start"' in line:
@@ -69,8 +70,8 @@ class MetricsWriter:
                     except json.JSONDecodeError:  # a line cut short by a kill
                         continue
                     if rec.get("kind") == "start":
-                        last_job = rec.get("job_id")
-        return None if job_id is not None and last_job == job_id else str(path)
+                        last = rec.get("launch_id")
+        return None if last == launch_id else str(path)
 
     @staticmethod
     def move_aside(run_dir: str | Path, stamp: str) -> list[str]:
@@ -99,6 +100,16 @@ class MetricsWriter:
 def _line(record: dict) -> str:
     """One record as a JSON line, stamped with the time."""
     return json.dumps({"time": round(time.time(), 3), **record}) + "\n"
+
+
+def _after_cut(path: Path) -> str:
+    """A newline if the file ends in a line cut short (a process killed mid-write): the next record
+    then starts a line of its own instead of being glued to the cut one."""
+    with open(path, "rb") as fh:
+        if fh.seek(0, 2) == 0:
+            return ""
+        fh.seek(-1, 2)
+        return "" if fh.read(1) == b"\n" else "\n"
 
 
 def read_records(path: str | Path) -> list[dict]:

@@ -1,0 +1,103 @@
+"""One live job per snapshot store: the store's lease, on local disk and on S3, with real processes."""
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, records
+from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.lease import LEASE_FILE, Lease, LeaseError
+
+# A process that holds the lease of the store argv[1] for launch argv[2], with a TTL of argv[3] s.
+HOLDER = ("import sys, time; from mingpt.snapshot import SnapshotStore; from mingpt.snapshot.lease import Lease; "
+          "Lease(SnapshotStore(sys.argv[1]), sys.argv[2], float(sys.argv[3])).take(); print('held', flush=True); "
+          "time.sleep(600)")
+
+
+def holder(store_url: str, launch_id: str, ttl_s: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, store_url, launch_id, str(ttl_s)], cwd=REPO,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def test_a_live_lease_refuses_another_launch_and_the_same_launch_takes_it_over(store_url):
+    store = SnapshotStore(store_url)
+    first = Lease(store, "launch-a", 30).take()
+    with pytest.raises(LeaseError) as err:
+        Lease(store, "launch-b", 30).take()
+    assert (f"snapshot store {store.url} is in use by job launch-a on host {socket.gethostname()} (pid {os.getpid()}) "
+            "since ") in str(err.value)
+    assert str(err.value).endswith("; wait for it, or use another trainer.run_dir / snapshot.dir; a dead job's "
+                                   "lease expires after 30 s")
+    restart = Lease(store, "launch-a", 30).take()  # a torchrun restart of the same launch does not wait
+    first.release()  # the replaced holder's release leaves the restart's lease alone
+    with pytest.raises(LeaseError):
+        Lease(store, "launch-b", 30).take()
+    restart.release()
+    Lease(store, "launch-b", 30).take().release()
+    assert not store.files.exists(f"{store.root}/{LEASE_FILE}")
+
+
+def test_a_killed_holders_lease_is_taken_over_and_a_stopped_ones_expires(store_url, caplog):
+    store = SnapshotStore(store_url)
+    killed = holder(store_url, "launch-a", 30)
+    with pytest.raises(LeaseError):
+        Lease(store, "launch-b", 30).take()
+    killed.kill()
+    killed.wait()
+    with caplog.at_level(logging.WARNING):  # its process is gone (this host): no need to wait 30 s
+        Lease(store, "launch-b", 30).take().release()
+    assert "taking over the lease of job launch-a" in caplog.text and "whose process is gone" in caplog.text
+    stopped = holder(store_url, "launch-c", 1.0)  # alive, but it renews no more (a hung or cut-off node)
+    try:
+        with pytest.raises(LeaseError, match="expires after 1 s"):
+            Lease(store, "launch-d", 30).take()
+        stopped.send_signal(signal.SIGSTOP)
+        expires = json.loads(store.files.get(f"{store.root}/{LEASE_FILE}"))["expires"]
+        time.sleep(max(0.0, expires - time.time()) + 0.1)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            Lease(store, "launch-d", 30).take().release()
+        assert "taking over the lease of job launch-c" in caplog.text
+        assert "which it did not renew in time" in caplog.text
+    finally:
+        stopped.kill()
+        stopped.wait()
+
+
+TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
+        "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "trainer.log_every=1",
+        "trainer.progress=false", "snapshot.every_steps=5"]
+
+
+def test_a_second_job_in_the_same_run_directory_is_refused_in_one_line(corpus_file, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "mingpt.main", *TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'c'}",
+            f"trainer.run_dir={run_dir}"]
+    first = subprocess.Popen([*args, "trainer.max_steps=1000000"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        while not any(r.get("kind") == "train" for r in records(run_dir / "metrics.jsonl")):
+            assert first.poll() is None, first.communicate()[1][-3000:]
+            time.sleep(0.05)
+        second = subprocess.run([*args, "trainer.max_steps=10"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert second.returncode == 2, second.stderr[-3000:]
+        errors = [line for line in second.stderr.splitlines() if "ERROR" in line or "Traceback" in line]
+        assert len(errors) == 1 and f"snapshot store {run_dir / 'snapshots'} is in use by job " in errors[0], errors
+        assert f"(pid {first.pid})" in errors[0]
+        assert [r["kind"] for r in records(run_dir / "metrics.jsonl")].count("start") == 1  # nothing of the second
+        first.send_signal(signal.SIGTERM)  # stops after a snapshot, and gives the store back
+        assert first.wait(timeout=300) == 75, first.communicate()[1][-3000:]
+    finally:
+        first.kill()
+        first.wait()
+    assert not (run_dir / "snapshots" / LEASE_FILE).exists()
+    done = subprocess.run([*args, "trainer.max_steps=10"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
