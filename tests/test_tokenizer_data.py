@@ -95,7 +95,7 @@ def test_a_raw_corpus_is_prepared_once(corpus_file, tmp_path, monkeypatch):
 
 
 def test_stream_dataset_targets_are_inputs_shifted():
-    ds = StreamDataset(token_stream(np.arange(101, dtype=np.uint16)), 0, 101, block_size=10)
+    ds = StreamDataset(token_stream(np.arange(101, dtype=np.uint16)), 0, 101, 10, "training")
     assert len(ds) == 10
     x, y = ds.batch(np.array([3, 0]))
     assert x[0].tolist() == list(range(30, 40)) and y[0].tolist() == list(range(31, 41))
@@ -105,7 +105,7 @@ def test_stream_dataset_targets_are_inputs_shifted():
 def test_blocks_read_across_shard_boundaries():
     parts = [np.arange(0, 7), np.arange(7, 8), np.arange(8, 30)]
     stream = TokenStream([len(p) for p in parts], lambda k: parts[k])
-    ds = StreamDataset(stream, 4, 30, block_size=5)
+    ds = StreamDataset(stream, 4, 30, 5, "training")
     x, y = ds.batch(np.array([0, 1]))
     assert x.tolist() == [[4, 5, 6, 7, 8], [9, 10, 11, 12, 13]] and y[0].tolist() == [5, 6, 7, 8, 9]
 
@@ -121,10 +121,24 @@ def test_bad_corpora_give_clear_errors(tmp_path):
         read_corpus(str(tmp_path / "nope.txt"), fetch_default=True)
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(DataError, match="not UTF-8.*iconv"):
+    with pytest.raises(DataError, match="not UTF-8.*iconv -f latin1 "):
         read_corpus(str(latin), fetch_default=False)
-    with pytest.raises(DataError, match="shorter than one block"):
-        StreamDataset(token_stream(np.arange(5, dtype=np.uint16)), 0, 5, 10)
+    # the conversion suggested is of the file's encoding: a byte-order mark, or the NULs of UTF-16 without one
+    for encoding, name in (("utf-16", "UTF-16"), ("utf-16-le", "UTF-16LE"), ("utf-16-be", "UTF-16BE"),
+                           ("utf-32", "UTF-32")):
+        wide = tmp_path / f"{encoding}.txt"
+        wide.write_bytes("café au lait\n".encode(encoding) * 10)
+        with pytest.raises(DataError, match=f"{wide.name} is not UTF-8 .*`iconv -f {name} -t utf-8 {wide.name} "):
+            load_corpus(data_config(str(wide), cache=tmp_path / "cache"))
+    # a split too short for one block is named, with what to change
+    short = tmp_path / "short.txt"
+    short.write_text("abcdefghij" * 30)  # 300 tokens: 270 to train, 30 to validate
+    with pytest.raises(DataError, match=r"^the validation split holds 30 tokens, fewer than one block of "
+                                        r"data.block_size \+ 1 = 33; .* or a larger data.val_fraction$"):
+        load_corpus(data_config(str(short), cache=tmp_path / "cache"))
+    with pytest.raises(DataError, match=r"^the training split holds 270 tokens, fewer than one block of "
+                                        r"data.block_size \+ 1 = 301; use a larger corpus, a smaller data.block_size$"):
+        load_corpus(data_config(str(short), cache=tmp_path / "cache", block_size=300))
 
 
 def test_default_corpus_falls_back_to_the_registry(tmp_path, monkeypatch, caplog):

@@ -123,8 +123,8 @@ def load_corpus(d: DataConfig, tokenizer_state: dict | None = None) -> Corpus:
     m, T = data.manifest, d.block_size
     if d.kind != "documents":
         val_start = m["val_start_token"]
-        return Corpus(tokenizer, StreamDataset(data.tokens, 0, val_start, T),
-                      StreamDataset(data.tokens, val_start, m["tokens"], T), source, data)
+        return Corpus(tokenizer, StreamDataset(data.tokens, 0, val_start, T, "training"),
+                      StreamDataset(data.tokens, val_start, m["tokens"], T, "validation"), source, data)
     if tokenizer.eot_id is None:
         raise DataError(f"{source} was prepared without an end-of-text token: document data needs one; "
                         "prepare it again with mingpt-prepare (which adds it)")

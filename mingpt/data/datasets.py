@@ -13,10 +13,11 @@ class StreamDataset:
     """Classic minGPT blocks of tokens [begin, end) of the stream: sample i is the T + 1 tokens from
     begin + i*T, inputs and shifted targets."""
 
-    def __init__(self, tokens: TokenStream, begin: int, end: int, block_size: int):
+    def __init__(self, tokens: TokenStream, begin: int, end: int, block_size: int, split: str):
         if end - begin < block_size + 1:
-            raise DataError(f"a split of {end - begin} tokens is shorter than one block of {block_size + 1}; "
-                            "use a larger corpus or a smaller data.block_size")
+            raise DataError(f"the {split} split holds {end - begin} tokens, fewer than one block of data.block_size + 1 "
+                            f"= {block_size + 1}; use a larger corpus, a smaller data.block_size"
+                            + (", or a larger data.val_fraction" if split == "validation" else ""))
         self.tokens, self.begin, self.end = tokens, begin, end
         self.block_size = block_size
 

@@ -95,13 +95,7 @@ def read_text(path: str) -> str:
         raise DataError(f"corpus {path} does not exist; check data.path") from None
     except Exception as e:  # noqa: BLE001 - network/permission errors of any fsspec backend
         raise DataError(f"cannot read corpus {path}: {e.__class__.__name__}: {e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"corpus {path} is not UTF-8 (invalid byte at offset {e.start}); convert it, e.g. "
-            f"`iconv -f latin1 -t utf-8 {Path(path).name} > out.txt`, and point data.path at the result"
-        ) from None
+    text = _decode(raw, path, 0)
     if not text:
         raise DataError(f"corpus {path} is empty")
     return text
@@ -244,13 +238,28 @@ def find_cut(fh, fmt: str, pos: int, size: int, block: int = 1 << 20) -> int:
 
 
 def _decode(raw: bytes, path: str, offset: int) -> str:
+    """The text of bytes read from `offset` of a file, or an error that says how to convert it."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(
             f"{path} is not UTF-8 (invalid byte at offset {offset + e.start}); convert it, e.g. "
-            f"`iconv -f latin1 -t utf-8 {Path(path).name} > out.txt`, and use the result"
+            f"`iconv -f {_encoding(raw, offset)} -t utf-8 {Path(path).name} > out.txt`, and use the result"
         ) from None
+
+
+def _encoding(raw: bytes, offset: int) -> str:
+    """The likeliest encoding of text that is not UTF-8, for iconv: a byte-order mark says, NULs at
+    every other byte are UTF-16 without one (the ASCII characters of it), else a one-byte encoding."""
+    for bom, name in ((b"\xff\xfe\0\0", "UTF-32"), (b"\0\0\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+                      (b"\xfe\xff", "UTF-16")):
+        if offset == 0 and raw.startswith(bom):
+            return name
+    head = raw[:4096]
+    even, odd = head[offset % 2::2].count(0), head[1 - offset % 2::2].count(0)  # at even / odd file offsets
+    if max(even, odd) > len(head) // 4:
+        return "UTF-16LE" if odd > even else "UTF-16BE"
+    return "latin1"
 
 
 def unit_documents(unit: Unit, separator: str | None, text_field: str) -> Iterator[tuple[str, bool]]:
