@@ -29,8 +29,8 @@ def test_a_failed_prune_does_not_fail_the_committed_save(tmp_path, monkeypatch, 
     snap.close()
     assert snap.failures == 0 and [s.step for s in store.list() if s.committed] == [1, 2]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert warnings == [f"snapshot step 2 committed, but pruning older snapshots failed (PermissionError: [Errno 13] "
-                        f"Permission denied: '{tmp_path / 'step_000000001'}'); the next save prunes again"]
+    assert warnings == [(f"snapshot step 2 committed, but pruning older snapshots failed (PermissionError: [Errno 13] "
+                         f"Permission denied: '{tmp_path / 'step_000000001'}'); the next save prunes again")]
     assert store.load_latest()[1]["step"] == 2
 
 
@@ -49,7 +49,7 @@ def test_a_save_to_a_full_disk_is_reported_once_and_never_says_training_goes_on(
     snap.close()
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert "training goes on" not in caplog.text
-    assert errors == ["snapshot step 2 failed after 2 attempts writing its shard (OSError: [Errno 28] No space left "
-                      "on device)",
-                      "snapshot step 2 not committed: shard-00000-of-00001.bin could not be written; the previous "
-                      "snapshot stays the latest"]
+    assert errors == [("snapshot step 2 failed after 2 attempts writing its shard (OSError: [Errno 28] No space left "
+                       "on device)"),
+                      ("snapshot step 2 not committed: shard-00000-of-00001.bin could not be written; the previous "
+                       "snapshot stays the latest")]
