@@ -68,6 +68,8 @@ class Lease:
         try:
             if self._read().get("token") == self.record["token"]:
                 self.store.files.remove(self.path)
+            if self.store.local and not self.store.files.names(self.store.root):  # a start that failed: no
+                os.rmdir(self.store.root)  # empty store left behind (the first save makes it again)
         except Exception as e:  # noqa: BLE001 - exiting anyway; the lease expires by itself
             log.warning("could not release the lease of snapshot store %s (%s: %s); it expires in %g s",
                         self.store.url, e.__class__.__name__, e, self.ttl_s)

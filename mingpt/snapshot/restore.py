@@ -154,7 +154,7 @@ def restore_newest(store: SnapshotStore, candidates: list[tuple[str, dict]], loa
         except MismatchError:
             raise
         except SnapshotError as e:
-            log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", path, e)
+            log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", store.url_of(path), e)
             errors.append(f"{path}: {e}")
             if isinstance(e, DamagedError) and (not dist.is_initialized() or dist.get_rank() == 0):
                 try:

@@ -37,7 +37,12 @@ class S3Objects:
         return fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, method, **kwargs)
 
     def check(self) -> None:
-        self.fs.info(self.root.split("/", 1)[0])  # the bucket itself
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self.fs.info(bucket)
+        except FileNotFoundError:  # s3fs says "Not Found": name the bucket and the endpoint asked
+            raise FileNotFoundError(f"bucket {bucket} of {self.url} does not exist or is not reachable at "
+                                    f"{self.fs.s3.meta.endpoint_url}") from None
 
     def put(self, path: str, data) -> None:
         view = memoryview(data).cast("B")

@@ -178,7 +178,8 @@ class Snapshotter:
                             "save prunes again", step, e.__class__.__name__, e)
                 pruned = []
             total = time.perf_counter() - t0
-            log.info("snapshot step %d committed to %s by %d writer%s in %.2fs (%.0f ms blocking)%s", step, path,
+            log.info("snapshot step %d committed to %s by %d writer%s in %.2fs (%.0f ms blocking)%s", step,
+                     self.store.url_of(path),
                      self.shard.writers, "" if self.shard.writers == 1 else "s", total,
                      1000 * self.blocking_s[-1], f", pruned {len(pruned)}" if pruned else "")
             self._events({"kind": "snapshot", "step": step, "status": "committed", "total_s": round(total, 4),

@@ -59,7 +59,7 @@ def candidates(store: SnapshotStore, infos: list, limit: int = 3) -> list[tuple[
     for info in sorted(infos, key=lambda s: -s.step):
         manifest, missing = store.problems(info.path)
         if missing:
-            log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", info.path,
+            log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", store.url_of(info.path),
                         "; ".join(missing))
             continue
         out.append((info.path, manifest))

@@ -107,6 +107,10 @@ class SnapshotStore:
     def _path(self, *parts: str) -> str:
         return join(self.root, *parts)
 
+    def url_of(self, path: str) -> str:
+        """A path of this store as its user names it, for messages (s3://bucket/..., not bucket/...)."""
+        return self.url + path[len(self.root):]
+
     @staticmethod
     def name(step: int) -> str:
         return f"step_{step:09d}"
@@ -253,7 +257,7 @@ class SnapshotStore:
                 return self.load(info.path)
             except Exception as e:  # noqa: BLE001 - any unreadable snapshot: try the previous one
                 log.warning("snapshot %s cannot be loaded (%s: %s); falling back to the previous one",
-                            info.path, e.__class__.__name__, e)
+                            self.url_of(info.path), e.__class__.__name__, e)
                 errors.append(f"{info.path}: {e}")
         if committed:
             raise nothing_loads(self.url, "; ".join(errors))
@@ -305,6 +309,8 @@ def open_store(url: str, endpoint_url: str | None, uploader: str = "s3fs") -> Sn
         store = SnapshotStore(url, {"endpoint_url": endpoint_url} if endpoint_url else {}, uploader=uploader)
         store.check()
     except Exception as e:  # noqa: BLE001 - any backend's connection or permission error
+        if store is not None and not store.local and isinstance(e, FileNotFoundError):  # the bucket (S3Objects.check)
+            raise SnapshotError(f"{e}: create the bucket, or correct snapshot.dir (or snapshot.endpoint_url)") from None
         if store is not None and store.local:
             raise SnapshotError(f"cannot use snapshot store {url} ({e.__class__.__name__}: {e}); point "
                                 "snapshot.dir (or trainer.run_dir) at a directory you can write to") from None

@@ -1,0 +1,36 @@
+"""The training command as a user starts it: what a start that fails leaves behind."""
+
+import subprocess
+import sys
+
+from conftest import REPO
+
+
+def test_a_start_that_fails_leaves_no_empty_snapshot_store(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mingpt.main", f"data.path={tmp_path / 'missing.txt'}",
+                           f"trainer.run_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "missing.txt does not exist" in proc.stderr
+    assert not (tmp_path / "run" / "snapshots").exists()
+
+
+TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
+        "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.max_steps=2", "trainer.eval_every=0",
+        "trainer.progress=false"]
+
+
+def test_a_run_on_s3_logs_our_lines_with_full_urls_and_a_missing_bucket_is_named(s3, corpus_file, tmp_path):
+    import s3fs
+
+    s3fs.S3FileSystem().mkdir("main-logs")
+    base = [sys.executable, "-m", "mingpt.main", *TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'c'}"]
+    run = subprocess.run([*base, f"trainer.run_dir={tmp_path / 'run'}", "snapshot.dir=s3://main-logs/run"], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "snapshot step 2 committed to s3://main-logs/run/step_000000002 " in run.stderr
+    assert "botocore" not in run.stderr and "s3fs" not in run.stderr  # no INFO lines of the S3 client
+    missing = subprocess.run([*base, f"trainer.run_dir={tmp_path / 'run2'}", "snapshot.dir=s3://no-such-bucket/run"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2
+    assert (f"ERROR mingpt: bucket no-such-bucket of s3://no-such-bucket/run does not exist or is not reachable at "
+            f"{s3.env['AWS_ENDPOINT_URL']}: create the bucket, or correct snapshot.dir") in missing.stderr
