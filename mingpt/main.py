@@ -59,6 +59,8 @@ def setup_logging(info: DistInfo) -> None:
                         datefmt="%H:%M:%S", stream=sys.stderr, force=True)
     if info.local_rank == 0:
         logging.getLogger("mingpt.node").setLevel(logging.INFO)
+    for chatty in ("aiobotocore", "botocore", "s3fs"):  # their INFO lines ("Found credentials ...") are not ours
+        logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 def set_aside(store: SnapshotStore, others: list, run_dir: Path, launch_id: str, fresh: bool) -> None:
