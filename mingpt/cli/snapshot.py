@@ -43,7 +43,7 @@ def weights_digest(model_state: dict) -> str:
 
 
 def _describe(store: SnapshotStore, info: SnapshotInfo, verify: bool) -> dict:
-    row = {"step": info.step, "path": info.path, "committed": info.committed}
+    row = {"step": info.step, "path": store.url_of(info.path), "committed": info.committed}
     if not info.committed:
         return row
     try:
@@ -79,7 +79,7 @@ def _show(store: SnapshotStore, info: SnapshotInfo, full: bool) -> None:
         g[0], g[1], g[2] = g[0] + 1, g[1] + n, g[2] + n * getattr(torch, t["dtype"]).itemsize
         g[3].add(t["dtype"])
     lines = [
-        f"snapshot step {m['step']}: {info.path}",
+        f"snapshot step {m['step']}: {store.url_of(info.path)}",
         f"  state      {'does not load: ' + ', '.join(missing) if missing else 'committed, every file there'}",
         (f"  saved      {when} by {m.get('world_size', '?')} rank(s) ({m.get('parallel', 'ddp')}), "
          f"{m.get('writers', '?')} writer(s), format {m['format_version']}, torch {m.get('versions', {}).get('torch')}"),

@@ -72,8 +72,9 @@ def summary(run: Run, name: str) -> str:
     lines.append(f"run {name}")
     if run.train:
         last = run.train[max(run.train)]
-        lines.append(f"  steps {last['step']:,}   tokens {last.get('tokens_seen', 0):,}   last train loss "
-                     f"{last['loss']:.4f}")
+        step = max(r["step"] for r in run.records if "step" in r)  # a save or a stop after the last logged step
+        lines.append(f"  steps {step:,}   " + ("" if step == last["step"] else f"last logged step {last['step']:,}: ")
+                     + f"tokens {last.get('tokens_seen', 0):,}   last train loss {last['loss']:.4f}")
     if run.evals:
         best = min(run.evals.values(), key=lambda r: r["val_loss"])
         lines.append(f"  best val loss {best['val_loss']:.4f} at step {best['step']:,}")
