@@ -55,3 +55,12 @@ def test_a_closed_pipe_ends_the_tool_quietly(tmp_path):
     proc = subprocess.run(f"{sys.executable} -m mingpt.cli.snapshot show {tmp_path} --full | head -n 1",
                           shell=True, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.stdout.startswith("snapshot step 1: ") and proc.stderr == ""
+
+
+def test_a_store_that_is_not_there_is_one_line(tmp_path, s3, capsys):
+    assert snapshot_cli(["list", str(tmp_path / "nowhere")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'nowhere'} does not exist: give a run directory or a " \
+                                      "snapshot store\n"
+    assert snapshot_cli(["show", "s3://no-such-bucket/run"]) == 2
+    assert capsys.readouterr().err == ("error: bucket no-such-bucket of s3://no-such-bucket/run does not exist or is not "
+                                       f"reachable at {s3.env['AWS_ENDPOINT_URL']}\n")

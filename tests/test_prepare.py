@@ -229,6 +229,17 @@ def test_a_cache_limit_beyond_the_disk_is_refused(inputs, tmp_path, s3, monkeypa
                                tokenizer=TokenizerConfig("bpe", RANKS)))
 
 
+def test_a_missing_bucket_is_named_with_its_endpoint(tmp_path, s3):
+    import s3fs
+
+    s3fs.S3FileSystem().mkdir("prep-missing")
+    with pytest.raises(DataError, match=r"^bucket no-such-bucket of input s3://no-such-bucket/corpus.txt does not "
+                                        rf"exist or is not reachable at {s3.env['AWS_ENDPOINT_URL']}: "):
+        load_corpus(DataConfig(path="s3://no-such-bucket/corpus.txt", cache_dir=str(tmp_path / "cache")))
+    with pytest.raises(DataError, match=r"^input s3://prep-missing/corpus.txt does not exist; check the path$"):
+        load_corpus(DataConfig(path="s3://prep-missing/corpus.txt", cache_dir=str(tmp_path / "cache")))
+
+
 def test_an_unreachable_s3_source_is_one_line(tmp_path, monkeypatch):
     import s3fs
 

@@ -144,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.store is None:
         ap.error(f"{args.command} needs a STORE")
     store = SnapshotStore(store_path(args.store), {"endpoint_url": args.endpoint_url} if args.endpoint_url else None)
+    try:  # a store that is not there is said so, not listed as one without snapshots
+        if not store.local:
+            store.files.check()  # names a missing bucket and the endpoint asked
+        elif not os.path.isdir(store.root):
+            raise FileNotFoundError(f"{args.store} does not exist: give a run directory or a snapshot store")
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.command == "uploads":
         return _uploads(store, args.older_than * 3600, args.abort)
     snaps = store.list()

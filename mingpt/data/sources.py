@@ -135,7 +135,7 @@ def expand_inputs(inputs: list[str]) -> list[str]:
                 try:
                     kind = fs.info(root)["type"]
                 except FileNotFoundError:
-                    raise DataError(f"input {item} does not exist; check the path") from None
+                    raise DataError(_missing(fs, item, root)) from None
                 found = [root] if kind != "directory" else sorted(
                     f for f in fs.find(root) if not any(p.startswith(".") for p in f[len(root):].split("/")))
         except DataError:
@@ -146,6 +146,15 @@ def expand_inputs(inputs: list[str]) -> list[str]:
             raise DataError(f"no files match {item}; name files, directories or globs of text, .jsonl or .parquet")
         files.extend(_url(fs, f) for f in found)
     return files
+
+
+def _missing(fs, item: str, root: str) -> str:
+    """What is missing: the input, or on S3 its whole bucket (s3fs says "Not Found" for both)."""
+    bucket = root.split("/", 1)[0]
+    if "s3" in fs.protocol and not fs.exists(bucket):
+        return (f"bucket {bucket} of input {item} does not exist or is not reachable at {fs.s3.meta.endpoint_url}: "
+                "correct the path, or the endpoint (AWS_ENDPOINT_URL)")
+    return f"input {item} does not exist; check the path"
 
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonl.gz", ".jsonl.zst", ".ndjson.gz", ".ndjson.zst")
