@@ -71,3 +71,20 @@ def test_a_reader_that_stops_early_ends_generation_quietly(tmp_path):
                          "--num-samples 100 | head -c 10", shell=True, cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert len(cli.stdout) == 10 and cli.stderr == ""  # no BrokenPipeError traceback
+
+
+def test_a_damaged_snapshot_on_s3_is_named_by_its_url(s3):
+    import pytest
+    import s3fs
+
+    from mingpt.snapshot import SnapshotError
+
+    fs = s3fs.S3FileSystem()
+    fs.mkdir("gen-damaged")
+    shape = GPTConfig(preset="gpt-nano", vocab_size=20, block_size=16)
+    manifest = {"tokenizer": {"kind": "char", "chars": "abcdefghijklmnopqrst"}, "model_shape": shape.shape_dict()}
+    save_state(SnapshotStore("s3://gen-damaged/run"), 1, {"model": GPT(shape).state_dict()}, manifest)
+    fs.pipe_file("gen-damaged/run/step_000000001/shard-00000-of-00001.bin", b"short")
+    with pytest.raises(SnapshotError, match=r"^snapshot s3://gen-damaged/run/step_000000001 is incomplete: "
+                                            r"shard-00000-of-00001.bin has 5 bytes"):
+        load_model("s3://gen-damaged/run/step_000000001")

@@ -172,10 +172,10 @@ class SnapshotStore:
     def read_manifest(self, path: str) -> dict:
         manifest = json.loads(retried(lambda: self.files.get(join(path, MANIFEST_FILE))))
         if not isinstance(manifest, dict):
-            raise SnapshotError(f"snapshot {path} has a manifest that is not a JSON object")
+            raise SnapshotError(f"snapshot {self.url_of(path)} has a manifest that is not a JSON object")
         version = manifest.get("format_version")
         if version not in READABLE_VERSIONS:
-            raise SnapshotError(f"snapshot {path} has format version {version}; this mingpt reads "
+            raise SnapshotError(f"snapshot {self.url_of(path)} has format version {version}; this mingpt reads "
                                 f"{', '.join(map(str, READABLE_VERSIONS))}: use the mingpt that wrote it")
         return manifest
 
@@ -203,8 +203,8 @@ class SnapshotStore:
         except Exception as e:  # noqa: BLE001 - any backend's error, after retries
             if damaged(e) or isinstance(e, SnapshotError):
                 return None, [f"its manifest cannot be read ({e.__class__.__name__}: {e})"]
-            raise TransientError(f"cannot read snapshot {path} now ({e.__class__.__name__}: {e}); exiting so that "
-                                 "torchrun tries the start again rather than resume an older snapshot") from e
+            raise TransientError(f"cannot read snapshot {self.url_of(path)} now ({e.__class__.__name__}: {e}); exiting "
+                                 "so that torchrun tries the start again rather than resume an older snapshot") from e
         return manifest, missing + ([f"a load found it damaged ({REJECTED_FILE} says why)"] if REJECTED_FILE in sizes else [])
 
     def reject(self, path: str, why: str) -> None:
@@ -216,7 +216,7 @@ class SnapshotStore:
         """The small state (sampler, counters, GradScaler), checksum verified."""
         data = retried(lambda: self.files.get(join(path, EXTRA_FILE)))
         if sha256(data) != manifest["files"][EXTRA_FILE]["sha256"]:
-            raise SnapshotError(f"snapshot {path}: {EXTRA_FILE} does not match its manifest checksum")
+            raise SnapshotError(f"snapshot {self.url_of(path)}: {EXTRA_FILE} does not match its manifest checksum")
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
     def load(self, path: str) -> tuple[dict, dict]:
@@ -226,12 +226,12 @@ class SnapshotStore:
         manifest = self.read_manifest(path)
         missing = self.missing_files(path, manifest)
         if missing:
-            raise SnapshotError(f"snapshot {path} is incomplete: {', '.join(missing)}")
+            raise SnapshotError(f"snapshot {self.url_of(path)} is incomplete: {', '.join(missing)}")
         slots = whole_slots(manifest)
         copier = Copier(targets_of(manifest, slots))
         errors = read_chunks(self.files, path, needed(chunks_of(manifest), copier), copier)
         if errors:
-            raise SnapshotError(f"snapshot {path}: {'; '.join(errors)}")
+            raise SnapshotError(f"snapshot {self.url_of(path)}: {'; '.join(errors)}")
         state = {"model": {}, "optimizer": {}, **self.read_extra(path, manifest)}
         for slot in slots:
             kind, _, rest = slot.name.partition(".")
@@ -258,7 +258,7 @@ class SnapshotStore:
             except Exception as e:  # noqa: BLE001 - any unreadable snapshot: try the previous one
                 log.warning("snapshot %s cannot be loaded (%s: %s); falling back to the previous one",
                             self.url_of(info.path), e.__class__.__name__, e)
-                errors.append(f"{info.path}: {e}")
+                errors.append(f"{self.url_of(info.path)}: {e}")
         if committed:
             raise nothing_loads(self.url, "; ".join(errors))
         return None
