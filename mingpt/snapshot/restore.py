@@ -44,7 +44,8 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
     problems += [f"{s.name} is {entries[s.name]['shape']} in it, {list(s.shape)} here" for s in slots
                  if s.name in entries and entries[s.name]["shape"] != list(s.shape)]
     if problems:
-        raise SnapshotError(f"snapshot {path} does not fit this model and optimizer: {'; '.join(problems[:5])}")
+        raise SnapshotError(f"snapshot {store.url_of(path)} does not fit this model and optimizer: "
+                            f"{'; '.join(problems[:5])}")
     targets, chunks = targets_of(manifest, slots), chunks_of(manifest)
     exchange = layout == "exchange" and world > 1
     if exchange:  # the chunks of this rank's own rows, and its share of the replicated ones
@@ -62,7 +63,7 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
         errors.append(str(e))
     except Exception as e:  # noqa: BLE001 - any failure to read it makes the snapshot unusable
         errors.append(failure(EXTRA_FILE, e))
-    _agree(errors, path, world, targets[0].dest.device if targets else torch.device("cpu"))
+    _agree(errors, store.url_of(path), world, targets[0].dest.device if targets else torch.device("cpu"))
     if exchange:
         _exchange(replicated, shares, rank, world, exchange_bytes)
     return extra
