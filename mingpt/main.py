@@ -46,8 +46,8 @@ from mingpt.training.trainer import SavePolicy, TrainData, Trainer
 
 log = logging.getLogger("mingpt")
 
-USER_ERRORS = (ConfigError, DataError, ParallelError, distributed.ProcessGroupError, PreflightError, PretrainedError,
-               SnapshotError, TokenizerError)
+USER_ERRORS = (ConfigError, DataError, ParallelError, distributed.ProcessGroupError, distributed.SecretError,
+               PreflightError, PretrainedError, SnapshotError, TokenizerError)
 
 
 def setup_logging(info: DistInfo) -> None:

@@ -133,9 +133,25 @@ def test_ctrl_c_under_torchrun_saves_once_and_no_worker_prints_a_traceback(corpu
     term = Terminal(cmd, env=torchrun_env())
     term.wait_for("step 2 |")
     os.kill(term.proc.pid, signal.SIGINT)
-    assert term.finish() != 0
+    assert term.finish() != 0  # plain torchrun: 1, and its agent's traceback (mingpt-torchrun: below)
     (step,) = committed_steps(run_dir)
     assert term.text.count("Ctrl-C: saving a snapshot") == 1  # the first rank says so, not every rank
     assert term.text.count(f"stopping on SIGINT: snapshot of step {step} saved") == 1
     assert "[rank0]: Traceback" not in term.text and "[rank1]: Traceback" not in term.text
     assert "KeyboardInterrupt" not in term.text
+
+
+def test_ctrl_c_under_the_readmes_launcher_exits_130_with_our_lines_only(corpus_file, tmp_path):
+    """The README's launch command: Ctrl-C saves, the job exits 130 (plain torchrun: 1, then a
+    30-line agent traceback), and nothing of torchrun's own is printed."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mingpt.cli.launch", "--standalone", "--nproc_per_node=2", "mingpt/main.py", *SLOW,
+           *common(corpus_file, tmp_path, run_dir), "trainer.max_steps=1000", "snapshot.every_steps=0"]
+    term = Terminal(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    term.wait_for("step 2 |")
+    os.kill(term.proc.pid, signal.SIGINT)
+    assert term.finish() == 130, term.text[-3000:]
+    (step,) = committed_steps(run_dir)
+    assert f"stopping on SIGINT: snapshot of step {step} saved" in term.text
+    for torchruns in ("Traceback", "torch/distributed", "SignalException", "OMP_NUM_THREADS"):
+        assert torchruns not in term.text, term.text[-3000:]

@@ -1,5 +1,6 @@
 """Real torchrun processes (gloo on CPU)."""
 
+import re
 import subprocess
 import sys
 
@@ -107,3 +108,22 @@ def test_documents_two_processes_give_the_same_gradients_as_one(tmp_path):
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)
     assert max(g.abs().max().item() for g in g1.values()) > 1e-3
+
+
+LAUNCH = [sys.executable, "-m", "mingpt.cli.launch", "--standalone", "--nproc_per_node=2", "--max-restarts=3"]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("trainer.max_stepz=4", "unknown config key trainer.max_stepz (did you mean trainer.max_steps?)"),
+    ("data.path=/nonexistent/corpus.txt", "corpus file /nonexistent/corpus.txt does not exist"),
+])
+def test_a_bad_setting_under_the_readmes_launcher_is_one_line_exit_2_and_never_retried(tmp_path, bad, message):
+    """Plain torchrun: exit 1, about 45 lines of its own, and the bad config attempted 4 times under
+    --max-restarts=3. The README's launcher: our one line, exit 2, one attempt."""
+    proc = subprocess.run([*LAUNCH, "mingpt/main.py", *TINY, f"trainer.run_dir={tmp_path / 'run'}", bad], cwd=REPO,
+                          env={**torchrun_env(), "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len([line for line in lines if " ERROR " in line]) == 1 and message in out, out
+    assert all(re.match(r"\d\d:\d\d:\d\d \S+:\d \[rank ", line) for line in lines), out  # our log lines only

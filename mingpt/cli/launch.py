@@ -1,17 +1,33 @@
-"""torchrun, with the failures of its own rendezvous said in one line: `mingpt-torchrun` takes exactly
-torchrun's arguments.
+"""torchrun as a user wants it: `mingpt-torchrun` takes exactly torchrun's arguments.
 
-    mingpt-torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=HOST1:29500 \\
-        --rdzv_conf=read_timeout=10,join_timeout=300 ... mingpt/main.py ...
+    mingpt-torchrun --standalone --nproc_per_node=2 mingpt/main.py ...
+    mingpt-torchrun --nnodes=1:2 --nproc_per_node=gpu --rdzv_endpoint=HOST1:29500 --rdzv_id=run1 ... mingpt/main.py ...
 
-An endpoint nobody listens on, a blocked port or a name that does not resolve fails after
-`read_timeout` seconds (torchrun's default: 60); nodes that never all arrive fail after
-`join_timeout` (default: 600). torchrun reports these with a stack trace; this reports what to check.
+What it changes:
+- the rendezvous is `--rdzv_backend=mingpt` (signed state, secret keys, bound to its address: see
+  mingpt/cli/rendezvous.py) unless another backend is named; `--standalone` becomes that backend on
+  127.0.0.1 with a secret made for this launch;
+- the job's exit code is the workers' (2 a bad setting, 74 a failed save, 75 / 130 after a
+  preemption or Ctrl-C saved), and what the user sees of a failure is the workers' one line: no
+  agent traceback, no table of failures;
+- a worker that exits 2 or 74 is not restarted: a bad setting or a store that refuses the save
+  does not go away by trying again (torchrun would retry it --max-restarts times);
+- a rendezvous that cannot form is one line saying what to check.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import secrets
+import signal
 import sys
+import uuid
+
+from mingpt.distributed import SECRET_ENV, SECRET_FILE_ENV, SecretError, job_secret
+
+# A worker's exit codes that no restart can change (see the README's exit codes).
+PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved"}
 
 
 def _option(argv: list[str], name: str, default: str) -> str:
@@ -32,24 +48,104 @@ def _conf(argv: list[str], key: str, default: str) -> str:
     return default
 
 
-def main(argv: list[str] | None = None) -> None:
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
-    from torch.distributed.run import main as torchrun
+def with_our_rendezvous(args, argv: list[str], env) -> None:
+    """torchrun's parsed arguments, changed to the mingpt rendezvous where the command line names no
+    other backend (`--standalone`, or no endpoint: on 127.0.0.1, with a secret made for this launch)."""
+    named = _option(argv, "rdzv_backend", "")
+    if args.standalone or not (named or args.rdzv_endpoint):
+        args.standalone = False
+        args.rdzv_endpoint, args.rdzv_id = "127.0.0.1:0", str(uuid.uuid4())
+        if not env.get(SECRET_ENV) and not env.get(SECRET_FILE_ENV):
+            env[SECRET_ENV] = secrets.token_hex(32)
+    elif named:
+        return
+    args.rdzv_backend = "mingpt"
 
-    argv = sys.argv[1:] if argv is None else argv
-    endpoint = _option(argv, "rdzv_endpoint", "localhost:29400")
+
+def _agent_class():
+    """torchrun's agent, told which worker failures are permanent and keeping the workers' exit codes."""
+    from torch.distributed.elastic.agent.server import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class Agent(LocalElasticAgent):
+        exit_codes: list[int] = []
+
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
+                codes = {f.exitcode for f in result.failures.values()}
+                if codes & PERMANENT.keys():
+                    self._remaining_restarts = 0  # torchrun then stops the workers and ends the job
+            return result
+
+        def _shutdown(self, death_sig=signal.SIGTERM, timeout: int = 30) -> None:
+            context = self._pcontext
+            super()._shutdown(death_sig, timeout)
+            handlers = getattr(context, "subprocess_handlers", {}) if context is not None else {}
+            Agent.exit_codes = [h.proc.returncode for h in handlers.values() if h.proc.returncode is not None]
+
+    return Agent
+
+
+def exit_code_of_signal(signum: int, worker_codes: list[int]) -> int:
+    """The job's code when the agent was signalled (Ctrl-C, SIGTERM): what the workers said after their
+    save, or the shell's 128 + signal when they said nothing."""
+    said = [c for c in worker_codes if c > 0]
+    if 74 in said:
+        return 74
+    return max(said) if said else 128 + signum
+
+
+def main(argv: list[str] | None = None) -> None:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+    from torch.distributed.launcher import api as launcher
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = torchrun.parse_args(argv)
+    with_our_rendezvous(args, argv, os.environ)
+    endpoint = args.rdzv_endpoint
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    launcher.LocalElasticAgent = _agent_class()
+    # torchrun's own lines (the thread-count banner, the agent's progress, its tables of failures) repeat
+    # what the workers say in one line; its restarts stay visible as the workers' start lines. Its
+    # modules set their loggers' levels themselves, so each one is quieted here, once all are imported.
+    for name in [*logging.root.manager.loggerDict, "torch.distributed"]:
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        torchrun(argv)
+        if args.rdzv_backend == "mingpt":
+            job_secret()  # a missing or unsafe secret: one line here, before any rendezvous
+        torchrun.run(args)
+    except SecretError as e:
+        sys.exit(_say(str(e), 2))
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()
+        code = failure.exitcode
+        if code < 0:  # a worker killed by a signal, which said nothing itself
+            print(f"mingpt-torchrun: worker {failure.local_rank} on {failure.hostname} was killed by "
+                  f"{signal.Signals(-code).name}; no restarts left (--max-restarts)", file=sys.stderr)
+            code = 128 - code
+        sys.exit(code)
+    except SignalException as e:
+        sys.exit(exit_code_of_signal(int(e.sigval), launcher.LocalElasticAgent.exit_codes))
     except RendezvousConnectionError as e:
         cause = str(e.__cause__ or e).strip().splitlines()[0]
-        sys.exit(f"mingpt-torchrun: cannot reach the rendezvous store at {endpoint} within read_timeout="
-                 f"{_conf(argv, 'read_timeout', '60')} s ({cause}). Check that the node it runs on is up and started "
-                 "first (or mingpt-rendezvous runs there), that its name resolves from this node, and that the port "
-                 "is open in the firewalls between them")
+        sys.exit(_say(f"cannot reach the rendezvous store at {endpoint} within read_timeout="
+                      f"{_conf(argv, 'read_timeout', '60')} s ({cause}). Check that the node it runs on is up and started "
+                      "first (or mingpt-rendezvous runs there), that its name resolves from this node, and that the port "
+                      "is open in the firewalls between them", 1))
     except RendezvousTimeoutError:
-        sys.exit(f"mingpt-torchrun: the nodes did not all join the rendezvous at {endpoint} within join_timeout="
-                 f"{_conf(argv, 'join_timeout', '600')} s (--nnodes={_option(argv, 'nnodes', '?')}). Check that "
-                 "every node was started with the same --rdzv_endpoint and --rdzv_id")
+        sys.exit(_say(f"the nodes did not all join the rendezvous at {endpoint} within join_timeout="
+                      f"{_conf(argv, 'join_timeout', '600')} s (--nnodes={_option(argv, 'nnodes', '?')}). Check that "
+                      "every node was started with the same --rdzv_endpoint, --rdzv_id and job secret", 1))
+
+
+def _say(message: str, code: int) -> int:
+    print(f"mingpt-torchrun: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

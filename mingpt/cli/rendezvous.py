@@ -1,44 +1,123 @@
-"""A standalone rendezvous store, so that no training node is a single point of failure.
+"""torchrun's c10d rendezvous, made safe on machines shared with other users: `--rdzv_backend=mingpt`.
 
-torchrun's c10d rendezvous keeps its store inside the agent on the --rdzv_endpoint host: if that
-node dies, every other agent loses the rendezvous and the whole job ends. Run this on a small,
-stable machine (a login or head node) instead, and give every agent `is_host=0`:
+torchrun's own c10d rendezvous keeps its state in a TCPStore that listens on every interface, has
+no authentication, and is unpickled by every agent on every keep-alive: whoever reaches the port
+and knows the run id (it is on the agent's command line) can run code as the job's user. This
+backend is the same rendezvous with three changes:
 
-    mingpt-rendezvous --host 10.1.2.3 --port 29400        # the address the nodes reach it at
-    torchrun --nnodes=1:4 --rdzv_backend=c10d --rdzv_endpoint=STORE_HOST:29400 \\
-        --rdzv_conf=is_host=0,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10 ...
+- its state is signed with the job's secret (HMAC-SHA256) and verified before it is unpickled;
+- every key of the store lives under a prefix derived from the secret, so nobody without it can
+  name, read or overwrite one (a TCPStore cannot list its keys);
+- the agent that hosts the store listens on the --rdzv_endpoint address only.
 
-It listens on that address only. Whoever reaches the port can run code on every agent (torchrun's
-rendezvous unpickles what it reads from the store): choose an address on the cluster's private
-network, never 0.0.0.0 on a machine with a public interface.
+It also makes the workers host their own store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, bound and
+prefixed the same way by mingpt.distributed) and gives them MINGPT_LAUNCH_ID, the same on every node
+and every restart of one launch. The secret comes from MINGPT_JOB_SECRET or MINGPT_JOB_SECRET_FILE
+(see README: two machines); `mingpt-torchrun --standalone` makes one for a one-machine job.
 
-For a fully replicated store, use torchrun's etcd backend (`--rdzv_backend=etcd-v2`) with an etcd cluster.
+    torchrun --rdzv_backend=mingpt --rdzv_endpoint=HOST1:29500 --rdzv_id=run1 ...   # registered as a torchrun handler
+
+`mingpt-rendezvous` hosts such a store on its own, so that no training node is a single point of
+failure: run it on a machine of the job that outlives the training nodes (never a login node shared
+with other users), and give every agent `--rdzv_conf=is_host=0`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
 import logging
+import os
 import signal
-import socket
 import threading
 from datetime import timedelta
 
-from torch.distributed import TCPStore
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from mingpt.distributed import SECRET_ENV, SECRET_FILE_ENV, SecretError, bound_store, derive, job_secret
 
 log = logging.getLogger("mingpt.rendezvous")
 
+TAG = hashlib.sha256().digest_size
+
+
+class SignedBackend(RendezvousBackend):
+    """The c10d backend with every state signed on the way in and verified on the way out, so that
+    the handler unpickles only what a member of the job wrote."""
+
+    def __init__(self, inner: C10dRendezvousBackend, key: bytes):
+        self._inner, self._key = inner, key
+
+    @property
+    def name(self) -> str:
+        return "mingpt"
+
+    def _seal(self, state: bytes) -> bytes:
+        return hmac.new(self._key, state, hashlib.sha256).digest() + state
+
+    def _open(self, sealed: bytes) -> bytes:
+        tag, state = sealed[:TAG], sealed[TAG:]
+        if not hmac.compare_digest(tag, hmac.new(self._key, state, hashlib.sha256).digest()):
+            raise RendezvousStateError("the rendezvous state in the store is not signed with this job's secret: "
+                                       "a process outside the job wrote it, or the nodes were given different secrets")
+        return state
+
+    def get_state(self):
+        found = self._inner.get_state()
+        return None if found is None else (self._open(found[0]), found[1])
+
+    def set_state(self, state: bytes, token=None):
+        found = self._inner.set_state(self._seal(state), token)
+        return None if found is None else (self._open(found[0]), found[1], found[2])
+
+
+def _store(params: RendezvousParameters, timeout: timedelta):
+    """The rendezvous store: hosted here, on the endpoint's address only, if that address is this
+    machine's and no other agent here hosts it yet (or is_host says so); otherwise a client of it."""
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    is_host = params.get_as_bool("is_host")
+    if is_host is not False:
+        try:
+            return bound_store(host, port, True, timeout, multi_tenant=True, wait_for_workers=False)
+        except OSError:  # not this machine's address, or the port is taken (another agent here hosts it)
+            if is_host:
+                raise
+    return bound_store(host, port, False, timeout)
+
+
+def create(params: RendezvousParameters):
+    """torchrun's handler for --rdzv_backend=mingpt."""
+    secret = job_secret()
+    if secret is None:
+        raise SecretError(f"--rdzv_backend=mingpt needs the job's secret, the same on every node: set {SECRET_ENV}, "
+                          f"or {SECRET_FILE_ENV} to a file only you can read (see the README: two machines)")
+    try:
+        store = PrefixStore(derive(secret, "rendezvous"), _store(params, timedelta(seconds=params.get_as_int(
+            "read_timeout", 60))))
+        backend = SignedBackend(C10dRendezvousBackend(store, params.run_id), derive(secret, "state").encode())
+    except (OSError, RuntimeError, ValueError, TimeoutError) as e:
+        raise RendezvousConnectionError(f"cannot reach the rendezvous store at {params.endpoint}") from e
+    # The workers inherit the agent's environment: their own store, the secret to prefix it, and the launch's id.
+    os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SECRET_ENV: secret.decode(),
+                       "MINGPT_LAUNCH_ID": derive(secret, "launch")[:16]})
+    return create_handler(store, backend, params)
+
+
+def handler():
+    """The `torchrun.handlers` entry point: torchrun calls it and registers what it returns."""
+    return create
+
 
 def serve(host: str, port: int, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
-    """Host a TCPStore on host:port (that address only) until `stop` is set (or forever)."""
-    # TCPStore listens on every interface whatever host it is given: bind the socket here and hand it over.
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(address)
-    listener.listen(512)
-    store = TCPStore(host, listener.getsockname()[1], is_master=True, multi_tenant=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=60), master_listen_fd=listener.fileno(), use_libuv=True)
+    """Host a rendezvous store on host:port (that address only) until `stop` is set (or forever).
+    It holds only keys the jobs' secrets name and signed state: it needs no secret itself."""
+    store = bound_store(host, port, True, timedelta(seconds=60), multi_tenant=True, wait_for_workers=False)
     log.info("rendezvous store listening on %s:%d", host, store.port)
     if ready is not None:
         ready.set()
@@ -48,8 +127,7 @@ def serve(host: str, port: int, ready: threading.Event | None = None, stop: thre
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="mingpt-rendezvous", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--host", required=True, help="the address to listen on: the one the nodes reach this machine "
-                    "at (whoever reaches it can run code on every agent)")
+    ap.add_argument("--host", required=True, help="the address to listen on: the one the nodes reach this machine at")
     ap.add_argument("--port", type=int, default=29400)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
