@@ -1,17 +1,20 @@
 # mingpt for cloud GPU instances. Build:  docker build -t mingpt .
-# Two instances, same command on each (see README, "Multi-node"):
-#   docker run --gpus all --network host --ipc host -e AWS_ACCESS_KEY_ID -e AWS_SECRET_ACCESS_KEY -e AWS_DEFAULT_REGION \
-#     mingpt --nnodes=2 --nproc_per_node=gpu --rdzv_backend=c10d --rdzv_endpoint=HOST1:29500 --rdzv_id=run1 \
+# Two instances, the same command on each (docs/multi-node.md, "Docker"); the job's secret is the same
+# on both, passed by name from the shell (-e NAME: never its value on a command line):
+#   export MINGPT_JOB_SECRET=...   # once per job: python3 -c 'import secrets; print(secrets.token_hex(32))'
+#   docker run --gpus all --network host --ipc host --user "$(id -u):$(id -g)" --stop-timeout 300 \
+#     -v /data/mingpt:/data/mingpt -e HOME=/data/mingpt -e MINGPT_JOB_SECRET \
+#     -e AWS_ACCESS_KEY_ID -e AWS_SECRET_ACCESS_KEY -e AWS_DEFAULT_REGION \
+#     mingpt --nnodes=1:2 --nproc_per_node=gpu --rdzv_backend=mingpt --rdzv_endpoint=HOST1:29500 --rdzv_id=run1 \
 #     --rdzv_conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10 --max-restarts=3 \
-#     -m mingpt.main trainer.run_dir=runs/run1 snapshot=s3 snapshot.dir=s3://my-bucket/mingpt/run1
+#     --shutdown-timeout=270 -m mingpt.main trainer.run_dir=/data/mingpt/runs/run1 snapshot=s3 \
+#     snapshot.dir=s3://my-bucket/mingpt/run1 snapshot.node_cache_dir=/dev/shm/run1
 # The same torch as pyproject's floor (tests/test_docker.py checks that they agree): pip installs no other.
 FROM pytorch/pytorch:2.12.0-cuda12.6-cudnn9-runtime
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    # torch's shared rendezvous store makes repeated worker restarts flaky
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
     # fail a hung NCCL collective instead of waiting forever; log only warnings by default
     TORCH_NCCL_ASYNC_ERROR_HANDLING=1 \
     NCCL_DEBUG=WARN
@@ -29,5 +32,6 @@ RUN groupadd --gid 1000 mingpt && useradd --create-home --uid 1000 --gid 1000 mi
 USER 1000:1000
 WORKDIR /home/mingpt
 
-ENTRYPOINT ["torchrun"]
+# torchrun with the job-private rendezvous, the workers' exit codes and no retry of a bad setting
+ENTRYPOINT ["mingpt-torchrun"]
 CMD ["--standalone", "--nproc_per_node=gpu", "-m", "mingpt.main"]

@@ -28,8 +28,13 @@ def test_structure():
     assert base.startswith("pytorch/pytorch:") and re.search(r":\d+\.\d+\.\d+-cuda[\d.]+-cudnn\d+-runtime$", base)
     user = [line.split()[1] for line in INSTRUCTIONS if line.startswith("USER")]
     assert user and user[-1].split(":")[0] not in ("root", "0")
-    assert 'ENTRYPOINT ["torchrun"]' in INSTRUCTIONS
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in DOCKERFILE
+    assert 'ENTRYPOINT ["mingpt-torchrun"]' in INSTRUCTIONS  # the job-private rendezvous, the workers' exit codes
+    # the recipe: the run on a volume, a stop timeout above torchrun's grace, the host user, the secret by name
+    recipe = DOCKERFILE.split("FROM", 1)[0]
+    assert "-v /data/mingpt:/data/mingpt" in recipe and "trainer.run_dir=/data/mingpt/" in recipe
+    stop, grace = (int(re.search(rf"{flag}[ =](\d+)", recipe).group(1)) for flag in ("--stop-timeout", "--shutdown-timeout"))
+    assert stop > grace
+    assert '--user "$(id -u):$(id -g)"' in recipe and "-e MINGPT_JOB_SECRET " in recipe
     run = next(line for line in INSTRUCTIONS if line.startswith("RUN pip install"))
     assert re.search(r'pip install --no-cache-dir "\.\[formats\]"', run) and " -e " not in run  # non-editable
     assert "snapshot.dir=s3://" in DOCKERFILE  # the documented multi-node example snapshots to S3
@@ -101,7 +106,7 @@ def test_install_steps_in_a_clean_virtualenv(image_venv):
     assert out.returncode == 0, out.stderr
     conf, snapdir, init_from = out.stdout.split()
     assert "site-packages/mingpt/conf" in conf and snapdir.startswith("s3://") and init_from == "gpt2"
-    help_out = subprocess.run([str(env_dir / "bin" / "torchrun"), "--help"], capture_output=True, text=True)
+    help_out = subprocess.run([str(env_dir / "bin" / "mingpt-torchrun"), "--help"], capture_output=True, text=True)
     assert help_out.returncode == 0 and "--rdzv_endpoint" in help_out.stdout
 
 

@@ -16,7 +16,7 @@ SCRIPT = REPO / "slurm" / "train.sbatch"
 
 SRUN = """#!/usr/bin/env bash
 printf '%s\\n' "$@" > "$RECORD/srun.args"
-echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-}" > "$RECORD/srun.env"
+echo "${MINGPT_JOB_SECRET:-}" > "$RECORD/srun.env"
 if [[ "${SRUN_MODE:-}" == sleep ]]; then
   trap 'echo TERM > "$RECORD/srun.signal"; exit 75' TERM
   touch "$RECORD/srun.started"
@@ -44,7 +44,7 @@ def fake_slurm(tmp_path):
 
 
 def slurm_env(bin_dir: Path, record: Path, nodes: list[str], **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCH_DISABLE"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MINGPT_JOB_SECRET"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(record), SLURM_NNODES=str(len(nodes)),
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=",".join(nodes), SLURM_GPUS_ON_NODE="8",
                SLURM_SUBMIT_DIR="/shared/home/me", SLURM_JOB_NAME="mingpt", **extra)
@@ -57,11 +57,11 @@ def test_torchrun_command_line_for_the_allocation(fake_slurm, tmp_path, nodes):
                           env=slurm_env(fake_slurm, tmp_path, nodes), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     args = (tmp_path / "srun.args").read_text().split("\n")
-    assert args[:4] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "torchrun"]
+    assert args[:4] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "mingpt-torchrun"]
     assert f"--nnodes=1:{len(nodes)}" in args
     assert "--nproc_per_node=8" in args
     assert f"--rdzv_endpoint={nodes[0]}:29500" in args
-    assert "--rdzv_id=4242" in args and "--rdzv_backend=c10d" in args
+    assert "--rdzv_id=4242" in args and "--rdzv_backend=mingpt" in args
     assert "--rdzv_conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10" in args
     assert "--max-restarts=3" in args
     assert "--shutdown-timeout=270" in args  # the save gets what SLURM grants, not torchrun's 30 s
@@ -70,7 +70,9 @@ def test_torchrun_command_line_for_the_allocation(fake_slurm, tmp_path, nodes):
     assert "trainer.run_dir=/shared/home/me/runs/mingpt-4242" in args  # this submission's own run
     assert "snapshot.dir=/shared/home/me/runs/mingpt-4242/snapshots" in args
     assert args[-3:-1] == ["model=gpt2", "trainer.max_steps=10"]  # user overrides come last
-    assert (tmp_path / "srun.env").read_text().strip() == "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+    # every node gets the job's secret through srun's environment, never on a command line
+    secret = (tmp_path / "srun.env").read_text().strip()
+    assert len(secret) == 64 and not any(secret in a for a in args)
 
 
 def test_a_new_submission_gets_its_own_run_and_a_named_one_continues(fake_slurm, tmp_path):
