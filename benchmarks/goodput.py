@@ -40,8 +40,9 @@ def trainers(agent: int) -> list[int]:
 
 
 def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, rng: random.Random,
-        model: str = "gpt-mini") -> dict:
-    """One job to `steps`, a random trainer SIGKILLed every `kill_every` s (0: never)."""
+        model: str = "gpt-mini", limit_s: float = float("inf")) -> dict:
+    """One job to `steps`, a random trainer SIGKILLed every `kill_every` s (0: never); stopped with an
+    error after `limit_s` (kills closer together than a restart takes would go on for ever)."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1000",
            "-m", "mingpt.main", f"model={model}", f"trainer.max_steps={steps}", "trainer.log_every=10",
@@ -55,6 +56,9 @@ def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, r
     kills, next_kill = 0, t0 + kill_every
     try:
         while agent.poll() is None:
+            if time.time() - t0 > limit_s:
+                raise RuntimeError(f"the job did not finish in {limit_s:.0f} s: a SIGKILL every {kill_every:g} s may "
+                                   f"come before a restart reaches its first step (see {log})")
             if kill_every and time.time() >= next_kill:
                 victims = trainers(agent.pid)
                 if victims:
@@ -113,7 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         best = {}
         for t in args.kill_every:
             for n in args.snapshot_every:
-                r = job(Path(tmp) / f"t{t:g}-n{n}", args.corpus, args.steps, n, t, rng, args.model)
+                r = job(Path(tmp) / f"t{t:g}-n{n}", args.corpus, args.steps, n, t, rng, args.model,
+                        limit_s=20 * ref["wall_outside"] + 120)
                 same = r["step"] == ref["step"] and all(torch.equal(v, ref["weights"][k])
                                                         for k, v in r["weights"].items())
                 print(row(f"{t:g} s", n, r, same), flush=True)
