@@ -82,10 +82,12 @@ def test_a_second_job_in_the_same_run_directory_is_refused_in_one_line(corpus_fi
     run_dir = tmp_path / "run"
     args = [sys.executable, "-m", "mingpt.main", *TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'c'}",
             f"trainer.run_dir={run_dir}"]
-    first = subprocess.Popen([*args, "trainer.max_steps=1000000"], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "first.log"  # a file, not a pipe: a pipe nobody reads fills up and stops the job's logging
+    with open(log, "w") as fh:
+        first = subprocess.Popen([*args, "trainer.max_steps=1000000"], cwd=REPO, stderr=fh, text=True)
     try:
         while not any(r.get("kind") == "train" for r in records(run_dir / "metrics.jsonl")):
-            assert first.poll() is None, first.communicate()[1][-3000:]
+            assert first.poll() is None, log.read_text()[-3000:]
             time.sleep(0.05)
         second = subprocess.run([*args, "trainer.max_steps=10"], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2, second.stderr[-3000:]
@@ -94,7 +96,7 @@ def test_a_second_job_in_the_same_run_directory_is_refused_in_one_line(corpus_fi
         assert f"(pid {first.pid})" in errors[0]
         assert [r["kind"] for r in records(run_dir / "metrics.jsonl")].count("start") == 1  # nothing of the second
         first.send_signal(signal.SIGTERM)  # stops after a snapshot, and gives the store back
-        assert first.wait(timeout=300) == 75, first.communicate()[1][-3000:]
+        assert first.wait(timeout=300) == 75, log.read_text()[-3000:]
     finally:
         first.kill()
         first.wait()

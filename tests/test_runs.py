@@ -140,23 +140,28 @@ def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_r
         cmd = [*torchrun_cmd_c10d(), "mingpt/main.py", *TINY, f"data.path={corpus_file}", "snapshot.every_steps=5",
                f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.max_steps=40",
                "trainer.log_every=1", "snapshot.resume=never"]
-        return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_LAUNCH_ID=launch_id), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+        log = tmp_path / f"{launch_id}.log"  # a file: a pipe read only at the end can fill and stop the job
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_LAUNCH_ID=launch_id), text=True,
+                                    stdout=fh, stderr=subprocess.STDOUT, **kw)
+        return proc, log
 
-    first = launch("launch-1")
+    first, log = launch("launch-1")
     while not any(r.get("kind") == "train" and r["step"] >= 6 for r in live_records(run_dir / "metrics.jsonl")):
-        assert first.poll() is None, first.communicate()[0][-3000:]
+        assert first.poll() is None, log.read_text()[-3000:]
         time.sleep(0.05)
     worker = int(Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()[0])
     os.kill(worker, signal.SIGKILL)
-    out, _ = first.communicate(timeout=300)
+    first.wait(timeout=300)
+    out = log.read_text()
     assert first.returncode == 0, out[-3000:]
     resumes = [r for r in live_records(run_dir / "metrics.jsonl") if r["kind"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] >= 5, out[-3000:]
     before = snapshots(run_dir)
     assert max(before) == 40 and len(set(before.values())) == 1
-    second = launch("launch-2")
-    out, _ = second.communicate(timeout=300)
+    second, log = launch("launch-2")
+    second.wait(timeout=300)
+    out = log.read_text()
     assert second.returncode != 0 and "holds snapshots of another run" in out, out[-3000:]
     assert snapshots(run_dir) == before
 
