@@ -1,6 +1,6 @@
 """The torchrun entry point, and the only place where a run's objects are assembled.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 mingpt/main.py model=gpt-micro
+    mingpt-torchrun --standalone --nproc_per_node=2 mingpt/main.py model=gpt-micro
     python -m mingpt.main            # the same job, one process (also installed as mingpt-train)
 """
 
