@@ -138,7 +138,7 @@ def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_r
 
     def launch(launch_id: str, **kw):  # the launch id mingpt-torchrun derives from a new job secret
         cmd = [*torchrun_cmd_c10d(), "mingpt/main.py", *TINY, f"data.path={corpus_file}", "snapshot.every_steps=5",
-               f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.max_steps=40",
+               f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.max_steps=400",
                "trainer.log_every=1", "snapshot.resume=never"]
         log = tmp_path / f"{launch_id}.log"  # a file: a pipe read only at the end can fill and stop the job
         with open(log, "w") as fh:
@@ -147,6 +147,7 @@ def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_r
         return proc, log
 
     first, log = launch("launch-1")
+    # 400 steps of a few ms: the SIGKILL lands while the first attempt trains (at 40 it had once finished)
     while not any(r.get("kind") == "train" and r["step"] >= 6 for r in live_records(run_dir / "metrics.jsonl")):
         assert first.poll() is None, log.read_text()[-3000:]
         time.sleep(0.05)
@@ -158,7 +159,7 @@ def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_r
     resumes = [r for r in live_records(run_dir / "metrics.jsonl") if r["kind"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] >= 5, out[-3000:]
     before = snapshots(run_dir)
-    assert max(before) == 40 and len(set(before.values())) == 1
+    assert max(before) == 400 and len(set(before.values())) == 1
     second, log = launch("launch-2")
     second.wait(timeout=300)
     out = log.read_text()
