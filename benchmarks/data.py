@@ -6,7 +6,8 @@ training throughput reading shards from S3 against local disk.
 
 Synthetic text (words of tiny Shakespeare in random order, when ../shared/data has it) is written
 to a temporary directory, prepared with GPT-2's BPE, and removed at the end. S3 is a real S3
-server on loopback (SeaweedFS, its objects on this machine's disk). Each start is a real `python -m mingpt.main` process training one step of a small
+server on loopback (SeaweedFS, its objects on this machine's disk). Each start is a real
+`python -m mingpt.main` process training one step of a small
 model; its time is launch to exit, and its peak RSS is the process's maximum resident set.
 """
 

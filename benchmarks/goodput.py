@@ -21,10 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import die_with_bench
-
 import torch
 
+from benchmarks import die_with_bench
 from mingpt.report.goodput import account, read_records
 from mingpt.snapshot import SnapshotStore
 

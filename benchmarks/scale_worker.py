@@ -20,7 +20,7 @@ from mingpt import distributed
 from mingpt.distributed import DistInfo
 from mingpt.model import GPT, GPTConfig
 from mingpt.parallel import parallelize
-from mingpt.snapshot import Snapshotter, SnapshotStore
+from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.restore import restore
 from mingpt.training.optim import build_optimizer, init_state
 

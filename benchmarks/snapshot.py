@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
                           flush=True)
         if not args.no_recovery:
             r = recovery(Path(tmp), args.corpus, args.recovery_model)
-            print(f"\nrecovery (2 workers, {args.recovery_model}, snapshot every 20 steps, SIGKILL at step {r['killed_at_step']}): "
+            print(f"\nrecovery (2 workers, {args.recovery_model}, snapshot every 20 steps, "
+                  f"SIGKILL at step {r['killed_at_step']}): "
                   f"{r['recovery_s']:.1f} s to the first resumed step, resumed from step {r['resumed_from_step']}, "
                   f"{r['steps_lost']} steps lost")
         if server is not None:

@@ -19,7 +19,7 @@ from mingpt import distributed
 from mingpt.distributed import DistInfo
 from mingpt.model import GPT, GPTConfig
 from mingpt.parallel import parallelize
-from mingpt.snapshot import Snapshotter, SnapshotStore
+from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.restore import restore, restore_newest
 from mingpt.snapshot.start import candidates
 from mingpt.training.optim import build_optimizer, init_state
@@ -81,7 +81,7 @@ def main() -> None:
         def load(path, manifest):
             return restore(store, path, manifest, slots, rank=info.rank, world=info.world_size, layout=layout)
 
-        restore_newest(store, found, load, lambda m: None)
+        restore_newest(store, found, load, lambda _: None)
         t1 = time.perf_counter()
         step(par, opt, cfg.vocab_size)
         t2 = time.perf_counter()

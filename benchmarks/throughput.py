@@ -14,10 +14,11 @@ import tempfile
 import time
 
 import torch
+
 from mingpt import distributed
 from mingpt.compose import compose
 from mingpt.main import assemble, setup_logging
-from mingpt.training.trainer import peak_flops
+from mingpt.training.metrics import peak_flops
 
 
 def throughput(overrides: list[str], steps: int, warmup: int) -> dict:

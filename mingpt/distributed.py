@@ -70,7 +70,7 @@ class DistInfo:
         return "nccl" if self.device.startswith("cuda") else "gloo"
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, cuda: bool | None = None) -> "DistInfo":
+    def from_env(cls, env: dict[str, str] | None = None, cuda: bool | None = None) -> DistInfo:
         env = os.environ if env is None else env
         cuda = torch.cuda.is_available() if cuda is None else cuda
         local_rank = int(env.get("LOCAL_RANK", 0))
@@ -366,7 +366,7 @@ class PreemptionFlag:
             return "stopping (signalled on another rank)"
         return f"stopping on {signal.Signals(self.signum).name}"
 
-    def install(self, signums=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)) -> "PreemptionFlag":
+    def install(self, signums=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)) -> PreemptionFlag:
         for s in signums:
             signal.signal(s, self._handle)
         return self

@@ -13,17 +13,16 @@ import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from mingpt.orphan import die_with_agent  # noqa: I001 - first: a worker whose agent dies must die with it
-die_with_agent()
-from mingpt.training.ledger import Ledger  # noqa: E402 - the clock of this process's start-up
-from mingpt import distributed
+from mingpt.orphan import die_with_agent
 
+die_with_agent()  # first: a worker whose agent dies must die with it
 import hydra
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from mingpt import distributed
 from mingpt.compose import compose, config_dir, register
 from mingpt.config import ConfigError, RunConfig, TrainerConfig, from_dict
 from mingpt.data import Corpus, DataError, load_corpus
@@ -33,16 +32,18 @@ from mingpt.model import GPT
 from mingpt.parallel import Parallel, ParallelError, parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
-from mingpt.snapshot import SaveFailedError, SnapshotError, Snapshotter, SnapshotStore, open_store
+from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.lease import Lease
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore, restore_newest
 from mingpt.snapshot.start import MismatchError, abort_unfinished, check_compatible, choose_start
 from mingpt.storage import write_json_atomic
 from mingpt.tokenizer import TokenizerError
+from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
-from mingpt.training.trainer import SavePolicy, TrainData, Trainer
+from mingpt.training.policy import SavePolicy
+from mingpt.training.trainer import TrainData, Trainer
 
 log = logging.getLogger("mingpt")
 
@@ -155,11 +156,13 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                       scaler=torch.amp.GradScaler(torch.device(info.device).type,
                                                   enabled=cfg.trainer.precision == "fp16"),
                       data=build_train_data(cfg, corpus, parallel.gpt, info),
-                      saving=build_saving(cfg, info, start, metrics, preempt or PreemptionFlag(), parallel.replicas),
+                      snapshotter=build_snapshotter(cfg, info, start, metrics, parallel.replicas),
+                      policy=SavePolicy(cfg.snapshot.every_steps, cfg.snapshot.every_seconds,
+                                        preempt or PreemptionFlag(), torch.device(info.device)),
                       meta={"run_id": start.run_id, "job_id": info.job_id, "launch_id": info.launch_id,
                             "config": cfg.to_dict(), "model_shape": cfg.model.shape_dict(),
                             "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source},
-                      metrics=metrics, dist=info, hosts=hosts, ledger=ledger)
+                      metrics=metrics, info=info, hosts=hosts, ledger=ledger)
     if start.candidates:
         ledger.switch("restore")
         load_snapshot(cfg, trainer, start)
@@ -231,26 +234,25 @@ def build_train_data(cfg: RunConfig, corpus: Corpus, gpt: GPT, info: DistInfo) -
     sampler, val_sampler = build_samplers(cfg, corpus, gpt)
     val = [validation_batches(val_sampler, info.world_size, r, cfg.trainer.eval_iters) for r in range(info.world_size)]
     longest = max(map(len, val))
-    return TrainData(corpus.train, corpus.val, sampler, val[info.rank] + [np.zeros(0, int)] * (longest - len(val[info.rank])))
+    return TrainData(corpus.train, corpus.val, sampler,
+                     val[info.rank] + [np.zeros(0, int)] * (longest - len(val[info.rank])), corpus)
 
 
-def build_saving(cfg: RunConfig, info: DistInfo, start: Start, metrics: MetricsWriter, preempt: PreemptionFlag,
-                 replicas: int) -> SavePolicy:
-    """Where, how and when snapshots are saved: every rank writes its share (HSDP: its part of the
-    rows its node's replica holds), the first commits."""
+def build_snapshotter(cfg: RunConfig, info: DistInfo, start: Start, metrics: MetricsWriter,
+                      replicas: int) -> Snapshotter:
+    """Where and how snapshots are saved: every rank writes its share (HSDP: its part of the rows its
+    node's replica holds), the first commits."""
     sc = cfg.snapshot
     cache = NodeCache(sc.node_cache_dir, start.store.url, info.launch_id) if sc.node_cache == "on" or (
         sc.node_cache == "auto" and not start.store.local) else None
-    snapshotter = Snapshotter(start.store, writer=info.rank, writers=info.world_size, replicas=replicas,
-                              group=distributed.side_group(),
-                              keep_last=sc.keep_last, keep_every=sc.keep_every, retries=sc.retries,
-                              events=metrics.write, cache=cache)
-    return SavePolicy(snapshotter, sc.every_steps, sc.every_seconds, preempt, torch.device(info.device))
+    return Snapshotter(start.store, writer=info.rank, writers=info.world_size, replicas=replicas,
+                       group=distributed.side_group(), keep_last=sc.keep_last, keep_every=sc.keep_every,
+                       retries=sc.retries, events=metrics.write, cache=cache)
 
 
 def load_snapshot(cfg: RunConfig, trainer: Trainer, start: Start) -> None:
     """Every rank loads its share of the newest good snapshot into the live tensors."""
-    info, first, snapshotter = trainer.dist, start.manifest, trainer.saving.snapshotter
+    info, first, snapshotter = trainer.info, start.manifest, trainer.snapshotter
     slots = trainer.parallel.slots(trainer.optimizer)
     t0 = time.perf_counter()
     cache = snapshotter.cache if start.source is start.store else None
@@ -325,7 +327,7 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
         trainer = assemble(cfg, info, preempt, ledger)
         finished = trainer.train()
         trainer.close()
-        cache, trainer = trainer.saving.snapshotter.cache, None
+        cache, trainer = trainer.snapshotter.cache, None
         if finished:
             if cache is not None:  # the job is done: give the node's memory back
                 distributed.barrier()
@@ -344,8 +346,8 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
                                       trainer.progress.step, kind="fault", rank=info.rank,
                                       error=distributed.first_line(e)[:200])
             return distributed.report_error(
-                info, f"lost contact with a peer ({distributed.first_line(e)[:300]}); exiting so that torchrun restarts the workers "
-                "from the latest snapshot", code=1, each_node=True, level=logging.WARNING)
+                info, f"lost contact with a peer ({distributed.first_line(e)[:300]}); exiting so that torchrun restarts "
+                "the workers from the latest snapshot", code=1, each_node=True, level=logging.WARNING)
         return distributed.report_error(info, f"{e.__class__.__name__}: {e}", code=1,
                                         detail=traceback.format_exc(), each_node=True)
     finally:

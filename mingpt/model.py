@@ -125,7 +125,7 @@ class GPTConfig:
     def padded_vocab_size(self) -> int:
         return pad_vocab(self.vocab_size)
 
-    def resolved(self) -> "GPTConfig":
+    def resolved(self) -> GPTConfig:
         """The same config with the preset folded into explicit fields."""
         layer, head, embd = self.shape
         return replace(self, n_layer=layer, n_head=head, n_embd=embd)

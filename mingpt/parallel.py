@@ -67,10 +67,11 @@ class Parallel:
             self.gpt.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip the gradients of the whole model to max_norm (0: no clipping); their global norm."""
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of the whole model to max_norm (0: no clipping); their global norm, on
+        the device (reading it on the host would wait for the step)."""
         norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), max_norm if max_norm > 0 else math.inf)
-        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def slots(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
         """Every tensor of the model and the optimizer as this rank holds it, by a name that does not

@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     barrier = None
     if world > 1:
-        import torch.distributed as dist
-
         from datetime import timedelta
+
+        import torch.distributed as dist
 
         dist.init_process_group("gloo", timeout=timedelta(days=2))  # ranks wait for the slowest at the end
         barrier = dist.barrier

@@ -94,8 +94,9 @@ def store_url(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "snapshots")
     request.getfixturevalue("s3")
-    import s3fs
     import uuid
+
+    import s3fs
 
     bucket = f"bkt-{uuid.uuid4().hex[:10]}"
     s3fs.S3FileSystem().mkdir(bucket)
@@ -209,7 +210,8 @@ def char_tokenizer(text: str, eot: bool = False):
 @pytest.fixture
 def two_nodes():
     """Two "nodes" in their own network namespaces joined by a veth pair: {"a": Node, "b": Node}."""
-    from benchmarks.netns import NoNamespaces, two_nodes as make
+    from benchmarks.netns import NoNamespaces
+    from benchmarks.netns import two_nodes as make
 
     try:
         with make() as (a, b):

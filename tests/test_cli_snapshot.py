@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, save_state
+
 from mingpt.cli.snapshot import main as snapshot_cli
 from mingpt.model import GPT, GPTConfig
 from mingpt.snapshot import SnapshotStore

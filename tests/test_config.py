@@ -1,16 +1,13 @@
+import dataclasses
 from pathlib import Path
 
 import pytest
-
-from mingpt.compose import compose
-import dataclasses
-
 import yaml
 
+from mingpt.compose import compose, config_dir
 from mingpt.config import ConfigError, from_dict
-from mingpt.model import PRESETS
 from mingpt.distributed import DistInfo, default_threads
-from mingpt.compose import config_dir
+from mingpt.model import PRESETS
 
 GROUPS = sorted(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
 OPTIONS = ([(g, p.stem) for g in GROUPS for p in sorted((Path(config_dir()) / g).glob("*.yaml"))]

@@ -4,8 +4,8 @@ import logging
 
 import numpy as np
 import pytest
-
 from conftest import make_docs_corpus, read_documents
+
 from mingpt.config import DataConfig, DocumentsConfig
 from mingpt.data import DataError, load_corpus
 from mingpt.data.datasets import split_pieces

@@ -9,8 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import REPO, free_port, make_corpus, read_metrics, records, torchrun_env
 
-from conftest import REPO, free_port, make_corpus, records, torchrun_env, read_metrics
 from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow

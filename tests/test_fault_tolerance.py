@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, read_metrics, records, torchrun_cmd, torchrun_env
 
 from benchmarks import alive
 from benchmarks.soak import outlived
-from conftest import REPO, records, torchrun_cmd, torchrun_env, read_metrics
 from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,8 @@ CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "
        "trainer.eval_every=40", "trainer.progress=false", "optim.warmup_steps=10", f"trainer.max_steps={MAX_STEPS}"]
 
 
-DOCS = ["data=shakespeare_speeches", "data.block_size=64", "data.documents.token_budget=256", "data.documents.micro_batches_per_step=3"]
+DOCS = ["data=shakespeare_speeches", "data.block_size=64", "data.documents.token_budget=256",
+        "data.documents.micro_batches_per_step=3"]
 
 
 def args(corpus, tmp_path, run_dir, every=10, docs=False):

@@ -4,11 +4,11 @@ import subprocess
 import sys
 
 import torch
+from conftest import REPO, save_state
 
-from conftest import save_state, REPO
+from mingpt.cli.generate import load_model
 from mingpt.compose import compose
 from mingpt.distributed import DistInfo
-from mingpt.cli.generate import load_model
 from mingpt.main import assemble
 from mingpt.model import GPT, GPTConfig
 from mingpt.snapshot import SnapshotStore

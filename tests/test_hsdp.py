@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, free_port, make_corpus, read_metrics, records, torchrun_env
+from test_elastic import wait_until
 
 from benchmarks.netns import NoNamespaces, agent_cmd, link_bytes, two_nodes
 from benchmarks.soak import tensors
-from conftest import REPO, free_port, make_corpus, read_metrics, records, torchrun_env
 from mingpt.snapshot import SnapshotStore
-from test_elastic import wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,6 @@
-"""The package's layers (pyproject.toml, [tool.importlinter]) hold: no module imports upwards, and
-no two modules import each other, checked by import-linter over every import of the package."""
+"""The house rules that tools check: the package's layers (pyproject.toml, [tool.importlinter]) hold,
+no module imports upwards, no two modules import each other; and ruff's rules ([tool.ruff]) pass
+over the package, the tests and the benchmarks."""
 
 import shutil
 import subprocess
@@ -14,3 +15,10 @@ def test_no_import_goes_upwards_or_closes_a_cycle():
     proc = subprocess.run([lint, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert "0 broken" in proc.stdout and "Contracts: 3 kept" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_ruff_passes():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    proc = subprocess.run([ruff, "check", "--no-cache", "mingpt", "tests", "benchmarks"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

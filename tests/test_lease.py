@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO, records
+
 from mingpt.snapshot import SnapshotStore
 from mingpt.snapshot.lease import LEASE_FILE, Lease, LeaseError
 

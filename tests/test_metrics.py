@@ -1,4 +1,5 @@
 from conftest import read_metrics
+
 from mingpt.training.metrics import MetricsWriter, read_records
 
 

@@ -8,10 +8,10 @@ import subprocess
 import time
 
 import pytest
-
-from benchmarks.netns import agent_cmd, sh
 from conftest import REPO, free_port, make_corpus, records, torchrun_env
 from test_elastic import CFG
+
+from benchmarks.netns import agent_cmd, sh
 
 pytestmark = pytest.mark.slow
 

@@ -5,9 +5,9 @@ import logging
 
 import pytest
 import torch
-
 from conftest import fs_of
-from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
+
+from mingpt.snapshot import SnapshotError, SnapshotStore, Snapshotter
 from mingpt.snapshot.layout import Slot
 from mingpt.snapshot.nodecache import NodeCache, reclaim, user_dir
 from mingpt.snapshot.restore import restore

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port, make_corpus, torchrun_env
+
 from mingpt.preflight import Report, code_fingerprint, compare
 
 TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",

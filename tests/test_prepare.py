@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import SHARED_DATA
+
 from mingpt.config import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
 from mingpt.data.prepare import Settings, prepare
@@ -122,7 +122,8 @@ def train_weights(data_path: str, tmp_path: Path, name: str, *overrides: str) ->
     from mingpt.main import assemble
 
     cfg = compose([*TINY, f"data.path={data_path}", f"data.cache_dir={tmp_path / ('cache-' + name)}",
-                   "data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={RANKS}", f"trainer.run_dir={tmp_path / name}", *overrides])
+                   "data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={RANKS}",
+                   f"trainer.run_dir={tmp_path / name}", *overrides])
     trainer = assemble(cfg, DistInfo())
     try:
         trainer.train()
@@ -242,7 +243,6 @@ def test_a_missing_bucket_is_named_with_its_endpoint(tmp_path, s3):
 
 def test_an_unreachable_s3_source_is_one_line(tmp_path, monkeypatch):
     import s3fs
-
     from conftest import free_port
 
     s3fs.S3FileSystem.clear_instance_cache()  # a new client, for the endpoint below

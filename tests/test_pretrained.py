@@ -7,8 +7,8 @@ import subprocess
 
 import pytest
 import torch
+from conftest import REPO, SHARED_DATA, save_state, torchrun_cmd, torchrun_env
 
-from conftest import save_state, REPO, SHARED_DATA, torchrun_cmd, torchrun_env
 from mingpt.cli.export import export
 from mingpt.compose import compose
 from mingpt.config import ConfigError

@@ -15,10 +15,10 @@ import time
 
 import pytest
 import torch.distributed as dist
+from conftest import REPO, free_port, make_corpus
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
-from conftest import REPO, free_port, make_corpus
 from mingpt.cli.launch import exit_code_of_signal
 from mingpt.cli.rendezvous import SignedBackend
 from mingpt.distributed import SecretError, job_secret
@@ -176,7 +176,7 @@ def test_another_user_cannot_make_the_documented_launch_run_code(tmp_path):
             time.sleep(0.5)
         addresses = _listening(_tree(job.pid))
         snooped = _as_nobody(lambda: _snoop(job.pid))()
-        planting = [_as_nobody(lambda p=int(a.rsplit(":", 1)[1]): _plant(p, snooped["run_id"], marker))
+        planting = [_as_nobody(lambda p=a: _plant(int(p.rsplit(":", 1)[1]), snooped["run_id"], marker))
                     for a in addresses]  # all at once, while the job runs
         planted = [result() for result in planting]
         job.wait(timeout=300)

@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO, make_corpus, records, torchrun_cmd, torchrun_env
+
 from mingpt.report.goodput import CATEGORIES, account
 from mingpt.training.ledger import STATES
 

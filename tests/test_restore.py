@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import save_state
+
 from mingpt.snapshot import SnapshotError, SnapshotStore
 from mingpt.snapshot.layout import Slot
 from mingpt.snapshot.restore import restore

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from conftest import free_port
+
 from mingpt.snapshot import SnapshotStore
 from mingpt.snapshot import snapshotter as snapshotter_module
 

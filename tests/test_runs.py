@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, free_port, make_ranks_file, save_state, torchrun_env
+from conftest import records as live_records
 
-from conftest import REPO, free_port, make_ranks_file, records as live_records, save_state, torchrun_env
 from mingpt.compose import compose
 from mingpt.distributed import DistInfo
 from mingpt.main import assemble
-from mingpt.snapshot.start import MismatchError
-from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
+from mingpt.snapshot import SnapshotError, SnapshotStore, Snapshotter
 from mingpt.snapshot.layout import Slot
+from mingpt.snapshot.start import MismatchError
 
 TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
         "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "trainer.log_every=5",

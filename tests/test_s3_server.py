@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks.seaweed import SeaweedFS
-from mingpt.snapshot import Snapshotter, SnapshotStore
+from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.layout import Slot
 
 
@@ -82,7 +82,6 @@ def test_a_start_aborts_only_the_uploads_its_own_store_left_unfinished(s3, tmp_p
     import sys
 
     import s3fs
-
     from conftest import REPO, make_corpus, torchrun_env
 
     fs = s3fs.S3FileSystem()

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from mingpt.model import GPT, GPTConfig
-from mingpt.training.optim import lr_at, param_groups
 from mingpt.data import DataError
 from mingpt.data.samplers import StreamSampler, split_evenly
+from mingpt.model import GPT, GPTConfig
+from mingpt.training.optim import lr_at, param_groups
 
 
 def rank_shares(indices, world, micro):

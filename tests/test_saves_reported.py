@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import REPO, WITHOUT_CAPABILITIES, make_corpus, records
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, free_port, read_metrics
-from mingpt.snapshot import Snapshotter, SnapshotStore
+
+from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.layout import Slot
 from mingpt.snapshot.restore import restore, restore_newest
 
@@ -84,9 +84,8 @@ def empty_slots() -> list[Slot]:
 
 def test_one_transient_read_error_does_not_pass_over_the_newest_snapshot(tmp_path, monkeypatch):
     store = saved_store(tmp_path)
-    from mingpt.snapshot.start import candidates
-
     from mingpt.snapshot import transport
+    from mingpt.snapshot.start import candidates
 
     real, failed = transport.pread_into, []
 

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO
 
 SCRIPT = REPO / "slurm" / "train.sbatch"

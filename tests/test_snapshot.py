@@ -1,24 +1,21 @@
 import json
+import logging
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-
-import pytest
-
-from conftest import save_state, fs_of
-import torch
-
-import logging
 from dataclasses import replace
 
+import pytest
+import torch
+from conftest import fs_of, save_state
+
 from mingpt.config import DataConfig, OptimConfig, RunConfig, TokenizerConfig
-from mingpt.snapshot.start import MismatchError, check_compatible
 from mingpt.model import GPTConfig
 from mingpt.snapshot import SnapshotError, SnapshotStore
 from mingpt.snapshot.layout import Slot
-
+from mingpt.snapshot.start import MismatchError, check_compatible
 
 SHARD = "shard-00000-of-00001.bin"
 
@@ -344,7 +341,7 @@ def test_a_format_2_snapshot_still_loads_and_its_pieces_are_still_checked(tmp_pa
         restore(store, path, manifest, slots, rank=0, world=1)
         assert all(torch.equal(s.local, tensors[s.name] if s.local.dim() == 0 else tensors[s.name][s.start:s.stop])
                    for s in slots)
-    shard = tmp_path / "step_000000004" / "shard-00000-of-{:05d}.bin".format(writers)
+    shard = tmp_path / "step_000000004" / f"shard-00000-of-{writers:05d}.bin"
     data = bytearray(shard.read_bytes())
     data[3] ^= 0xFF
     shard.write_bytes(bytes(data))

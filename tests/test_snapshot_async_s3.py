@@ -3,14 +3,12 @@ import subprocess
 import sys
 
 import pytest
-
-from conftest import save_state, fs_of
 import torch
+from conftest import fs_of, save_state
 
-from mingpt.snapshot import open_store
 from mingpt.cli.snapshot import main as snapshot_cli
 from mingpt.cli.snapshot import weights_digest
-from mingpt.snapshot import SnapshotError, Snapshotter, SnapshotStore
+from mingpt.snapshot import SnapshotError, SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.layout import Slot
 
 
@@ -43,8 +41,8 @@ def test_multipart_sized_snapshot_on_s3(s3):
 
 
 def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server, caplog):
-    from moto.server import ThreadedMotoServer
     import s3fs
+    from moto.server import ThreadedMotoServer
 
     s3fs.S3FileSystem().mkdir("flaky")
     store = SnapshotStore("s3://flaky/run", {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
@@ -71,7 +69,8 @@ def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server,
 
 
 def test_unreachable_bucket_is_one_clear_error_without_credentials(s3):
-    with pytest.raises(SnapshotError, match="bucket no-such-bucket of s3://no-such-bucket/x does not exist or is not reachable") as e:
+    message = "bucket no-such-bucket of s3://no-such-bucket/x does not exist or is not reachable"
+    with pytest.raises(SnapshotError, match=message) as e:
         open_store("s3://no-such-bucket/x", None)
     assert "test-secret-do-not-log" not in str(e.value)
     with pytest.raises(SnapshotError, match="snapshot.endpoint_url"):

@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from mingpt.snapshot import Snapshotter, SnapshotStore
+from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.layout import Slot
 
 

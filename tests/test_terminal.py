@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, torchrun_cmd, torchrun_env
+
 from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow

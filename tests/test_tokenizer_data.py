@@ -1,14 +1,13 @@
 import numpy as np
 import pytest
+from conftest import SHARED_DATA, char_tokenizer, make_ranks_file, read_corpus, token_stream
 
-from conftest import char_tokenizer, token_stream, SHARED_DATA, make_ranks_file, read_corpus
 from mingpt.config import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
 from mingpt.data.cache import encode_array, safe_cuts
 from mingpt.data.datasets import StreamDataset
 from mingpt.data.prepared import TokenStream
-from mingpt.tokenizer import (GPT2_RANKS_SHA256, BPETokenizer, TokenizerError, build_bpe,
-                              encoding_from_ranks, from_state)
+from mingpt.tokenizer import GPT2_RANKS_SHA256, BPETokenizer, TokenizerError, build_bpe, encoding_from_ranks, from_state
 
 
 def test_char_round_trip_and_state():

@@ -6,8 +6,7 @@ import sys
 
 import pytest
 import torch
-
-from conftest import REPO, make_docs_corpus, torchrun_cmd, torchrun_env, read_metrics
+from conftest import REPO, make_docs_corpus, read_metrics, torchrun_cmd, torchrun_env
 
 pytestmark = pytest.mark.slow
 
@@ -99,7 +98,8 @@ def test_documents_two_processes_give_the_same_gradients_as_one(tmp_path):
     """Length-grouped document batches, 3 micro-batches per step over 2 ranks: uneven token counts."""
     corpus = make_docs_corpus(tmp_path)
     args = [*TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data=shakespeare_speeches",
-            "data.block_size=32", "data.documents.token_budget=128", "data.documents.micro_batches_per_step=3", "snapshot.resume=never"]
+            "data.block_size=32", "data.documents.token_budget=128", "data.documents.micro_batches_per_step=3",
+            "snapshot.resume=never"]
     one, two = tmp_path / "g1.pt", tmp_path / "g2.pt"
     run([sys.executable, "tests/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
     log = run(torchrun_cmd(2, "tests/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))

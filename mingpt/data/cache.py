@@ -14,7 +14,6 @@ from mingpt.storage import is_local
 from mingpt.tokenizer import Tokenizer
 
 
-
 def token_dtype(tokenizer: Tokenizer) -> type:
     return np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
 

@@ -17,12 +17,12 @@ import fsspec
 import numpy as np
 
 from mingpt.config import DataConfig
-from mingpt.distributed import default_threads
 from mingpt.data.cache import source_identity
 from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces
 from mingpt.data.prepare import MANIFEST, Settings, prepare
 from mingpt.data.prepared import PreparedData, is_prepared
 from mingpt.data.sources import DataError, document_files, raw_format
+from mingpt.distributed import default_threads
 from mingpt.storage import file_lock
 from mingpt.tokenizer import Tokenizer, TokenizerError, build_bpe, from_state
 

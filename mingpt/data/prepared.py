@@ -4,6 +4,7 @@ for documents); local shards are memory-mapped; shards on S3 are copied by a bac
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -14,7 +15,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import fcntl
 import numpy as np
 
 from mingpt.data.prepare import MANIFEST, DatasetDir
@@ -216,7 +216,7 @@ class RemoteShard:
     cache). What was read by range is checked when the copy is: a damaged shard stops the run at
     the next read, naming it."""
 
-    def __init__(self, data: "PreparedData", k: int):
+    def __init__(self, data: PreparedData, k: int):
         self.data, self.k, self.entry = data, k, data.manifest["shards"][k]
         self.path, self.copy = data.cache._path(self.entry["name"]), None
 

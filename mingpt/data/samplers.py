@@ -47,7 +47,7 @@ def split_evenly(n: int, world_size: int, micro_batch_size: int) -> list[list[tu
     return by_rank
 
 
-def validation_batches(sampler: "StreamSampler | LengthGroupedSampler", world_size: int,
+def validation_batches(sampler: StreamSampler | LengthGroupedSampler, world_size: int,
                        rank: int, eval_iters: int) -> list[np.ndarray]:
     """This rank's micro-batches of the fixed validation subset: `eval_iters` global batches of
     the validation split, planned like training batches, the same at every evaluation.

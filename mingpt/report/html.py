@@ -11,11 +11,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from mingpt.report.goodput import CATEGORIES, LABELS  # noqa: E402
-from mingpt.report.summary import Run, summary  # noqa: E402
+from mingpt.report.goodput import CATEGORIES, LABELS
+from mingpt.report.summary import Run, summary
 
 COLORS = {"training": "#2a9d3f", "lost": "#e76f51", "down": "#b5179e", "startup": "#f4a261", "data_wait": "#8ecae6",
           "eval": "#457b9d", "snapshot": "#6c757d", "log": "#ced4da"}

@@ -77,7 +77,7 @@ class Piece:
     sha256: str = ""
 
     @classmethod
-    def from_json(cls, row: list) -> "Piece":
+    def from_json(cls, row: list) -> Piece:
         return cls(*row)
 
 

@@ -25,8 +25,7 @@ import torch.distributed as dist
 
 from mingpt.snapshot.chunks import BATCH_BYTES, Chunk, Copier, Target, chunks_of, needed, read_chunks, targets_of
 from mingpt.snapshot.layout import EXTRA_FILE, Slot
-from mingpt.snapshot.store import (DamagedError, MismatchError, SnapshotError, SnapshotStore, TransientError,
-                                   nothing_loads)
+from mingpt.snapshot.store import DamagedError, MismatchError, SnapshotError, SnapshotStore, TransientError, nothing_loads
 from mingpt.snapshot.transport import TRANSIENT, failure
 
 log = logging.getLogger("mingpt")

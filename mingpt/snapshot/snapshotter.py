@@ -9,8 +9,8 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ class ShardWriter:
         tensors = {name: {"dtype": dtype_name(dtype), "shape": list(shape)} for name, shape, dtype in self._specs}
         files = {SHARD_FORMAT.format(r["writer"], self.writers): {"size": r["size"], "sha256": r["sha256"]}
                  for r in records}
-        files.update({EXTRA_FILE: r["extra"] for r in records if "extra" in r})
+        files.update((EXTRA_FILE, r["extra"]) for r in records if "extra" in r)  # writer 0's
         return {**meta, "writers": self.writers, "replicas": self.replicas, "chunk_bytes": CHUNK_BYTES,
                 "files": files, "tensors": tensors}
 
@@ -105,7 +105,7 @@ class Snapshotter:
     manifest only when every shard is durable and hashed, then prunes (a failed prune is only warned
     about: the save is committed). A failed save is logged once by the committer, and the previous
     snapshot stays the latest committed one; whether training goes on is the caller's decision
-    (a periodic save: it does; the final or a preemption save: SavePolicy.finish fails the run). Writer 0 reports each
+    (a periodic save: it does; the final or a preemption save: Trainer.finish_saving fails the run). Writer 0 reports each
     save's outcome (committed, failed, retried) to `events` as a metrics record.
     """
 
@@ -115,7 +115,7 @@ class Snapshotter:
                  events: Callable[[dict], None] | None = None, cache=None):
         self.store, self.keep_last, self.keep_every = store, keep_last, keep_every
         self.retries, self.backoff_s, self.group = retries, backoff_s, group
-        self._events = events or (lambda record: None)
+        self._events = events or (lambda _: None)
         self.cache = cache  # a NodeCache: this node's copy of what this writer wrote
         self._retried_now = 0  # retries of the save in flight, by this writer
         self.shard = ShardWriter(writer, writers, replicas)

@@ -200,7 +200,7 @@ class SnapshotStore:
             manifest = self.read_manifest(path)
             sizes = retried(lambda: self.files.sizes(path))
             missing = self.missing_files(path, manifest, sizes)
-        except Exception as e:  # noqa: BLE001 - any backend's error, after retries
+        except Exception as e:
             if damaged(e) or isinstance(e, SnapshotError):
                 return None, [f"its manifest cannot be read ({e.__class__.__name__}: {e})"]
             raise TransientError(f"cannot read snapshot {self.url_of(path)} now ({e.__class__.__name__}: {e}); exiting "

@@ -15,8 +15,8 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Protocol
 
 from mingpt.storage import atomic_write_bytes
@@ -75,7 +75,7 @@ def retried(fn: Callable, attempts: int = READ_ATTEMPTS, backoff_s: float = 0.5)
     for attempt in range(attempts):
         try:
             return fn()
-        except Exception as e:  # noqa: BLE001 - any backend's transient error
+        except Exception as e:
             if damaged(e) or attempt == attempts - 1:
                 raise
             log.warning("snapshot read failed (%s: %s); retrying in %.1fs", e.__class__.__name__, e,
@@ -163,8 +163,8 @@ class LocalFiles:
         finally:
             os.close(fd)
 
-    def uploads(self, older_than_s: float) -> list[dict]:
+    def uploads(self, older_than_s: float) -> list[dict]:  # noqa: ARG002 - the store interface's
         return []
 
-    def abort_upload(self, upload: dict) -> None:
+    def abort_upload(self, upload: dict) -> None:  # noqa: ARG002 - the store interface's
         raise ValueError("a local store has no multipart uploads")

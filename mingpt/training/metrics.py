@@ -1,11 +1,55 @@
-"""Metrics sinks of the first rank: JSON lines in the run directory, optionally TensorBoard."""
+"""Metrics sinks of the first rank (JSON lines in the run directory, optionally TensorBoard), and
+the train record's figures: throughput, MFU, the slowest rank."""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
+import torch
+
+from mingpt.config import TrainerConfig
+from mingpt.distributed import DistInfo
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 peak FLOP/s per GPU, by a substring of the device name, for MFU.
+GPU_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12,
+                  "L4": 121e12, "V100": 125e12, "4090": 165e12}
+
+
+def peak_flops(cfg: TrainerConfig, d: DistInfo, device: torch.device) -> float:
+    """The job's peak FLOP/s for MFU: per machine on CPU, per GPU on GPUs."""
+    if device.type == "cpu":
+        return cfg.cpu_peak_flops * max(1, d.world_size // d.local_world_size)
+    if cfg.gpu_peak_flops > 0:
+        return cfg.gpu_peak_flops * d.world_size
+    name = torch.cuda.get_device_name(device)
+    per_gpu = next((flops for key, flops in GPU_PEAK_FLOPS.items() if key in name), None)
+    if per_gpu is None:
+        log.warning("unknown GPU %r: MFU assumes 312 TFLOP/s; set trainer.gpu_peak_flops", name)
+    return (per_gpu or 312e12) * d.world_size
+
+
+def train_record(step: dict, loss: float, step_s: float, compute: list[float], hosts: list[str],
+                 flops_per_token: float, peak: float) -> dict:
+    """The log line and metrics record of a step. `step`: its step, tokens_seen, tokens (global),
+    lr and grad_norm; the rest every rank contributed (`compute`: each rank's compute seconds)."""
+    tok_s = step["tokens"] / step_s
+    mfu = tok_s * flops_per_token / peak
+    slowest = max(range(len(compute)), key=compute.__getitem__)
+    ratio = compute[slowest] / max(float(np.median(compute)), 1e-9)
+    log.info("step %d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | mfu %.1f%% | %.1f ms/step%s", step["step"],
+             loss, step["lr"], step["grad_norm"], tok_s, 100 * mfu, 1000 * step_s,
+             f" | compute max/median {ratio:.2f} (slowest {hosts[slowest]}, rank {slowest})" if len(compute) > 1 else "")
+    return {"kind": "train", "step": step["step"], "loss": loss, "lr": step["lr"], "grad_norm": step["grad_norm"],
+            "tokens_per_s": tok_s, "mfu": mfu, "step_ms": 1000 * step_s, "tokens_seen": step["tokens_seen"],
+            "compute_ms": [round(1000 * c, 2) for c in compute], "compute_max_median": ratio,
+            "slowest": hosts[slowest]}
 
 
 class MetricsWriter:

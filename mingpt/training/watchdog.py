@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class Watchdog:
         """Record progress (call after each step, and around long pauses such as evaluation)."""
         self._last, self._step = time.monotonic(), step
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if self.timeout_s > 0:
             self._last = time.monotonic()
             self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
