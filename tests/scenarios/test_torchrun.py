@@ -59,7 +59,7 @@ def test_a_finished_job_never_ends_in_sigabrt(corpus_file, tmp_path):
     args = [*TINY, *common(corpus_file, tmp_path), "trainer.batch_size=8", "trainer.micro_batch_size=4",
             "snapshot.resume=never"]
     for i in range(6):
-        out = run(torchrun_cmd(2, "tests/grad_worker.py", str(tmp_path / "g.pt"), *args,
+        out = run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(tmp_path / "g.pt"), *args,
                                f"trainer.run_dir={tmp_path / str(i)}"), timeout=120)
         assert "terminate called" not in out and "SIGABRT" not in out, out[-3000:]
 
@@ -85,8 +85,8 @@ def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, bat
     args = [*TINY, *common(corpus_file, tmp_path), f"trainer.batch_size={batch}", f"trainer.micro_batch_size={micro}",
             "snapshot.resume=never", f"trainer.parallel={parallel}"]
     one, two = tmp_path / "g1.pt", tmp_path / "g2.pt"
-    run([sys.executable, "tests/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
-    run(torchrun_cmd(2, "tests/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))
+    run([sys.executable, "tests/scenarios/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
+    run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))
     g1, g2 = torch.load(one), torch.load(two)
     assert g1.keys() == g2.keys()
     for name in g1:
@@ -101,8 +101,8 @@ def test_documents_two_processes_give_the_same_gradients_as_one(tmp_path):
             "data.block_size=32", "data.documents.token_budget=128", "data.documents.micro_batches_per_step=3",
             "snapshot.resume=never"]
     one, two = tmp_path / "g1.pt", tmp_path / "g2.pt"
-    run([sys.executable, "tests/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
-    log = run(torchrun_cmd(2, "tests/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))
+    run([sys.executable, "tests/scenarios/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
+    log = run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))
     assert "length_grouped batching" in log
     g1, g2 = torch.load(one), torch.load(two)
     for name in g1:

@@ -209,7 +209,7 @@ def test_documents_from_text_jsonl_and_files(tmp_path):
     assert docs == ["one", "two two", "three"]
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate("xyz")))
     assert read_documents(str(tmp_path / "b.jsonl"), "jsonl", "", "text", False) == ["x", "y", "z"]
-    with pytest.raises(DataError, match="data.text_field"):
+    with pytest.raises(DataError, match="data.documents.text_field"):
         read_documents(str(tmp_path / "b.jsonl"), "jsonl", "", "body", False)
     d = tmp_path / "dir"
     d.mkdir()
@@ -223,7 +223,7 @@ def test_documents_from_text_jsonl_and_files(tmp_path):
     ('{"text": "a", ', r"line 2 is not valid JSON \(Expecting property name enclosed in double quotes at column 15\); "
                       "fix or remove that line"),
     ('["a", "b"]', r"line 2 is a JSON list, not an object"),
-    ('{"body": "a", "id": 3}', r"line 2 has no field 'text' \(its fields: body, id\); set data.text_field"),
+    ('{"body": "a", "id": 3}', r"line 2 has no field 'text' \(its fields: body, id\); set data.documents.text_field"),
     ('{"text": 7}', r"line 2: field 'text' is a int, not a string"),
 ], ids=["malformed", "not-an-object", "missing-field", "not-a-string"])
 def test_each_bad_json_line_is_named_for_what_it_is(tmp_path, line, message):
@@ -232,7 +232,7 @@ def test_each_bad_json_line_is_named_for_what_it_is(tmp_path, line, message):
     with pytest.raises(DataError, match=message) as e:
         read_documents(str(path), "jsonl", "", "text", False)
     if "no field" not in message:
-        assert "data.text_field" not in str(e.value)  # a broken line is not the field setting's fault
+        assert "text_field" not in str(e.value)  # a broken line is not the field setting's fault
 
 
 def test_document_dataset_pieces_eot_padding_and_split(tmp_path):

@@ -97,9 +97,9 @@ def test_hsdp_gradients_equal_one_process(nodes, tmp_path):
     corpus = make_corpus(tmp_path)
     args = [*CFG, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "snapshot.resume=never"]
     one, four = tmp_path / "g1.pt", tmp_path / "g4.pt"
-    subprocess.run([sys.executable, "tests/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"],
+    subprocess.run([sys.executable, "tests/scenarios/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"],
                    cwd=REPO, env=torchrun_env(), check=True, capture_output=True, timeout=120)
-    finish(both(nodes, tmp_path, "grad", "tests/grad_worker.py", str(four), *args, f"trainer.run_dir={tmp_path / 'b'}",
+    finish(both(nodes, tmp_path, "grad", "tests/scenarios/grad_worker.py", str(four), *args, f"trainer.run_dir={tmp_path / 'b'}",
                 nnodes="2", max_restarts=0), tmp_path, "grad", timeout=120)
     g1, g4 = torch.load(one), torch.load(four)
     assert g1.keys() == g4.keys()

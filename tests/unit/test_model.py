@@ -107,3 +107,31 @@ def test_the_hsdp_mesh_is_nodes_by_processes_and_odd_worlds_are_refused_in_one_l
     assert mesh_shape(one_node, one_node_ok=True) == (1, 2)  # a run that lost its other nodes carries on
     with pytest.raises(ParallelError, match="ranks to be consecutive"):
         mesh_shape([(0, 0, 0), (1, 0, 1), (0, 1, 2), (1, 1, 3)], one_node_ok=False)
+
+
+def test_one_initialisation_path_whatever_the_placement():
+    """`init_weights(seed)` gives the same values to a model built in place and to one built on the
+    meta device and materialised (the training path); another seed gives others; a model built in
+    place is seeded from torch's generator."""
+    from mingpt.distributed import DistInfo
+    from mingpt.parallel import parallelize
+
+    cfg = GPTConfig(preset="gpt-nano", vocab_size=65, block_size=16)
+    built = GPT(cfg)
+    built.init_weights(7)
+    with torch.device("meta"):
+        meta = GPT(cfg)
+    placed = parallelize(meta, "ddp", DistInfo(), seed=7).gpt
+    assert placed.lm_head.weight is placed.wte.weight  # tied again after materialising
+    want, got = built.state_dict(), placed.state_dict()
+    assert list(want) == list(got)
+    for name in want:
+        assert torch.equal(want[name], got[name]), name
+    other = GPT(cfg)
+    other.init_weights(8)
+    assert not torch.equal(other.wte.weight, built.wte.weight)
+    torch.manual_seed(3)
+    a = GPT(cfg)
+    torch.manual_seed(3)
+    assert torch.equal(a.wte.weight, GPT(cfg).wte.weight)
+    assert abs(float(a.wte.weight.std()) - 0.02) < 0.002  # N(0, 0.02)

@@ -4,8 +4,8 @@ from conftest import SHARED_DATA, char_tokenizer, make_ranks_file, read_corpus, 
 
 from mingpt.config import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
-from mingpt.data.cache import encode_array, safe_cuts
 from mingpt.data.datasets import StreamDataset
+from mingpt.data.encode import encode_array, safe_cuts
 from mingpt.data.prepared import TokenStream
 from mingpt.tokenizer import GPT2_RANKS_SHA256, BPETokenizer, TokenizerError, build_bpe, encoding_from_ranks, from_state
 
