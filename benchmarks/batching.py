@@ -9,7 +9,6 @@ token budget per micro-batch and micro-batches per step, and reads the per-step 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -17,6 +16,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from mingpt.training.metrics import read_records
 
 
 def run_mode(mode: str, steps: int, corpus: str, overrides: list[str], tmp: Path) -> dict:
@@ -29,7 +30,7 @@ def run_mode(mode: str, steps: int, corpus: str, overrides: list[str], tmp: Path
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = read_records(run_dir / "metrics.jsonl")
     recs = [r for r in recs if r["kind"] == "train"][5:]  # skip warm-up steps
     waits = [np.mean([max(r["compute_ms"]) - c for c in r["compute_ms"]]) for r in recs]
     return {

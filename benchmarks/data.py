@@ -14,7 +14,6 @@ model; its time is launch to exit, and its peak RSS is the process's maximum res
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -28,6 +27,7 @@ import numpy as np
 
 from mingpt.data.prepare import Settings, prepare
 from mingpt.tokenizer import build_bpe
+from mingpt.training.metrics import read_records
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 MODEL = ["model=gpt-micro", "data.block_size=256", "trainer.batch_size=8", "trainer.micro_batch_size=8",
@@ -100,7 +100,7 @@ def start(data_path: str, cache: Path, run_dir: Path, ranks: str | None, extra: 
 
 
 def steady_tokens_per_s(run_dir: Path, skip: int) -> float:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = read_records(run_dir / "metrics.jsonl")
     rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r.get("step", 0) > skip]
     return float(np.median(rates))
 

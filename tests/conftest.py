@@ -1,12 +1,21 @@
 import base64
+import gzip
+import json
 import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from benchmarks import free_port  # noqa: F401 - the tests' and the benchmarks' one port picker
 from benchmarks.seaweed import SeaweedFS  # beside the benchmarks, which use it too
+from mingpt.config import DataConfig, DocumentsConfig
+from mingpt.data import load_corpus
+from mingpt.data.prepare import Settings
+from mingpt.snapshot import SnapshotStore
+from mingpt.training.ledger import STATES
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -30,8 +39,6 @@ def make_ranks_file(path: Path) -> Path:
     tokens = [bytes([b]) for b in range(256)] + [b"th", b"he", b"the", b" the", b"ow", b"ro", b"row"]
     path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
     return path
-
-
 
 
 def torchrun_env(**extra) -> dict:
@@ -115,7 +122,6 @@ def make_docs_corpus(directory: Path, n: int = 400) -> Path:
     p = directory / "docs.txt"
     p.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
     return p
-
 
 
 NOBODY = 65534  # a second local user, as on a shared node
@@ -218,3 +224,100 @@ def two_nodes():
             yield {"a": a, "b": b}
     except NoNamespaces as e:
         pytest.skip(str(e))
+
+
+# Helpers that unit tests and scenarios share.
+
+def snapshots(run_dir: Path) -> dict[int, str]:
+    """step -> run id of every committed snapshot in run_dir/snapshots."""
+    store = SnapshotStore(str(run_dir / "snapshots"))
+    return {s.step: store.read_manifest(s.path)["run_id"] for s in store.list() if s.committed}
+
+
+# Prepared datasets (mingpt-prepare) from inputs of every format.
+
+RANKS = str(SHARED_DATA / "r50k_base.tiktoken")
+
+
+SMALL = Settings(unit_bytes=8192, shard_bytes=4096)  # many units, several shards per unit
+
+
+def texts(n: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "naïve", "café", "42", "'s"]
+    return [" ".join(rng.choice(words, int(rng.integers(3, 60)))) + "." for _ in range(n)]
+
+
+def make_inputs(root: Path) -> Path:
+    """One input directory with every format: a long text file, plain / gzip / zstd JSON lines,
+    and Parquet with several row groups."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    src = root / "src"
+    src.mkdir(parents=True)
+    (src / "a_book.txt").write_text("\n".join(texts(900, 1)) + "\n")
+    lines = "\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(texts(300, 2))) + "\n"
+    (src / "b.jsonl").write_text(lines)
+    (src / "c.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (src / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
+    pq.write_table(pa.table({"text": texts(250, 3), "n": list(range(250))}), src / "e.parquet", row_group_size=100)
+    return src
+
+
+def dataset_files(out: Path) -> dict[str, bytes]:
+    files = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+             if p.is_file() and (p.parent.name == "shards" or p.name == "index.int64")}
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.pop("created")
+    manifest["inputs"] = [{**i, "path": Path(i["path"]).name} for i in manifest["inputs"]]
+    files["manifest"] = json.dumps(manifest, sort_keys=True).encode()
+    return files
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    return make_inputs(tmp_path_factory.mktemp("inputs"))
+
+
+# GPT-2 checkpoints in Hugging Face's layout.
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A small random GPT-2 with GPT-2's full vocabulary, saved the way the hub serves them."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=50257)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    path = tmp_path_factory.mktemp("hf") / "tiny-gpt2"
+    model.save_pretrained(path)
+    return path, model
+
+
+def bpe_overrides(corpus, tmp_path, run_dir, *extra):
+    return ["data=shakespeare_bpe", f"data.block_size={BLOCK}", f"data.tokenizer.ranks_file={RANKS}",
+            f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}",
+            "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "trainer.progress=false",
+            "optim.warmup_steps=0", "optim.lr=1e-4", "optim.min_lr=1e-4", *extra]
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def load_documents(path, fmt, cache, block_size=16, val_fraction=0.1):
+    return load_corpus(DataConfig(path=str(path), fetch_default=False, block_size=block_size,
+                                  val_fraction=val_fraction, cache_dir=str(cache), kind="documents",
+                                  documents=DocumentsConfig(format=fmt)))
+
+
+def ledger(t0, step, kind="time", job="j1", **seconds):
+    s = dict.fromkeys(STATES, 0.0)
+    s.update(seconds)
+    return {"kind": kind, "step": step, "t0": t0, "s": s, "time": t0 + sum(s.values()), "job_id": job,
+            "world_size": 2}

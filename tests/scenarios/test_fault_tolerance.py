@@ -15,6 +15,7 @@ from conftest import REPO, read_metrics, records, torchrun_cmd, torchrun_env
 from benchmarks import alive
 from benchmarks.soak import outlived
 from mingpt.snapshot import SnapshotStore
+from mingpt.training.metrics import read_records
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +112,7 @@ def check_sigkill_recovery(reference, tmp_path, docs):
     os.kill(victim, signal.SIGKILL)
     out, _ = agent.communicate(timeout=300)
     assert agent.returncode == 0, out[-4000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(run_dir / "metrics.jsonl")
     resumes = [r for r in records if r["kind"] == "resume"]
     assert len(resumes) == 1, out[-3000:]
     # resumed from the latest snapshot before the kill: at most one snapshot interval was lost

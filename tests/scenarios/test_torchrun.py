@@ -1,12 +1,32 @@
 """Real torchrun processes (gloo on CPU)."""
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, make_docs_corpus, read_metrics, torchrun_cmd, torchrun_env
+from conftest import (
+    RANKS,
+    REPO,
+    SMALL,
+    bpe_overrides,
+    dataset_files,
+    free_port,
+    make_docs_corpus,
+    read_metrics,
+    records,
+    snapshots,
+    torchrun_cmd,
+    torchrun_env,
+)
+
+from mingpt.data.prepare import prepare
+from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +147,75 @@ def test_a_bad_setting_under_the_readmes_launcher_is_one_line_exit_2_and_never_r
     lines = [line for line in out.splitlines() if line.strip()]
     assert len([line for line in lines if " ERROR " in line]) == 1 and message in out, out
     assert all(re.match(r"\d\d:\d\d:\d\d \S+:\d \[rank ", line) for line in lines), out  # our log lines only
+
+
+@pytest.mark.slow
+def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_restart_resumes(corpus_file, tmp_path):
+    """The documented command twice (--rdzv_id=run1, snapshot.resume=never): the second launch is
+    refused; a worker SIGKILLed in the first one is restarted by torchrun and resumes its own run."""
+    run_dir = tmp_path / "run"
+
+    def launch(launch_id: str, **kw):  # the launch id mingpt-torchrun derives from a new job secret
+        cmd = [*torchrun_cmd_c10d(), "mingpt/main.py", *TINY, f"data.path={corpus_file}", "snapshot.every_steps=5",
+               f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.max_steps=400",
+               "trainer.log_every=1", "snapshot.resume=never"]
+        log = tmp_path / f"{launch_id}.log"  # a file: a pipe read only at the end can fill and stop the job
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_LAUNCH_ID=launch_id), text=True,
+                                    stdout=fh, stderr=subprocess.STDOUT, **kw)
+        return proc, log
+
+    first, log = launch("launch-1")
+    # 400 steps of a few ms: the SIGKILL lands while the first attempt trains (at 40 it had once finished)
+    while not any(r.get("kind") == "train" and r["step"] >= 6 for r in records(run_dir / "metrics.jsonl")):
+        assert first.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.05)
+    worker = int(Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()[0])
+    os.kill(worker, signal.SIGKILL)
+    first.wait(timeout=300)
+    out = log.read_text()
+    assert first.returncode == 0, out[-3000:]
+    resumes = [r for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"]
+    assert len(resumes) == 1 and resumes[0]["step"] >= 5, out[-3000:]
+    before = snapshots(run_dir)
+    assert max(before) == 400 and len(set(before.values())) == 1
+    second, log = launch("launch-2")
+    second.wait(timeout=300)
+    out = log.read_text()
+    assert second.returncode != 0 and "holds snapshots of another run" in out, out[-3000:]
+    assert snapshots(run_dir) == before
+
+
+def torchrun_cmd_c10d() -> list[str]:
+    """torchrun as the docs launch it: a c10d rendezvous named run1, one worker, one restart allowed."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1", "--max-restarts=1",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "--rdzv_id=run1"]
+
+
+@pytest.mark.slow
+def test_ranks_under_torchrun_prepare_one_dataset_together(inputs, tmp_path):
+    from conftest import REPO, torchrun_cmd, torchrun_env
+
+    prepare([str(inputs)], str(tmp_path / "one"), SMALL, ranks_file=RANKS, workers=1)
+    proc = subprocess.run(torchrun_cmd(2, "-m", "mingpt.prepare", str(inputs), "--out", str(tmp_path / "two"),
+                                       "--tokenizer.ranks_file", RANKS, "--unit-mb", str(SMALL.unit_bytes / 2**20),
+                                       "--shard-mb", str(SMALL.shard_bytes / 2**20)),
+                          cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert dataset_files(tmp_path / "one") == dataset_files(tmp_path / "two")
+    assert proc.stdout.count("1,151 documents") == 1  # one summary, from rank 0
+
+
+transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
+
+
+def test_a_few_finetuning_steps_under_torchrun(hf_dir, corpus_file, tmp_path):
+    path, _ = hf_dir
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *bpe_overrides(corpus_file, tmp_path, run_dir),
+                                       f"model.init_from={path}", "trainer.max_steps=4", "trainer.log_every=2"),
+                          cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "initialised from" in proc.stderr and "model shape from" in proc.stderr
+    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    assert manifest["step"] == 4 and manifest["model_shape"]["n_layer"] == 2

@@ -6,7 +6,6 @@ import yaml
 
 from mingpt.compose import compose, config_dir
 from mingpt.config import ConfigError, from_dict
-from mingpt.distributed import DistInfo, default_threads
 from mingpt.model import PRESETS
 
 GROUPS = sorted(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
@@ -77,18 +76,3 @@ def test_command_line_overrides():
 def test_invalid_values_stop_with_one_clear_message(overrides, message):
     with pytest.raises(ConfigError, match=message):
         compose(overrides)
-
-
-def test_dist_info_from_env_without_process_group():
-    info = DistInfo.from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
-                              "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2"}, cuda=False)
-    assert (info.rank, info.local_rank, info.world_size, info.restart_count) == (3, 1, 4, 2)
-    assert info.device == "cpu" and info.backend == "gloo" and not info.is_rank0
-    gpu = DistInfo.from_env({"LOCAL_RANK": "1"}, cuda=True)
-    assert gpu.device == "cuda:1" and gpu.backend == "nccl"
-    plain = DistInfo.from_env({}, cuda=False)
-    assert plain.is_rank0 and not plain.distributed and plain.job_id is None
-    # the rendezvous id names the job across restarts; torchrun's default "none" names no job
-    assert DistInfo.from_env({"TORCHELASTIC_RUN_ID": "job7"}, cuda=False).job_id == "job7"
-    assert DistInfo.from_env({"TORCHELASTIC_RUN_ID": "none"}, cuda=False).job_id is None
-    assert default_threads(2) >= 1 and default_threads(1) >= default_threads(2)

@@ -1,7 +1,6 @@
-"""mingpt-prepare and prepared datasets: parallel equals serial byte for byte, a SIGKILLed
+"""Preparing a dataset (mingpt/data/prepare.py): parallel equals serial byte for byte, a SIGKILLed
 preparation continues to the same result, S3 in and out, and every bad input named."""
 
-import gzip
 import json
 import os
 import signal
@@ -10,58 +9,15 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from conftest import SHARED_DATA
+from conftest import RANKS, SMALL, dataset_files, texts
 
 from mingpt.config import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
 from mingpt.data.prepare import Settings, prepare
 from mingpt.data.prepared import PreparedData
 from mingpt.tokenizer import TokenizerError, build_bpe
-
-RANKS = str(SHARED_DATA / "r50k_base.tiktoken")
-SMALL = Settings(unit_bytes=8192, shard_bytes=4096)  # many units, several shards per unit
-
-
-def texts(n: int, seed: int = 0) -> list[str]:
-    rng = np.random.default_rng(seed)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "naïve", "café", "42", "'s"]
-    return [" ".join(rng.choice(words, int(rng.integers(3, 60)))) + "." for _ in range(n)]
-
-
-def make_inputs(root: Path) -> Path:
-    """One input directory with every format: a long text file, plain / gzip / zstd JSON lines,
-    and Parquet with several row groups."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    import zstandard
-
-    src = root / "src"
-    src.mkdir(parents=True)
-    (src / "a_book.txt").write_text("\n".join(texts(900, 1)) + "\n")
-    lines = "\n".join(json.dumps({"text": t, "id": i}) for i, t in enumerate(texts(300, 2))) + "\n"
-    (src / "b.jsonl").write_text(lines)
-    (src / "c.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
-    (src / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
-    pq.write_table(pa.table({"text": texts(250, 3), "n": list(range(250))}), src / "e.parquet", row_group_size=100)
-    return src
-
-
-def dataset_files(out: Path) -> dict[str, bytes]:
-    files = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
-             if p.is_file() and (p.parent.name == "shards" or p.name == "index.int64")}
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest.pop("created")
-    manifest["inputs"] = [{**i, "path": Path(i["path"]).name} for i in manifest["inputs"]]
-    files["manifest"] = json.dumps(manifest, sort_keys=True).encode()
-    return files
-
-
-@pytest.fixture(scope="module")
-def inputs(tmp_path_factory) -> Path:
-    return make_inputs(tmp_path_factory.mktemp("inputs"))
 
 
 def test_parallel_prepare_writes_the_bytes_of_one_process(inputs, tmp_path):
@@ -212,24 +168,6 @@ def test_a_prepared_dataset_of_another_tokenizer_than_the_snapshot_is_named(inpu
         load_corpus(d, tokenizer_state={"kind": "char", "chars": "abc", "eot": False})
 
 
-def test_a_cache_limit_beyond_the_disk_is_refused(inputs, tmp_path, s3, monkeypatch):
-    import shutil
-
-    import s3fs
-
-    s3fs.S3FileSystem().mkdir("prep-disk")
-    m = prepare([str(inputs / "b.jsonl")], "s3://prep-disk/ds", SMALL, ranks_file=RANKS, workers=1)
-    d = DataConfig(path="s3://prep-disk/ds", cache_dir=str(tmp_path / "cache"), shard_cache_gb=1e9,
-                   tokenizer=TokenizerConfig("bpe", RANKS))
-    load_corpus(d).close()  # a limit larger than any disk, but the dataset is small: only what it needs counts
-    small_disk = shutil.disk_usage(tmp_path)._replace(free=sum(s["bytes"] for s in m["shards"]) // 2)
-    monkeypatch.setattr("mingpt.data.prepared.shutil.disk_usage", lambda path: small_disk)
-    with pytest.raises(DataError, match=r"needs 0.0 GiB \(data.shard_cache_gb=1e\+09\) but its disk has 0.0 GiB free; "
-                                        "lower data.shard_cache_gb or point data.cache_dir at a larger disk"):
-        load_corpus(DataConfig(path="s3://prep-disk/ds", cache_dir=str(tmp_path / "cache2"), shard_cache_gb=1e9,
-                               tokenizer=TokenizerConfig("bpe", RANKS)))
-
-
 def test_a_missing_bucket_is_named_with_its_endpoint(tmp_path, s3):
     import s3fs
 
@@ -256,126 +194,3 @@ def test_an_unreachable_s3_source_is_one_line(tmp_path, monkeypatch):
                                         "endpoint"):
         prepare(["s3://nowhere/corpus"], str(tmp_path / "x"), SMALL, ranks_file=RANKS, workers=1)
     print(f"failed after {time.monotonic() - t:.1f} s")
-
-
-@pytest.mark.slow
-def test_ranks_under_torchrun_prepare_one_dataset_together(inputs, tmp_path):
-    from conftest import REPO, torchrun_cmd, torchrun_env
-
-    prepare([str(inputs)], str(tmp_path / "one"), SMALL, ranks_file=RANKS, workers=1)
-    proc = subprocess.run(torchrun_cmd(2, "-m", "mingpt.prepare", str(inputs), "--out", str(tmp_path / "two"),
-                                       "--tokenizer.ranks_file", RANKS, "--unit-mb", str(SMALL.unit_bytes / 2**20),
-                                       "--shard-mb", str(SMALL.shard_bytes / 2**20)),
-                          cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert dataset_files(tmp_path / "one") == dataset_files(tmp_path / "two")
-    assert proc.stdout.count("1,151 documents") == 1  # one summary, from rank 0
-
-
-def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs, tmp_path, s3):
-    import s3fs
-
-    from mingpt.data.prepare import DatasetDir
-    from mingpt.data.prepared import ShardCache
-
-    fs = s3fs.S3FileSystem()
-    fs.mkdir("prep-lru")
-    m = prepare([str(inputs / "b.jsonl")], "s3://prep-lru/ds", Settings(unit_bytes=8192, shard_bytes=512),
-                ranks_file=RANKS, workers=1)
-    a, b, c = [s for s in m["shards"] if s["bytes"] == 512][:3]  # three of the same size
-    cache = ShardCache(DatasetDir("s3://prep-lru/ds"), tmp_path / "cache", limit=a["bytes"] + b["bytes"])
-    cached = lambda: sorted(p.name for p in (tmp_path / "cache").glob("*.bin"))  # noqa: E731
-    pa = cache.get(a)
-    time.sleep(0.01)
-    cache.get(b)
-    time.sleep(0.01)
-    assert cache.get(a) == pa  # a is used again: b is now the least recently used
-    cache.get(c)
-    names = [s["name"].replace("/", "__") for s in (a, b, c)]
-    assert cached() == sorted([names[0], names[2]]) and cache.usage() <= cache.limit
-    assert np.fromfile(pa, dtype=np.uint16).nbytes == a["bytes"]
-
-
-def test_the_command_prints_its_summary_once_and_refuses_a_ranks_file_for_char(tmp_path):
-    (tmp_path / "a.txt").write_text("\n".join(texts(50)) + "\n")
-    cmd = [sys.executable, "-m", "mingpt.prepare", str(tmp_path / "a.txt"), "--workers", "1"]
-    done = subprocess.run([*cmd, "--out", str(tmp_path / "ds"), "--tokenizer.ranks_file", RANKS], capture_output=True,
-                          text=True, timeout=120)
-    tokens = json.loads((tmp_path / "ds" / "manifest.json").read_text())["tokens"]
-    assert done.returncode == 0 and (done.stdout + done.stderr).count(f"{tokens:,} tokens") == 1, done
-    char = subprocess.run([*cmd, "--out", str(tmp_path / "c"), "--tokenizer.kind", "char", "--tokenizer.ranks_file",
-                           RANKS], capture_output=True, text=True, timeout=120)
-    assert char.returncode == 2 and char.stderr.startswith("error: --tokenizer.ranks_file applies to "
-                                                           "--tokenizer.kind=bpe only"), char
-    assert len(char.stderr.splitlines()) == 1 and not (tmp_path / "c").exists()
-
-
-def test_verify_names_a_damaged_local_shard(inputs, tmp_path, capsys):
-    from mingpt.prepare import main
-
-    m = prepare([str(inputs / "b.jsonl")], str(tmp_path / "ds"), SMALL, ranks_file=RANKS, workers=1)
-    assert main(["--verify", str(tmp_path / "ds")]) == 0
-    assert "every shard and the index match the manifest" in capsys.readouterr().out
-    victim = tmp_path / "ds" / m["shards"][2]["name"]
-    data = bytearray(victim.read_bytes())
-    data[0] ^= 0xFF  # same size: only the checksum can tell
-    victim.write_bytes(bytes(data))
-    assert main(["--verify", str(tmp_path / "ds")]) == 1
-    err = capsys.readouterr().err
-    assert f"damaged: {m['shards'][2]['name']} fails its checksum" in err and err.count("damaged:") == 1
-
-
-def test_the_shard_cache_survives_a_copy_vanishing_under_another_local_rank(inputs, tmp_path, s3,
-                                                                             monkeypatch):
-    """Local ranks share the cache and each evicts: a file listed by one may be gone when it looks at
-    it. Usage and eviction go on (they used to raise FileNotFoundError from stat)."""
-    from pathlib import Path
-
-    import s3fs
-
-    from mingpt.data.prepare import DatasetDir
-    from mingpt.data.prepared import ShardCache
-
-    s3fs.S3FileSystem().mkdir("prep-race")
-    m = prepare([str(inputs / "b.jsonl")], "s3://prep-race/ds", Settings(unit_bytes=8192, shard_bytes=512),
-                ranks_file=RANKS, workers=1)
-    a, b, c = [s for s in m["shards"] if s["bytes"] == 512][:3]
-    cache = ShardCache(DatasetDir("s3://prep-race/ds"), tmp_path / "cache", limit=a["bytes"] + b["bytes"])
-    cache.get(a)
-    cache.get(b)
-    glob, is_file, gone = Path.glob, Path.is_file, []
-
-    def racing_glob(self, pattern):  # another rank removes the first copy right after it was listed
-        found = list(glob(self, pattern))
-        if self == cache.dir and found:
-            found[0].unlink(missing_ok=True)
-            gone.append(found[0])
-        return iter(found)
-
-    monkeypatch.setattr(Path, "glob", racing_glob)
-    monkeypatch.setattr(Path, "is_file", lambda self: self in gone or is_file(self))  # it was there when checked
-    assert cache.usage() <= a["bytes"] + b["bytes"]
-    assert cache.get(c).stat().st_size == c["bytes"]  # evicts among files that vanish meanwhile
-
-
-def test_a_failing_background_copy_is_reported_by_the_next_read(inputs, tmp_path, s3, monkeypatch):
-    """An unexpected error in the thread that copies shards (a full disk, a bug) stops the run at the
-    next read, named; it used to end the thread silently."""
-    import s3fs
-
-    from mingpt.data.prepared import ShardCache
-
-    s3fs.S3FileSystem().mkdir("prep-thread")
-    m = prepare([str(inputs / "b.jsonl")], "s3://prep-thread/ds", SMALL, ranks_file=RANKS, workers=1)
-
-    def broken(self, entry):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(ShardCache, "try_get", broken)
-    ds = PreparedData("s3://prep-thread/ds", str(tmp_path / "cache"), 1)
-    deadline = time.monotonic() + 30
-    with pytest.raises(DataError, match="No space left on device"):
-        while time.monotonic() < deadline:
-            ds.tokens.read(0, m["tokens"])
-            time.sleep(0.05)
-    ds.close()

@@ -1,3 +1,5 @@
+import json
+
 from conftest import read_metrics
 
 from mingpt.training.metrics import MetricsWriter, read_records
@@ -44,3 +46,11 @@ def test_a_record_after_a_line_cut_short_reads_back_and_the_run_keeps_its_metric
     assert kinds == [("start", "launch-a"), ("train", None), ("start", "launch-b"), ("fault", None), ("fault", None)]
     assert MetricsWriter.existing(tmp_path, "launch-b") is None  # its own: kept
     assert MetricsWriter.existing(tmp_path, "launch-c") == str(tmp_path / "metrics.jsonl")  # another launch's
+
+
+def test_read_metrics_skips_a_line_cut_short_by_a_kill(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"kind": "train", "step": s, "loss": 1.0 / s}) for s in (1, 2, 3)]
+    path.write_text("\n".join(rows[:2]) + "\n" + rows[2][:17] + "\n" + json.dumps({"kind": "train", "step": 3,
+                                                                                      "loss": 0.3}) + "\n")
+    assert {s: r["loss"] for s, r in read_metrics(path).items()} == {1: 1.0, 2: 0.5, 3: 0.3}

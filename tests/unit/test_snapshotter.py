@@ -4,6 +4,7 @@ import errno
 import logging
 
 import torch
+from conftest import fs_of, save_state
 
 from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.layout import Slot
@@ -53,3 +54,53 @@ def test_a_save_to_a_full_disk_is_reported_once_and_never_says_training_goes_on(
                        "on device)"),
                       ("snapshot step 2 not committed: shard-00000-of-00001.bin could not be written; the previous "
                        "snapshot stays the latest")]
+
+
+def test_async_save_copies_state_before_training_goes_on(store_url):
+    store = SnapshotStore(store_url)
+    snap = Snapshotter(store, keep_last=2)
+    w = torch.zeros(1000)
+    snap.save(1, [Slot("model.w", w, (1000,))], {}, {})
+    w.add_(1.0)  # training continues and changes the live tensor
+    snap.close()
+    loaded, _ = store.load_latest()
+    assert torch.equal(loaded["model"]["w"], torch.zeros(1000))
+    assert snap.last_saved_step == 1 and len(snap.blocking_s) == 1
+
+
+def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server, caplog):
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    s3fs.S3FileSystem().mkdir("flaky")
+    store = SnapshotStore("s3://flaky/run", {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
+    snap = Snapshotter(store, keep_last=3, retries=1, backoff_s=0.1)
+    snap.save(1, [Slot("model.w", torch.ones(10), (10,))], {}, {})
+    snap.wait()
+    server = s3_server["server"]
+    server.stop()
+    try:
+        caplog.set_level(logging.WARNING)
+        snap.save(2, [Slot("model.w", torch.full((10,), 2.0), (10,))], {}, {})
+        snap.wait()  # does not raise: the failure is reported
+        assert snap.failures == 1 and snap.last_saved_step == 1
+        assert "snapshot step 2 failed after 2 attempts" in caplog.text
+        assert "retrying" in caplog.text
+    finally:
+        # the same port again; moto's state lives in this process, so the bucket is still there
+        s3_server["server"] = ThreadedMotoServer(ip_address="127.0.0.1", port=s3_server["port"], verbose=False)
+        s3_server["server"].start()
+    fs_of(store).invalidate_cache()
+    assert [s.step for s in store.list() if s.committed] == [1]
+    assert store.load_latest()[1]["step"] == 1
+    snap.close()
+
+
+def test_retention_never_deletes_the_newest_snapshot_of_this_run(tmp_path):
+    store = SnapshotStore(str(tmp_path / "s"))
+    for step in (100, 200):  # higher steps that are not this run's (e.g. a broken newer lineage)
+        save_state(store, step, {"model": {"w": torch.zeros(1)}}, {})
+    snap = Snapshotter(store, keep_last=1)
+    snap.save(5, [Slot("model.w", torch.ones(1), (1,))], {}, {})
+    snap.close()
+    assert 5 in [s.step for s in store.list() if s.committed]

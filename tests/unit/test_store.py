@@ -1,21 +1,16 @@
 import json
-import logging
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from dataclasses import replace
 
 import pytest
 import torch
 from conftest import fs_of, save_state
 
-from mingpt.config import DataConfig, OptimConfig, RunConfig, TokenizerConfig
-from mingpt.model import GPTConfig
-from mingpt.snapshot import SnapshotError, SnapshotStore
+from mingpt.snapshot import SnapshotError, SnapshotStore, open_store
 from mingpt.snapshot.layout import Slot
-from mingpt.snapshot.start import MismatchError, check_compatible
 
 SHARD = "shard-00000-of-00001.bin"
 
@@ -265,37 +260,6 @@ def test_a_damaged_piece_is_named_by_its_shard(tmp_path):
     assert store.missing_files(path, store.read_manifest(path)) == ["shard-00001-of-00002.bin is missing"]
 
 
-def test_snapshot_of_another_model_shape_or_tokenizer_is_refused():
-    def manifest_of(cfg: RunConfig, tokenizer: str = "char") -> dict:
-        shape = replace(cfg.model, block_size=cfg.data.block_size).shape_dict()
-        return {"config": cfg.to_dict(), "model_shape": shape, "tokenizer": {"kind": tokenizer}}
-
-    cfg = RunConfig(model=GPTConfig(preset="gpt-micro", vocab_size=65))
-    mini = RunConfig(model=GPTConfig(preset="gpt-mini", vocab_size=65))
-    with pytest.raises(MismatchError, match=r"model.n_layer: snapshot 6 vs config 4.*model.n_embd: snapshot 192 vs "
-                                            r"config 128.*trainer.run_dir=runs/NEW"):
-        check_compatible(cfg, manifest_of(mini))
-    # the context length is data.block_size, and the error names that key
-    longer = RunConfig(model=GPTConfig(preset="gpt-micro", vocab_size=65), data=DataConfig(block_size=256))
-    with pytest.raises(MismatchError, match=r"data.block_size: snapshot 256 vs config 128"):
-        check_compatible(cfg, manifest_of(longer))
-    # a char-level snapshot resumed with the BPE tokenizer is refused before any data is read
-    with pytest.raises(MismatchError, match=r"data.tokenizer.kind: snapshot 'char' vs config 'bpe'"):
-        check_compatible(replace(cfg, data=DataConfig(tokenizer=TokenizerConfig(kind="bpe"))), manifest_of(cfg))
-    check_compatible(cfg, manifest_of(cfg))  # same shape and tokenizer: accepted
-
-
-def test_config_changes_are_logged_only_when_real(caplog):
-    cfg = RunConfig(model=GPTConfig(preset="gpt-micro", vocab_size=65))
-    manifest = {"config": json.loads(json.dumps(cfg.to_dict())), "tokenizer": {"kind": "char"},
-                "model_shape": replace(cfg.model, block_size=cfg.data.block_size).shape_dict()}
-    with caplog.at_level(logging.INFO):
-        check_compatible(cfg, manifest)  # betas saved as a JSON list, configured as a tuple: no change
-        assert "config changed" not in caplog.text
-        check_compatible(replace(cfg, optim=OptimConfig(lr=3e-4)), manifest)
-    assert "config changed since the snapshot: optim.lr 0.001 -> 0.0003" in caplog.text
-
-
 def as_format_2(path: str) -> None:
     """Rewrite a snapshot's manifest as this project's format 2 wrote it: every tensor's pieces
     (writer, offset, first row, end row, sha256 of its bytes), no chunk checksums."""
@@ -377,15 +341,15 @@ def keep_two(store: SnapshotStore, step: int) -> None:
 
 
 def resume(store: SnapshotStore) -> int:
-    """What a start does (start.candidates, then restore_newest over real restores); the step it resumes."""
-    from mingpt.snapshot.restore import restore, restore_newest
-    from mingpt.snapshot.start import candidates
+    """What a start does (candidates, then newest_that_loads over real restores); the step it resumes."""
+    from mingpt.snapshot.restore import restore
+    from mingpt.snapshot.store import candidates, newest_that_loads
 
     def load(path: str, manifest: dict) -> dict:
         return restore(store, path, manifest, [Slot("model.w", torch.empty(4, 4), (4, 4))], rank=0, world=1)
 
     found = candidates(store, [s for s in store.list() if s.committed])
-    return restore_newest(store, found, load, lambda m: None)[0]["step"]
+    return newest_that_loads(store, found, load, reject=True)[0]["step"]
 
 
 def flip(store: SnapshotStore, step: int) -> None:
@@ -435,8 +399,7 @@ def test_a_failed_manifest_read_is_retried_then_fails_the_start(tmp_path, monkey
     """A timeout reading the newest manifest must not make a start resume an older snapshot: it is
     retried, and if it persists the start fails as a transient error (exit 1, torchrun tries again),
     not as a bad snapshot or setting (SnapshotError, exit 2)."""
-    from mingpt.snapshot.start import candidates
-    from mingpt.snapshot.store import TransientError
+    from mingpt.snapshot.store import TransientError, candidates
 
     store = SnapshotStore(str(tmp_path))
     for step in (1, 2):
@@ -476,3 +439,20 @@ def test_a_read_error_that_may_pass_fails_the_load_without_marking_the_snapshot(
     assert not any((tmp_path / store.name(s)).joinpath(REJECTED_FILE).exists() for s in (1, 2))
     monkeypatch.undo()
     assert resume(store) == 2
+
+
+def test_unreachable_bucket_is_one_clear_error_without_credentials(s3):
+    message = "bucket no-such-bucket of s3://no-such-bucket/x does not exist or is not reachable"
+    with pytest.raises(SnapshotError, match=message) as e:
+        open_store("s3://no-such-bucket/x", None)
+    assert "test-secret-do-not-log" not in str(e.value)
+    with pytest.raises(SnapshotError, match="snapshot.endpoint_url"):
+        open_store("s3://bucket/x", "http://127.0.0.1:9")  # nothing listens on the discard port
+
+
+def test_a_snapshot_dir_that_is_a_file_says_so_without_cloud_hints(tmp_path):
+    f = tmp_path / "not-a-dir"
+    f.write_text("x")
+    with pytest.raises(SnapshotError, match=r"cannot use snapshot store .*not-a-dir .*point snapshot.dir") as e:
+        open_store(str(f), None)
+    assert "AWS" not in str(e.value) and "endpoint" not in str(e.value)

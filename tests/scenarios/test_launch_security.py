@@ -1,0 +1,149 @@
+"""The rendezvous and the workers' store against another user of the node: the README's launch
+(mingpt-torchrun, --rdzv_backend=mingpt) with a process running as `nobody` that does what a
+reviewer did to torch's c10d rendezvous (replace its state with a pickle that runs code)."""
+
+import base64
+import datetime
+import json
+import os
+import pickle
+import pwd
+import secrets
+import subprocess
+import sys
+import time
+
+import pytest
+import torch.distributed as dist
+from conftest import REPO, free_port, make_corpus
+
+
+class Payload:
+    """What an attacker stores: unpickling it creates a directory, as any code could run."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def forged_state(marker) -> bytes:
+    return base64.b64encode(pickle.dumps(Payload(str(marker))))
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """The local addresses the processes listen on (TCP), read with ss."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[3] for line in out.splitlines() if any(f"pid={p}," in line for p in pids)]
+
+
+def _tree(root: int) -> set[int]:
+    pids, found = {root}, True
+    while found:
+        found = False
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) not in pids:
+                try:
+                    ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError):
+                    continue
+                if ppid in pids:
+                    pids.add(int(entry))
+                    found = True
+    return pids
+
+
+def _as_nobody(fn):
+    """Start fn in a forked child that runs as `nobody`; returns a function that waits for its dict (a
+    child still busy after the timeout is killed: a client of a port that is no store hangs)."""
+    nobody = pwd.getpwnam("nobody")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        result = {}
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), 2)  # torch's C++ frames of the ports that are no store
+            os.setgroups([])
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - reported to the parent
+            result = {"error": str(e).splitlines()[0][:200]}
+        finally:
+            os.write(write, json.dumps(result).encode())
+            os._exit(0)
+    os.close(write)
+
+    def result(timeout: float = 20) -> dict:
+        deadline = time.time() + timeout
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.time() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                return {"error": "no answer"}
+            time.sleep(0.1)
+        return json.loads(os.read(read, 65536).decode())
+    return result
+
+
+def _snoop(agent_pid: int) -> dict:
+    """What another user learns of the job: the run id on the agent's command line; not its environment."""
+    cmdline = open(f"/proc/{agent_pid}/cmdline", "rb").read().split(b"\0")
+    found = {"run_id": next(a.split(b"=", 1)[1] for a in cmdline if a.startswith(b"--rdzv_id=")).decode()}
+    try:
+        open(f"/proc/{agent_pid}/environ", "rb").read()
+        found["environ"] = "read"
+    except PermissionError:
+        found["environ"] = "denied"
+    return found
+
+
+def _plant(port: int, run_id: str, marker) -> dict:
+    """Store a code-running pickle as the rendezvous state of run_id (torch's c10d key) at port."""
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=3))
+    for key in (f"torch.rendezvous.{run_id}", "torch.rendezvous.none"):
+        store.set(key, forged_state(marker))
+    return {"written": 2}
+
+
+@pytest.mark.slow
+def test_another_user_cannot_make_the_documented_launch_run_code(tmp_path):
+    """The reviewer's attack on torch's c10d rendezvous, as `nobody`, against the README's two-machine
+    command (one node here): the job trains to the end, nothing of the attacker's runs, and every
+    socket of the job listens on the endpoint's address only (c10d: every interface)."""
+    marker = tmp_path / "pwned"
+    tmp_path.chmod(0o755)  # the attacker must not be stopped by a directory it cannot enter
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MINGPT_JOB_SECRET": secrets.token_hex(32)}
+    cmd = [sys.executable, "-m", "mingpt.cli.launch", "--nnodes=1", "--nproc_per_node=2", "--rdzv_backend=mingpt",
+           f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=run1",
+           "--rdzv_conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,read_timeout=10",
+           "mingpt/main.py", "model=gpt-mini", "trainer.max_steps=60", "trainer.eval_every=0", "trainer.progress=false",
+           f"data.path={make_corpus(tmp_path)}", f"data.cache_dir={tmp_path / 'cache'}",
+           f"trainer.run_dir={tmp_path / 'run'}"]
+    log = tmp_path / "job.log"
+    with open(log, "w") as fh:
+        job = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 180
+        while "training from step" not in log.read_text():  # the stores and the process group are up
+            assert time.time() < deadline and job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.5)
+        addresses = _listening(_tree(job.pid))
+        snooped = _as_nobody(lambda: _snoop(job.pid))()
+        planting = [_as_nobody(lambda p=a: _plant(int(p.rsplit(":", 1)[1]), snooped["run_id"], marker))
+                    for a in addresses]  # all at once, while the job runs
+        planted = [result() for result in planting]
+        job.wait(timeout=300)
+        out = log.read_text()
+    finally:
+        job.kill()
+    assert snooped == {"run_id": "run1", "environ": "denied"}, snooped
+    # it reached the rendezvous store and the workers' store (the other ports are gloo's)
+    assert sum(p.get("written", 0) for p in planted) == 4, planted
+    assert job.returncode == 0, out[-3000:]
+    assert not marker.exists()
+    assert f"127.0.0.1:{port}" in addresses and len(addresses) >= 2, addresses
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses  # never 0.0.0.0:* or [::]:*

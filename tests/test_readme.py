@@ -1,0 +1,38 @@
+"""The README's and docs' training commands, read from their shell blocks."""
+
+import re
+import shlex
+
+from conftest import REPO
+
+from mingpt.compose import compose
+
+
+def _readme_runs() -> list[list[str]]:
+    """The training commands of the shell blocks of the README and docs/ (each once), as argument lists."""
+    text = "".join(p.read_text() for p in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))])
+    cmds = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = line.split("#", 1)[0]
+            if re.search(r"mingpt/main\.py|-m mingpt\.main", line) and shlex.split(line) not in cmds:
+                cmds.append(shlex.split(line))
+    return cmds
+
+
+def test_readme_training_examples_each_have_a_run_directory_of_their_own():
+    """Run in any order, the examples never resume (or refuse) each other's snapshots."""
+    dirs = []
+    for args in _readme_runs():
+        run_dir = next((a.split("=", 1)[1] for a in args if a.startswith("trainer.run_dir=")), None)
+        options = [a for a in args if re.match(r"^(trainer|experiment)=", a)]  # options may set trainer.run_dir
+        if run_dir is None:
+            run_dir = compose(options).trainer.run_dir
+        snap = next((a.split("=", 1)[1] for a in args if a.startswith("snapshot.dir=")), f"{run_dir}/snapshots")
+        dirs.append((run_dir, snap, " ".join(args)))
+    assert len(dirs) >= 4
+    for field in (0, 1):
+        seen = {}
+        for d in dirs:
+            assert d[field] not in seen, f"{d[2]!r} shares {d[field]} with {seen[d[field]]!r}"
+            seen[d[field]] = d[2]

@@ -1,0 +1,43 @@
+"""torchrun's environment, read once (mingpt/distributed.py): DistInfo, launch ids, the job's secret."""
+
+import secrets
+
+import pytest
+
+from mingpt.distributed import DistInfo, SecretError, default_threads, job_secret
+
+
+def test_dist_info_from_env_without_process_group():
+    info = DistInfo.from_env({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+                              "GROUP_RANK": "1", "TORCHELASTIC_RESTART_COUNT": "2"}, cuda=False)
+    assert (info.rank, info.local_rank, info.world_size, info.restart_count) == (3, 1, 4, 2)
+    assert info.device == "cpu" and info.backend == "gloo" and not info.is_rank0
+    gpu = DistInfo.from_env({"LOCAL_RANK": "1"}, cuda=True)
+    assert gpu.device == "cuda:1" and gpu.backend == "nccl"
+    plain = DistInfo.from_env({}, cuda=False)
+    assert plain.is_rank0 and not plain.distributed and plain.job_id is None
+    # the rendezvous id names the job across restarts; torchrun's default "none" names no job
+    assert DistInfo.from_env({"TORCHELASTIC_RUN_ID": "job7"}, cuda=False).job_id == "job7"
+    assert DistInfo.from_env({"TORCHELASTIC_RUN_ID": "none"}, cuda=False).job_id is None
+    assert default_threads(2) >= 1 and default_threads(1) >= default_threads(2)
+
+
+def test_launch_id_from_the_launcher_else_torchrun_else_this_process():
+    env = {"TORCHELASTIC_RUN_ID": "run1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    assert DistInfo.from_env({**env, "MINGPT_LAUNCH_ID": "l1"}, cuda=False).launch_id == "l1"
+    assert DistInfo.from_env(env, cuda=False).launch_id == "run1" and not DistInfo.from_env(env, cuda=False).restarted
+    assert DistInfo.from_env({**env, "TORCHELASTIC_RESTART_COUNT": "2"}, cuda=False).restarted
+    # torchrun's default id "none" and plain python: every start is a launch of its own
+    assert len({DistInfo.from_env(e, cuda=False).launch_id for e in ({}, {}, {"TORCHELASTIC_RUN_ID": "none"})}) == 3
+
+
+@pytest.mark.parametrize("mode, fix", [(0o644, "chmod 600"), (None, "at least 32")])
+def test_a_secret_others_can_read_or_guess_is_refused_with_the_fix(tmp_path, mode, fix):
+    path = tmp_path / "job.secret"
+    path.write_text(secrets.token_hex(32) if mode else "short")
+    path.chmod(mode or 0o600)
+    with pytest.raises(SecretError, match=fix):
+        job_secret({"MINGPT_JOB_SECRET_FILE": str(path)})
+    path.chmod(0o600)
+    if mode:
+        assert len(job_secret({"MINGPT_JOB_SECRET_FILE": str(path)})) == 64
