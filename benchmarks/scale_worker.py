@@ -56,8 +56,7 @@ class Counter:
 def main() -> None:
     shape, url = sys.argv[1], sys.argv[2]
     info = DistInfo.from_env()
-    distributed.init(info, 600)
-    torch.set_num_threads(1)
+    distributed.init(info, 600, threads=1)
     with torch.device("meta"):
         gpt = GPT(SHAPES[shape])
     par = parallelize(gpt, "ddp", info, seed=0)

@@ -20,8 +20,8 @@ from mingpt.distributed import DistInfo
 from mingpt.model import GPT, GPTConfig
 from mingpt.parallel import parallelize
 from mingpt.snapshot import SnapshotStore, Snapshotter
-from mingpt.snapshot.restore import restore, restore_newest
-from mingpt.snapshot.start import candidates
+from mingpt.snapshot.restore import restore
+from mingpt.snapshot.store import candidates, newest_that_loads
 from mingpt.training.optim import build_optimizer, init_state
 
 
@@ -46,7 +46,6 @@ def main() -> None:
     mode, shape, strategy, url, uploader, layout, repeats = sys.argv[1:8]
     info = DistInfo.from_env()
     distributed.init(info, 1800)
-    torch.set_num_threads(distributed.default_threads(info.local_world_size))
     t_start = time.perf_counter()
     cfg = GPTConfig(preset=shape, vocab_size=50257, block_size=64)
     with torch.device("meta"):
@@ -81,7 +80,7 @@ def main() -> None:
         def load(path, manifest):
             return restore(store, path, manifest, slots, rank=info.rank, world=info.world_size, layout=layout)
 
-        restore_newest(store, found, load, lambda _: None)
+        newest_that_loads(store, found, load)
         t1 = time.perf_counter()
         step(par, opt, cfg.vocab_size)
         t2 = time.perf_counter()

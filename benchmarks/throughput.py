@@ -26,7 +26,7 @@ def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
     setup_logging(info)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose([f"trainer.run_dir={tmp}", "snapshot.resume=never", "trainer.progress=false", *overrides])
-        distributed.init(info, cfg.dist.timeout_s)
+        distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads)
         trainer = None
         try:
             trainer = assemble(cfg, info)

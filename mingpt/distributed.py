@@ -1,4 +1,4 @@
-"""The one place that reads torchrun's environment; the process group; reductions.
+"""torchrun's environment as a DistInfo; the process group; reductions.
 
 Everything else receives rank, world size and device as arguments (see `DistInfo`).
 """
@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NoReturn
 
 import torch
@@ -162,8 +162,14 @@ def _worker_store(info: DistInfo, timeout: datetime.timedelta):
     return dist.PrefixStore(derive(secret, "workers") if secret else "mingpt", store)
 
 
-def init(info: DistInfo, timeout_s: float) -> None:
-    """Set the device and join the process group (nothing to do for a single process)."""
+def init(info: DistInfo, timeout_s: float, threads: int = 0) -> DistInfo:
+    """The process's one setup (`shutdown` is its teardown): the device, the intra-op threads (0: a
+    share of the cores that never oversubscribes them), TF32 matmuls on GPUs, and the process group
+    (nothing to join for a single process). Returns `info` with `restarted` agreed: a torchrun
+    restart of this launch if any node's agent counts one (the counts may differ by node)."""
+    torch.set_num_threads(threads or default_threads(info.local_world_size))
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
     if info.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(info.device))
     if info.distributed and not dist.is_initialized():
@@ -185,6 +191,8 @@ def init(info: DistInfo, timeout_s: float) -> None:
                 f"{os.environ.get('MASTER_PORT')} and then connect to each other; check that the nodes reach each "
                 f"other on the interface {ifname} names (or the default route's) and that no firewall is in between"
             ) from None
+    counts = all_gather_floats([info.restart_count], info.device)
+    return replace(info, restarted=any(c > 0 for (c,) in counts))
 
 
 def first_line(e: BaseException) -> str:

@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from mingpt import distributed
 from mingpt.compose import compose, config_dir, register
-from mingpt.config import ConfigError, RunConfig, TrainerConfig, from_dict
+from mingpt.config import ConfigError, RunConfig, from_dict
 from mingpt.data import Corpus, DataError, load_corpus
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler, validation_batches
 from mingpt.distributed import DistInfo, PreemptionFlag
@@ -35,8 +35,9 @@ from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.lease import Lease
 from mingpt.snapshot.nodecache import NodeCache
-from mingpt.snapshot.restore import restore, restore_newest
+from mingpt.snapshot.restore import restore
 from mingpt.snapshot.start import MismatchError, abort_unfinished, check_compatible, choose_start
+from mingpt.snapshot.store import newest_that_loads
 from mingpt.storage import write_json_atomic
 from mingpt.tokenizer import TokenizerError
 from mingpt.training.ledger import Ledger
@@ -143,7 +144,6 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     optimizer and training; it continues the snapshot it starts from."""
     ledger = ledger or Ledger()
     ledger.switch("data_load")
-    configure_torch(cfg.trainer, info)
     cfg, start = where_to_start(cfg, info)
     cfg, corpus = build_data(cfg, start, info)
     ledger.switch("model")
@@ -170,12 +170,6 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                   kind="start", run_id=start.run_id, job_id=info.job_id, launch_id=info.launch_id,
                   world_size=info.world_size, restart=info.restart_count, parallel=parallel.name, hosts=hosts)
     return trainer
-
-
-def configure_torch(tcfg: TrainerConfig, info: DistInfo) -> None:
-    torch.set_num_threads(tcfg.threads or distributed.default_threads(info.local_world_size))
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
 
 
 def build_data(cfg: RunConfig, start: Start, info: DistInfo) -> tuple[RunConfig, Corpus]:
@@ -261,8 +255,8 @@ def load_snapshot(cfg: RunConfig, trainer: Trainer, start: Start) -> None:
         return restore(start.source, path, manifest, slots, rank=info.rank, world=info.world_size,
                        layout=cfg.snapshot.load_layout, cache=cache)
 
-    manifest, extra = restore_newest(start.source, start.candidates, load,
-                                     lambda m: m is first or check_compatible(cfg, m))
+    manifest, extra = newest_that_loads(start.source, start.candidates, load,
+                                        lambda m: m is first or check_compatible(cfg, m), reject=info.rank == 0)
     trainer.load_state(extra)
     log.info("resumed from snapshot step %d in %.2fs (saved by %d rank%s with %s, now %d with %s; torchrun restart "
              "%d here)", trainer.progress.step, time.perf_counter() - t0, manifest["world_size"],
@@ -305,6 +299,20 @@ def preflight(cfg: RunConfig, info: DistInfo) -> None:
              "" if info.world_size == 1 else "s", seconds)
 
 
+def report_failure(e: Exception, info: DistInfo, trainer: Trainer | None) -> int:
+    """A lost peer (torchrun restarts the workers) or any other failure: one report, an error file."""
+    if not distributed.is_peer_failure(e):
+        return distributed.report_error(info, f"{e.__class__.__name__}: {e}", code=1, detail=traceback.format_exc(),
+                                        each_node=True)
+    if trainer is not None and info.rank < 2:  # where its time went up to the failure (rank 1 too, in case
+        # rank 0 is the one lost); no collective can run now
+        trainer.ledger.record(lambda rec: MetricsWriter.append(trainer.cfg.run_dir, rec), trainer.progress.step,
+                              kind="fault", rank=info.rank, error=distributed.first_line(e)[:200])
+    return distributed.report_error(
+        info, f"lost contact with a peer ({distributed.first_line(e)[:300]}); exiting so that torchrun restarts "
+        "the workers from the latest snapshot", code=1, each_node=True, level=logging.WARNING)
+
+
 def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     """The whole job of one process; returns its exit code. Every error ends here, as one line."""
     ledger = ledger or Ledger()
@@ -314,10 +322,7 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     trainer, lease = None, None
     try:
         ledger.switch("process_group")
-        distributed.init(info, cfg.dist.timeout_s)
-        # a torchrun restart of this launch if any node's agent counts one (the counts may differ by node)
-        counts = distributed.all_gather_floats([info.restart_count], info.device)
-        info = replace(info, restarted=any(c > 0 for (c,) in counts))
+        info = distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads)
         ledger.switch("preflight")
         logging.getLogger("mingpt.node").info(
             "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",
@@ -328,28 +333,18 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
         finished = trainer.train()
         trainer.close()
         cache, trainer = trainer.snapshotter.cache, None
-        if finished:
-            if cache is not None:  # the job is done: give the node's memory back
-                distributed.barrier()
-                cache.clear() if info.local_rank == 0 else cache.close()
-            return 0
-        return distributed.EXIT_INTERRUPTED if preempt.interrupted else distributed.EXIT_PREEMPTED
+        if not finished:
+            return distributed.EXIT_INTERRUPTED if preempt.interrupted else distributed.EXIT_PREEMPTED
+        if cache is not None:  # the job is done: give the node's memory back
+            distributed.barrier()
+            cache.clear() if info.local_rank == 0 else cache.close()
+        return 0
     except SaveFailedError as e:
         return distributed.report_error(info, str(e), code=distributed.EXIT_SAVE_FAILED)
     except USER_ERRORS as e:
         return distributed.report_error(info, str(e), code=2, let_rank0_report=True)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit
-        if distributed.is_peer_failure(e):
-            if trainer is not None and info.rank < 2:  # where its time went up to the failure (rank 1
-                # too, in case rank 0 is the one lost); no collective can run now
-                trainer.ledger.record(lambda rec: MetricsWriter.append(trainer.cfg.run_dir, rec),
-                                      trainer.progress.step, kind="fault", rank=info.rank,
-                                      error=distributed.first_line(e)[:200])
-            return distributed.report_error(
-                info, f"lost contact with a peer ({distributed.first_line(e)[:300]}); exiting so that torchrun restarts "
-                "the workers from the latest snapshot", code=1, each_node=True, level=logging.WARNING)
-        return distributed.report_error(info, f"{e.__class__.__name__}: {e}", code=1,
-                                        detail=traceback.format_exc(), each_node=True)
+        return report_failure(e, info, trainer)
     finally:
         if trainer is not None:  # an error: a save in flight cannot gather every rank's record now
             trainer.close(wait=False)

@@ -238,8 +238,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)
         self.tie_weights()
-        if not meta:
-            self.apply(self._init_weights)
+        if not meta:  # built in place: initialised by the same path, seeded from torch's generator
+            self.init_weights(int(torch.randint(2**62, ())))
 
     def tie_weights(self) -> None:
         """One matrix embeds tokens and predicts them, as in GPT-2 (again after `to_empty`, which
@@ -247,51 +247,23 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight
 
     def init_weights(self, seed: int) -> None:
-        """Initialise every parameter in place to the values `torch.manual_seed(seed); GPT(cfg)` gives
-        on CPU, also after the model was built on the meta device, materialised with to_empty and
-        sharded: each value is drawn whole on CPU from a generator of `seed` and each rank keeps its
-        rows. The draws that construction makes and then overwrites (nn.Linear's and nn.Embedding's
-        own reset_parameters) are replayed too, so that the generator is where it was."""
-        gen = torch.Generator().manual_seed(seed)
-        linears = [m for m in self.modules() if isinstance(m, (nn.Linear, nn.Embedding))]
-        for m in linears:  # construction: module by module, in the order they were built
-            w = torch.empty(m.weight.shape)
-            if isinstance(m, nn.Embedding):
-                nn.init.normal_(w, generator=gen)
-                continue
-            nn.init.kaiming_uniform_(w, a=math.sqrt(5), generator=gen)
-            if m.bias is not None:
-                bound = 1 / math.sqrt(m.weight.shape[1]) if m.weight.shape[1] > 0 else 0
-                nn.init.uniform_(torch.empty(m.bias.shape), -bound, bound, generator=gen)
-        for m in self.modules():  # then self.apply(self._init_weights), whose values stay
+        """GPT-2's initialisation, the one path on every device and under every strategy: each
+        parameter is drawn whole on CPU from a generator of `seed`, module by module, and each rank
+        keeps its rows (`assign`), so the values depend on the seed alone. Linear and embedding
+        weights are N(0, 0.02), the residual projections scaled by 1/sqrt(2 * n_layer) (each residual
+        branch adds to the stream); biases 0; LayerNorm 1 and 0. The tied matrix is drawn once."""
+        gen, done = torch.Generator().manual_seed(seed), set()
+        for m in self.modules():
             if isinstance(m, nn.LayerNorm):
                 assign(m.weight, torch.ones(m.weight.shape))
                 if m.bias is not None:
                     assign(m.bias, torch.zeros(m.bias.shape))
-            elif isinstance(m, (nn.Linear, nn.Embedding)):
+            elif isinstance(m, (nn.Linear, nn.Embedding)) and id(m.weight) not in done:
+                done.add(id(m.weight))
                 std = 0.02 * ((2 * self.config.n_layer) ** -0.5 if getattr(m, "residual_scale", False) else 1)
                 assign(m.weight, nn.init.normal_(torch.empty(m.weight.shape), 0.0, std, generator=gen))
                 if getattr(m, "bias", None) is not None:
                     assign(m.bias, torch.zeros(m.bias.shape))
-
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "residual_scale", False):
-                # GPT-2: each residual branch adds to the stream, so scale by 1/sqrt(2 * n_layer)
-                std *= (2 * self.config.n_layer) ** -0.5
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def crop_block_size(self, block_size: int) -> None:
-        """Shrink the context to block_size positions (drop the position rows beyond it)."""
-        if not 0 < block_size <= self.config.block_size:
-            raise ValueError(f"cannot crop a context of {self.config.block_size} positions to {block_size}")
-        self.config = replace(self.config, block_size=block_size)
-        self.wpe.weight = nn.Parameter(self.wpe.weight[:block_size].detach().clone())  # (block_size, C)
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameter count; the position embedding is left out by default (it does no matmul)."""

@@ -9,8 +9,8 @@ all-reduce of each rank's gradient shard with its replicas (the same local rank 
 node) crosses the link between nodes.
 
 The model arrives built on the meta device (no memory, no initialisation). It is wrapped first,
-then materialised on the device, then initialised by `GPT.init_weights` (the same values as a plain
-`GPT(cfg)` for the seed), so that under FSDP no rank ever holds the whole model.
+then materialised on the device, then initialised by `GPT.init_weights` (values that depend on the
+seed alone, whatever the strategy), so that under FSDP no rank ever holds the whole model.
 """
 
 from __future__ import annotations

@@ -1,2 +1,3 @@
-"""Command-line tools, installed as mingpt-generate, mingpt-snapshot and mingpt-rendezvous
-(training itself is mingpt/main.py, for torchrun, or mingpt-train)."""
+"""Command-line tools: mingpt-torchrun (launch.py), mingpt-rendezvous (rendezvous.py), mingpt-doctor,
+mingpt-snapshot, mingpt-generate and mingpt-export. Training itself is mingpt/main.py (mingpt-train),
+preparing data mingpt/prepare.py (mingpt-prepare)."""

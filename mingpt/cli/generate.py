@@ -30,11 +30,6 @@ def load_model(path: str, storage_options: dict | None = None) -> tuple[GPT, dic
                     block_size=shape["block_size"], vocab_size=shape["vocab_size"], bias=shape["bias"])
     model = GPT(cfg)
     model.load_state_dict(state["model"])
-    # Sample with the context the model was trained with. (Snapshots of mingpt before one context
-    # length have a position table longer than data.block_size: its extra rows were never trained.)
-    trained = manifest.get("config", {}).get("data", {}).get("block_size", cfg.block_size)
-    if trained < cfg.block_size:
-        model.crop_block_size(trained)
     return model.eval(), manifest
 
 

@@ -17,8 +17,8 @@ import fsspec
 import numpy as np
 
 from mingpt.config import DataConfig
-from mingpt.data.cache import source_identity
 from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces
+from mingpt.data.encode import source_identity
 from mingpt.data.prepare import MANIFEST, Settings, prepare
 from mingpt.data.prepared import PreparedData, is_prepared
 from mingpt.data.sources import DataError, document_files, raw_format

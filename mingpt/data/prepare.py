@@ -5,7 +5,7 @@ A prepared dataset (a local directory or an s3:// prefix):
 
     shards/u000012-000.bin   token ids of unit 12, part 0 (uint16 when the vocabulary fits, else uint32)
     index.int64              where each document ends, in tokens from the start of the stream
-    manifest.json            written last: the dataset is complete only with it (see `open_prepared`)
+    manifest.json            written last: the dataset is complete only with it (see prepared.is_prepared)
     work/plan.json, work/unit-000012.json, work/unit-000012.ends
                              the plan and each finished unit: what an interrupted run continues from
 
@@ -30,7 +30,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 
-from mingpt.data.cache import encode_array, token_dtype
+from mingpt.data.encode import encode_array, token_dtype
 from mingpt.data.sources import DataError, Unit, expand_inputs, file_units, input_format, unit_documents, work_bytes
 from mingpt.storage import atomic_write_bytes, is_local
 from mingpt.tokenizer import CharTokenizer, Tokenizer, TokenizerError, build_bpe, from_state
@@ -130,7 +130,7 @@ def unit_name(k: int) -> str:
 
 
 def prepare_unit(job: tuple[int, Unit, Settings, str]) -> dict:
-    """Tokenize one unit into shards of at most shard_mb, then commit it with its record (written
+    """Tokenize one unit into shards of at most settings.shard_bytes, then commit it with its record (written
     last). Returns the record."""
     k, unit, settings, out = job
     if _worker_error is not None:

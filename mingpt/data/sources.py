@@ -108,7 +108,7 @@ def document_files(path: str, fmt: str, fetch_default: bool) -> list[str]:
         path = locate_corpus(path, fetch_default and fmt == "text")
         return [path] if is_local(path) else expand_inputs([path])[:1]  # a remote one: reachable, and there
     if fmt != "files":
-        raise DataError(f"data.format={fmt!r}: use text, jsonl or files")
+        raise DataError(f"data.documents.format={fmt!r}: use text, jsonl or files")
     return expand_inputs([path])
 
 
@@ -359,7 +359,7 @@ def _jsonl_text(line: str, text_field: str, path: str, n: int) -> str:
                         f"object such as {{\"{text_field}\": \"...\"}}")
     if text_field not in obj:
         keys = ", ".join(sorted(obj)[:10]) or "none"
-        raise DataError(f"{path} line {n} has no field {text_field!r} (its fields: {keys}); set data.text_field "
+        raise DataError(f"{path} line {n} has no field {text_field!r} (its fields: {keys}); set data.documents.text_field "
                         "to the field that holds the text")
     if not isinstance(obj[text_field], str):
         raise DataError(f"{path} line {n}: field {text_field!r} is a {type(obj[text_field]).__name__}, not a "

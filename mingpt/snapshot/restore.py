@@ -1,5 +1,6 @@
 """Loading a snapshot into the live tensors of every rank at once, at any world size and into either
-strategy, falling back to the previous snapshot when one is damaged.
+strategy (main.py passes `restore` to store.newest_that_loads, which falls back to the previous
+snapshot when one is damaged).
 
 Every rank reads whole chunks, checks each against the manifest's sha256, and copies what it needs
 into its own tensors (no second copy of the state; at most one bounded host buffer):
@@ -18,14 +19,13 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from mingpt.snapshot.chunks import BATCH_BYTES, Chunk, Copier, Target, chunks_of, needed, read_chunks, targets_of
 from mingpt.snapshot.layout import EXTRA_FILE, Slot
-from mingpt.snapshot.store import DamagedError, MismatchError, SnapshotError, SnapshotStore, TransientError, nothing_loads
+from mingpt.snapshot.store import DamagedError, SnapshotError, SnapshotStore, TransientError
 from mingpt.snapshot.transport import TRANSIENT, failure
 
 log = logging.getLogger("mingpt")
@@ -138,27 +138,3 @@ def _agree(errors: list[str], path: str, world: int, device: torch.device) -> No
             raise TransientError(f"snapshot {path} could not be read now: {what}; exiting so that torchrun tries the "
                                  "start again rather than resume an older snapshot")
         raise DamagedError(f"snapshot {path} is damaged: {what}")
-
-
-def restore_newest(store: SnapshotStore, candidates: list[tuple[str, dict]], load: Callable[[str, dict], dict],
-                   check: Callable[[dict], None]) -> tuple[dict, dict]:
-    """(manifest, small state) of the first candidate (path, manifest; newest first) that `load`
-    fills without a problem, warning for each one it passes over; `check` refuses a snapshot of
-    another model. Every rank calls this with the same candidates and passes over the same ones;
-    the first marks each damaged one rejected, so that retention no longer counts it as kept."""
-    errors = []
-    for path, manifest in candidates:
-        try:
-            check(manifest)
-            return manifest, load(path, manifest)
-        except MismatchError:
-            raise
-        except SnapshotError as e:
-            log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", store.url_of(path), e)
-            errors.append(f"{path}: {e}")
-            if isinstance(e, DamagedError) and (not dist.is_initialized() or dist.get_rank() == 0):
-                try:
-                    store.reject(path, str(e))
-                except Exception as why:  # noqa: BLE001 - the mark only spares later starts and retention
-                    log.warning("could not mark snapshot %s rejected (%s: %s)", path, why.__class__.__name__, why)
-    raise nothing_loads(store.url, "; ".join(errors))

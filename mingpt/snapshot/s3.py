@@ -84,19 +84,17 @@ class S3Objects:
         fsspec.asyn.sync(fs.loop, upload)
 
     def _upload_boto3(self, path: str, view: memoryview) -> None:
-        """boto3's transfer manager: the s3transfer package over a plain botocore client (boto3 itself
-        would pin botocore to a release that s3fs's aiobotocore may not accept)."""
-        import botocore.session
-        from s3transfer.manager import TransferConfig, TransferManager
+        """boto3's transfer manager: parts in `concurrency` threads, a failed upload aborted."""
+        import boto3
+        from boto3.s3.transfer import TransferConfig
 
         if self._boto is None:
-            self._boto = botocore.session.get_session().create_client(
+            self._boto = boto3.session.Session().client(
                 "s3", endpoint_url=self.options.get("endpoint_url") or self.options.get("client_kwargs", {}).get("endpoint_url"))
         bucket, key = path.split("/", 1)
         config = TransferConfig(multipart_threshold=2 * PART_BYTES, multipart_chunksize=PART_BYTES,
-                                max_request_concurrency=self.concurrency)
-        with TransferManager(self._boto, config) as manager:
-            manager.upload(_ViewReader(view), bucket, key).result()
+                                max_concurrency=self.concurrency, preferred_transfer_client="classic")
+        self._boto.upload_fileobj(_ViewReader(view), bucket, key, Config=config)
 
     def get(self, path: str) -> bytes:
         return self.fs.cat_file(path)

@@ -11,7 +11,7 @@ import uuid
 from dataclasses import replace
 
 from mingpt.config import RunConfig, SnapshotConfig
-from mingpt.snapshot.store import STEP_RE, MismatchError, SnapshotError, SnapshotStore, nothing_loads
+from mingpt.snapshot.store import STEP_RE, MismatchError, SnapshotError, SnapshotStore, candidates
 
 log = logging.getLogger("mingpt")
 
@@ -47,27 +47,6 @@ def check_compatible(cfg: RunConfig, manifest: dict) -> None:
 
 def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-
-
-def candidates(store: SnapshotStore, infos: list, limit: int = 3) -> list[tuple[str, dict]]:
-    """(path, manifest) of the newest committed snapshots whose manifest reads and whose files are
-    all there at the listed sizes (one listing each, no data read), and that no load found damaged,
-    newest first; each one passed over is named in a warning. The ranks then load the first that
-    checks out. A read that fails in a way that may pass raises TransientError (after retries):
-    falling back past a good snapshot would lose its steps."""
-    out = []
-    for info in sorted(infos, key=lambda s: -s.step):
-        manifest, missing = store.problems(info.path)
-        if missing:
-            log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", store.url_of(info.path),
-                        "; ".join(missing))
-            continue
-        out.append((info.path, manifest))
-        if len(out) == limit:
-            break
-    if infos and not out:
-        raise nothing_loads(store.url, "see the warnings above")
-    return out
 
 
 def choose_start(store: SnapshotStore, scfg: SnapshotConfig, launch_id: str, restarted: bool):

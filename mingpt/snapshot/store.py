@@ -26,7 +26,9 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -245,23 +247,14 @@ class SnapshotStore:
         return state, manifest
 
     def load_latest(self) -> tuple[dict, dict] | None:
-        """The newest snapshot that loads, falling back past broken ones with a warning.
-
-        None when the store holds no committed snapshot. Raises when snapshots exist but none
-        loads: starting over silently would overwrite a job's history.
-        """
+        """(state, manifest) of the newest snapshot that loads, read whole; None when the store holds
+        no committed snapshot."""
         committed = [s for s in self.list() if s.committed]
-        errors = []
-        for info in reversed(committed):
-            try:
-                return self.load(info.path)
-            except Exception as e:  # noqa: BLE001 - any unreadable snapshot: try the previous one
-                log.warning("snapshot %s cannot be loaded (%s: %s); falling back to the previous one",
-                            self.url_of(info.path), e.__class__.__name__, e)
-                errors.append(f"{self.url_of(info.path)}: {e}")
-        if committed:
-            raise nothing_loads(self.url, "; ".join(errors))
-        return None
+        if not committed:
+            return None
+        manifest, state = newest_that_loads(self, candidates(self, committed, limit=len(committed)),
+                                            lambda path, _: self.load(path)[0])
+        return state, manifest
 
     def run_id_of(self, info: SnapshotInfo) -> str | None:
         """The run a committed snapshot belongs to (None for snapshots older than run ids)."""
@@ -300,6 +293,52 @@ class SnapshotStore:
         for path in doomed:
             self.files.remove(path)
         return doomed
+
+
+def candidates(store: SnapshotStore, infos: list[SnapshotInfo], limit: int = 3) -> list[tuple[str, dict]]:
+    """(path, manifest) of the newest committed snapshots whose manifest reads and whose files are
+    all there at the listed sizes (one listing each, no data read), and that no load found damaged,
+    newest first; each one passed over is named in a warning. A read that fails in a way that may
+    pass raises TransientError (after retries): falling back past a good snapshot would lose its steps."""
+    out = []
+    for info in sorted(infos, key=lambda s: -s.step):
+        manifest, missing = store.problems(info.path)
+        if missing:
+            log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", store.url_of(info.path),
+                        "; ".join(missing))
+            continue
+        out.append((info.path, manifest))
+        if len(out) == limit:
+            break
+    if infos and not out:
+        raise nothing_loads(store.url, "see the warnings above")
+    return out
+
+
+def newest_that_loads(store: SnapshotStore, found: list[tuple[str, dict]], load: Callable[[str, dict], Any],
+                      check: Callable[[dict], None] | None = None, reject: bool = False) -> tuple[dict, Any]:
+    """The one rule for "the newest snapshot that loads": (manifest, load(path, manifest)) of the first
+    of `found` (from `candidates`) that `check` accepts and `load` reads without a SnapshotError,
+    warning for each one passed over. A snapshot of another model (MismatchError) ends the search,
+    as does any other error (a read that may pass: falling back would lose steps). `reject`: mark
+    each damaged one rejected, so that retention no longer counts it as kept (one process does)."""
+    errors = []
+    for path, manifest in found:
+        try:
+            if check is not None:
+                check(manifest)
+            return manifest, load(path, manifest)
+        except MismatchError:
+            raise
+        except SnapshotError as e:
+            log.warning("snapshot %s cannot be loaded (%s); falling back to the previous one", store.url_of(path), e)
+            errors.append(f"{path}: {e}")
+            if reject and isinstance(e, DamagedError):
+                try:
+                    store.reject(path, str(e))
+                except Exception as why:  # noqa: BLE001 - the mark only spares later starts and retention
+                    log.warning("could not mark snapshot %s rejected (%s: %s)", path, why.__class__.__name__, why)
+    raise nothing_loads(store.url, "; ".join(errors))
 
 
 def open_store(url: str, endpoint_url: str | None, uploader: str = "s3fs") -> SnapshotStore:
