@@ -19,7 +19,7 @@ from mingpt.model import GPT, PRESETS, GPTConfig
 
 def timed(model: GPT, idx: torch.Tensor, new_tokens: int, use_cache: bool) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
-    out = model.generate(idx, new_tokens, temperature=0, use_cache=use_cache)
+    out = torch.cat([idx, *model.stream(idx, new_tokens, temperature=0, use_cache=use_cache)], dim=1)
     return out, time.perf_counter() - t0
 
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(preset=args.shape, vocab_size=50257, block_size=args.block_size)).eval()
     idx = torch.randint(0, 50257, (1, args.prompt_tokens))
-    model.generate(idx, 4, temperature=0)  # warm-up
+    list(model.stream(idx, 4, temperature=0))  # warm-up
     cached, t_cache = timed(model, idx, args.new_tokens, use_cache=True)
     print(f"{args.shape}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy, "
           f"{torch.get_num_threads()} threads")

@@ -346,13 +346,6 @@ class GPT(nn.Module):
                 if bool(done.all()):
                     return
 
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None, **kwargs) -> torch.Tensor:
-        """idx (B, T) followed by the generated tokens (see `stream` for the options)."""
-        out = [idx, *self.stream(idx, max_new_tokens, temperature, top_k, generator=generator, **kwargs)]
-        return torch.cat(out, dim=1)  # (B, T + new)
-
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None,
            generator: torch.Generator | None = None) -> torch.Tensor:

@@ -110,8 +110,7 @@ class Snapshotter:
     """
 
     def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, replicas: int = 1, group=None,
-                 keep_last: int = 3,
-                 keep_every: int = 0, retries: int = 3, backoff_s: float = 1.0,
+                 keep_last: int = 3, keep_every: int = 0, retries: int = 3, backoff_s: float = 1.0,
                  events: Callable[[dict], None] | None = None, cache=None):
         self.store, self.keep_last, self.keep_every = store, keep_last, keep_every
         self.retries, self.backoff_s, self.group = retries, backoff_s, group
@@ -121,12 +120,10 @@ class Snapshotter:
         self.shard = ShardWriter(writer, writers, replicas)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._pending: Future | None = None
-        self.last_saved_step: int | None = None
         self.last_ok: bool | None = None  # the outcome of the newest save (None: none yet)
         self._requested_step: int | None = None
         self.failures = 0
         self.blocking_s: list[float] = []
-        self.save_s: list[float] = []
 
     @property
     def committer(self) -> bool:
@@ -161,32 +158,26 @@ class Snapshotter:
         if not self.committer:  # the records went to the committer alone, which reports the outcome
             if record is None:
                 return self._failed(step, t0, "its shard could not be written")
-            self.last_saved_step = step
-            self.save_s.append(time.perf_counter() - t0)
             return True
         if any(r is None for r in records):
             bad = [SHARD_FORMAT.format(i, self.shard.writers) for i, r in enumerate(records) if r is None]
             return self._failed(step, t0, f"{', '.join(bad)} could not be written")
-        if self.committer:
-            path = self._retried(step, "committing", lambda: self.store.commit(step, self.shard.manifest(manifest, records)))
-            if path is None:
-                return self._failed(step, t0, "the manifest could not be committed")
-            try:
-                pruned = self.store.prune(self.keep_last, self.keep_every, protect=step)
-            except Exception as e:  # noqa: BLE001 - step is committed whatever became of the older ones
-                log.warning("snapshot step %d committed, but pruning older snapshots failed (%s: %s); the next "
-                            "save prunes again", step, e.__class__.__name__, e)
-                pruned = []
-            total = time.perf_counter() - t0
-            log.info("snapshot step %d committed to %s by %d writer%s in %.2fs (%.0f ms blocking)%s", step,
-                     self.store.url_of(path),
-                     self.shard.writers, "" if self.shard.writers == 1 else "s", total,
-                     1000 * self.blocking_s[-1], f", pruned {len(pruned)}" if pruned else "")
-            self._events({"kind": "snapshot", "step": step, "status": "committed", "total_s": round(total, 4),
-                          "blocking_s": round(self.blocking_s[-1], 4), "bytes": sum(r["size"] for r in records),
-                          "writers": self.shard.writers, "retries": sum(r["retries"] for r in records)})
-        self.last_saved_step = step
-        self.save_s.append(time.perf_counter() - t0)
+        path = self._retried(step, "committing", lambda: self.store.commit(step, self.shard.manifest(manifest, records)))
+        if path is None:
+            return self._failed(step, t0, "the manifest could not be committed")
+        try:
+            pruned = self.store.prune(self.keep_last, self.keep_every, protect=step)
+        except Exception as e:  # noqa: BLE001 - step is committed whatever became of the older ones
+            log.warning("snapshot step %d committed, but pruning older snapshots failed (%s: %s); the next "
+                        "save prunes again", step, e.__class__.__name__, e)
+            pruned = []
+        total = time.perf_counter() - t0
+        log.info("snapshot step %d committed to %s by %d writer%s in %.2fs (%.0f ms blocking)%s", step,
+                 self.store.url_of(path), self.shard.writers, "" if self.shard.writers == 1 else "s", total,
+                 1000 * self.blocking_s[-1], f", pruned {len(pruned)}" if pruned else "")
+        self._events({"kind": "snapshot", "step": step, "status": "committed", "total_s": round(total, 4),
+                      "blocking_s": round(self.blocking_s[-1], 4), "bytes": sum(r["size"] for r in records),
+                      "writers": self.shard.writers, "retries": sum(r["retries"] for r in records)})
         return True
 
     def _failed(self, step: int, t0: float, why: str) -> bool:

@@ -35,9 +35,9 @@ def test_a_model_trained_at_a_short_context_is_sampled_at_that_context(corpus_fi
     model, manifest = load_model(str(run_dir / "snapshots"))
     assert model.config.block_size == BLOCK and model.wpe.weight.shape[0] == BLOCK
     seen = positions_fed(model)
-    out = model.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=5 * BLOCK, temperature=1.0,
-                         generator=torch.Generator().manual_seed(0))
-    assert out.shape[1] == 1 + 5 * BLOCK  # several times the context was sampled...
+    new = list(model.stream(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=5 * BLOCK, temperature=1.0,
+                            generator=torch.Generator().manual_seed(0)))
+    assert len(new) == 5 * BLOCK  # several times the context was sampled...
     assert max(seen) == BLOCK  # ...and never more positions than were trained
 
     # the command line says the same, given the run directory (its snapshots/)
@@ -58,7 +58,7 @@ def test_an_older_snapshot_with_a_longer_position_table_is_sampled_at_its_traine
     assert loaded.config.block_size == 16
     torch.testing.assert_close(loaded.wpe.weight, model.wpe.weight[:16])
     seen = positions_fed(loaded)
-    loaded.generate(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=40, temperature=0)
+    list(loaded.stream(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=40, temperature=0))
     assert max(seen) == 16
 
 

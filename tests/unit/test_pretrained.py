@@ -43,8 +43,8 @@ def test_kv_cache_greedy_generation_equals_recomputing_the_context():
     model = GPT(GPTConfig(preset="gpt-nano", vocab_size=100, block_size=24)).eval()
     idx = torch.randint(0, 100, (3, 5))
     # 60 new tokens: the context fills up (24) and slides, both with and without the cache
-    plain = model.generate(idx, 60, temperature=0, use_cache=False)
-    cached = model.generate(idx, 60, temperature=0, use_cache=True)
+    plain = torch.cat([idx, *model.stream(idx, 60, temperature=0, use_cache=False)], dim=1)
+    cached = torch.cat([idx, *model.stream(idx, 60, temperature=0, use_cache=True)], dim=1)
     assert torch.equal(plain, cached) and cached.shape == (3, 65)
 
 

@@ -65,7 +65,7 @@ def test_async_save_copies_state_before_training_goes_on(store_url):
     snap.close()
     loaded, _ = store.load_latest()
     assert torch.equal(loaded["model"]["w"], torch.zeros(1000))
-    assert snap.last_saved_step == 1 and len(snap.blocking_s) == 1
+    assert [s.step for s in store.list() if s.committed] == [1] and len(snap.blocking_s) == 1
 
 
 def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server, caplog):
@@ -83,7 +83,7 @@ def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server,
         caplog.set_level(logging.WARNING)
         snap.save(2, [Slot("model.w", torch.full((10,), 2.0), (10,))], {}, {})
         snap.wait()  # does not raise: the failure is reported
-        assert snap.failures == 1 and snap.last_saved_step == 1
+        assert snap.failures == 1 and snap.last_ok is False
         assert "snapshot step 2 failed after 2 attempts" in caplog.text
         assert "retrying" in caplog.text
     finally:
