@@ -231,21 +231,12 @@ def split_balanced(costs: list[float], world_size: int) -> list[list[int]]:
 
 
 class LengthGroupedSampler:
-    """Token-budget micro-batches of variable-length pieces, planned per epoch from (seed, epoch).
+    """Token-budget micro-batches of variable-length pieces, planned per epoch from (seed, epoch)
+    (the plan, and `random`, the baseline: docs/data.md). Stateful, in global units.
 
-    length_grouped: shuffle, sort by length within pools of `pool_size` pieces, cut micro-batches
-    under the token budget, group `micro_per_step` consecutive (similar) micro-batches into a global
-    step, shuffle the steps, and give each rank micro-batches of equal estimated FLOPs.
-    random (the usual baseline, for comparison): a fixed number of random pieces per micro-batch,
-    chosen so that a micro-batch holds as many real tokens on average as the budget, handed to
-    ranks round-robin. The order does not depend on the world size; the position (epoch, steps
-    done) is in global units. Stateful.
-
-    Other batching settings at a resume cut the epoch otherwise, so a step number of the old plan
-    means nothing in the new one (it skipped half an epoch). The snapshot's steps stay done and the
-    rest of the epoch is planned with the new settings over the pieces they left (`earlier`):
-    exact, where refusing would leave a run that must lower its token budget (a smaller GPU, out
-    of memory) no way to go on. It costs a replay of the earlier plans at the resume.
+    Other batching settings at a resume cut the epoch otherwise, so the snapshot's steps stay done
+    and the rest of the epoch is planned anew over the pieces they left (`earlier`): a run that must
+    lower its token budget (a smaller GPU) can go on. It costs a replay of the earlier plans.
     """
 
     def __init__(self, lengths: np.ndarray, token_budget: int, micro_per_step: int, seed: int,

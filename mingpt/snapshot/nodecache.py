@@ -1,24 +1,10 @@
-"""The newest snapshots' files that this node wrote, kept in node-local memory, private to the user
-and the job.
+"""The newest snapshots' files that this node wrote, kept in node-local memory (`/dev/shm`), so that a
+restart on the same node (most restarts: a worker died, the node lives) reads them from RAM.
 
-After a writer has written its shard to the store, it also writes the same bytes to a tmpfs
-(`/dev/shm` by default): a restart on the same node then reads those pieces from RAM instead of the
-store (most restarts: a worker died, the node lives). Nothing is trusted: a copy is used only at the
-size the manifest gives, every piece read from it is checked against the manifest's sha256, and a
-missing or damaged copy is read from the store instead. The two newest steps are kept; a node
-without room (a container's small /dev/shm) turns the cache off with one warning.
-
-On a node shared with other users the copies are the job's weights and optimizer state, so:
-
-    <root>/mingpt-<uid>/                 0700, this user's; refused if it is a symlink, someone else's,
-                                         or open to others (then the cache is off, with a warning)
-    <root>/mingpt-<uid>/job-<key>/       one job (store URL and torchrun job id); `.lock` is held
-                                         shared by every process of the job while it runs
-    <root>/mingpt-<uid>/job-<key>/step_000000500/shard-00000-of-00002.bin   0600
-
-A job's copies go when it finishes; a job that failed or was cancelled leaves them behind, and they
-are reclaimed by the next start of any job of the same user on the node (a job directory whose lock
-nobody holds is stale), or by `mingpt-snapshot clean-cache`.
+Nothing is trusted: a copy is used only at the manifest's size and every piece is checked against
+its sha256. On a shared node the copies are the job's weights, so they live in a 0700 directory of
+the user (refused if it is a symlink or someone else's), one directory per job, whose `.lock` the
+job holds while it runs; a directory nobody holds is stale and reclaimed. Layout: docs/snapshots.md.
 """
 
 from __future__ import annotations

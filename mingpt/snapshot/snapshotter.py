@@ -97,16 +97,11 @@ class ShardWriter:
 
 
 class Snapshotter:
-    """Asynchronous, retried snapshot saving, one instance per rank (writer).
+    """Asynchronous, retried snapshot saving, one instance per rank (writer); docs/snapshots.md.
 
-    `save` blocks only while this rank's rows are copied to CPU. On a background thread each writer
-    then writes its shard; the writers' records go to writer 0 in one gather on `group` (a gloo group
-    of their own, so that it never races the training loop's collectives), which commits the
-    manifest only when every shard is durable and hashed, then prunes (a failed prune is only warned
-    about: the save is committed). A failed save is logged once by the committer, and the previous
-    snapshot stays the latest committed one; whether training goes on is the caller's decision
-    (a periodic save: it does; the final or a preemption save: Trainer.finish_saving fails the run). Writer 0 reports each
-    save's outcome (committed, failed, retried) to `events` as a metrics record.
+    The writers' records go to writer 0 in one gather on `group` (gloo, of their own: it never races
+    the training loop's collectives), which commits only when every shard is durable. A failed save
+    leaves the previous snapshot the latest; whether training goes on is the caller's decision.
     """
 
     def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, replicas: int = 1, group=None,

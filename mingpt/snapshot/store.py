@@ -1,21 +1,8 @@
-"""Snapshots through fsspec (a local directory or s3://): write, commit, find, read, prune.
+"""The snapshot catalogue: write, commit, find, read, prune (the layout: docs/snapshots.md).
 
-Layout of a store (format 3):
-
-    <store>/step_000000500/shard-00000-of-00002.bin   writer 0's rows of every tensor (raw bytes)
-    <store>/step_000000500/shard-00001-of-00002.bin   writer 1's rows
-    <store>/step_000000500/extra.pt                   the small state: sampler, counters, GradScaler
-    <store>/step_000000500/manifest.json              written last: its presence commits the snapshot
-    <store>/step_000000500/rejected.txt               only if a load found it damaged: why
-
-The manifest lists every tensor's name, dtype and shape (where its rows lie in the shards follows
-from them and the number of writers: layout.cut) and every file's size and the sha256 of each of
-its chunks, so a reader takes just the chunks it needs and checks them (chunks.py). Format 2 (a
-sha256 per tensor piece) still loads. A snapshot is found by
-scanning for step folders that hold a manifest; anything else (an interrupted write, a leftover
-file) is invisible; a snapshot a load found damaged is marked rejected, and retention keeps the
-newest keep_last that load. This module is the catalogue; the bytes move through transport.py (a local
-directory or an S3 bucket).
+A snapshot is committed by its manifest, written last, and found by scanning for step folders that
+hold one: an interrupted write is invisible. Format 2 snapshots still load (users may hold them).
+The bytes move through transport.py (a local directory or an S3 bucket).
 """
 
 from __future__ import annotations

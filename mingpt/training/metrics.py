@@ -130,15 +130,12 @@ class MetricsWriter:
 
     def close(self) -> None:
         with self._lock:
-            self._close()
-
-    def _close(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            if self._fh is not None:
+                self._fh.close()
+                self._fh = None
+            if self._tb is not None:
+                self._tb.close()
+                self._tb = None
 
 
 def _line(record: dict) -> str:
