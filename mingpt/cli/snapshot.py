@@ -104,7 +104,7 @@ def _uploads(store: SnapshotStore, older_than_s: float, abort: bool) -> int:
     found = store.uploads(older_than_s)
     for u in found:
         if abort:
-            store.abort_upload(u)
+            store.files.abort_upload(u)
         print(f"{'aborted' if abort else 'unfinished'}: s3://{u['bucket']}/{u['key']} (begun {u['age_s'] / 3600:.1f} h "
               f"ago, upload id {u['upload_id'][:16]}...)")
     hint = "" if abort or not found else " (add --abort to abort them)"

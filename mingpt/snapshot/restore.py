@@ -1,18 +1,10 @@
 """Loading a snapshot into the live tensors of every rank at once, at any world size and into either
-strategy (main.py passes `restore` to store.newest_that_loads, which falls back to the previous
-snapshot when one is damaged).
+strategy (main.py passes `restore` to store.newest_that_loads); the layouts, `exchange` and
+`direct`: docs/snapshots.md ("Load").
 
-Every rank reads whole chunks, checks each against the manifest's sha256, and copies what it needs
-into its own tensors (no second copy of the state; at most one bounded host buffer):
-- a sharded tensor (FSDP): the chunks that hold the rows it holds;
-- replicated tensors (DDP), `exchange` layout: the chunks holding them are split into one equal,
-  contiguous share per rank; each rank reads its share into its own tensors, then the ranks pass
-  the shares around in a few large all-gathers of a bounded flat buffer: the number of collectives
-  depends on the state's bytes, not on the world size;
-- replicated tensors, `direct` layout (or one process): every rank reads every chunk itself.
 The ranks agree on success (one all-reduce) before anything moves between them, so a damaged chunk
-makes every rank give up on that snapshot together, mark it rejected and try the previous one; a
-read that failed for a reason that may pass (after retries) fails the start instead, with exit 1.
+makes every rank give up on that snapshot together; a read that failed for a reason that may pass
+(after retries) fails the start instead, with exit 1.
 """
 
 from __future__ import annotations

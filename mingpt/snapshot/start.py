@@ -116,7 +116,7 @@ def abort_unfinished(store: SnapshotStore) -> int:
     try:
         found = store.uploads(0.0)
         for upload in found:
-            store.abort_upload(upload)
+            store.files.abort_upload(upload)
     except Exception as e:  # noqa: BLE001 - cleaning up must never stop a job from starting
         log.warning("could not look for unfinished multipart uploads in %s (%s: %s); `mingpt-snapshot uploads "
                     "--abort` cleans them up later", store.url, e.__class__.__name__, e)

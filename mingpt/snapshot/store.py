@@ -154,9 +154,6 @@ class SnapshotStore:
             return key.startswith(prefix) and bool(STEP_RE.match(folder)) and bool(file) and "/" not in file
         return [u for u in self.files.uploads(older_than_s) if ours(u["key"])]
 
-    def abort_upload(self, upload: dict) -> None:
-        self.files.abort_upload(upload)
-
     # ------------------------------------------------------------------ reading
     def read_manifest(self, path: str) -> dict:
         manifest = json.loads(retried(lambda: self.files.get(join(path, MANIFEST_FILE))))

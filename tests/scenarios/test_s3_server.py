@@ -68,7 +68,7 @@ def test_the_server_killed_mid_save_and_restarted_loses_nothing_committed(own_se
     assert manifest["step"] == 3 and torch.equal(state["model"]["w"], big)
     orphans = store.uploads()
     for upload in orphans:
-        store.abort_upload(upload)
+        store.files.abort_upload(upload)
     assert store.uploads() == []
     snap.close()
 
