@@ -47,21 +47,6 @@ def test_a_model_trained_at_a_short_context_is_sampled_at_that_context(corpus_fi
     assert cli.stdout.startswith("Speaker") and len(cli.stdout) == len("Speaker") + 5 * BLOCK + 1  # and "\n"
 
 
-def test_an_older_snapshot_with_a_longer_position_table_is_sampled_at_its_trained_context(tmp_path):
-    """mingpt before one context length saved model.block_size=32 while training at data.block_size=16."""
-    shape = GPTConfig(preset="gpt-nano", vocab_size=20, block_size=32)
-    model = GPT(shape)
-    manifest = {"config": {"data": {"block_size": 16}}, "tokenizer": {"kind": "char", "chars": "abcdefghijklmnopqrst"},
-                "model_shape": shape.shape_dict()}
-    save_state(SnapshotStore(str(tmp_path)), 1, {"model": model.state_dict()}, manifest)
-    loaded, _ = load_model(str(tmp_path))
-    assert loaded.config.block_size == 16
-    torch.testing.assert_close(loaded.wpe.weight, model.wpe.weight[:16])
-    seen = positions_fed(loaded)
-    list(loaded.stream(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=40, temperature=0))
-    assert max(seen) == 16
-
-
 def test_a_reader_that_stops_early_ends_generation_quietly(tmp_path):
     shape = GPTConfig(preset="gpt-nano", vocab_size=20, block_size=16)
     manifest = {"config": {"data": {"block_size": 16}}, "tokenizer": {"kind": "char", "chars": "abcdefghijklmnopqrst"},

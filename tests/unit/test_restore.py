@@ -138,7 +138,7 @@ def worker(rank: int, world: int, port: int, path: str, layout: str, sharded: bo
 @pytest.mark.parametrize("world,layout,sharded", [(2, "exchange", False), (4, "exchange", False),
                                                    (3, "direct", False), (3, "exchange", True)])
 def test_every_rank_ends_with_the_snapshot_bitwise_in_few_collectives(tmp_path, monkeypatch, world, layout, sharded):
-    from test_snapshot import write_sharded
+    from test_store import write_sharded
 
     monkeypatch.setattr(snapshotter_module, "CHUNK_BYTES", CHUNK)
     path = write_sharded(SnapshotStore(str(tmp_path)), 7, tensors(), WRITERS)
