@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
+if TYPE_CHECKING:  # the report reads metrics without importing torch
+    import torch
 
-from mingpt.config import TrainerConfig
-from mingpt.distributed import DistInfo
+    from mingpt.config import TrainerConfig
+    from mingpt.distributed import DistInfo
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,8 @@ def peak_flops(cfg: TrainerConfig, d: DistInfo, device: torch.device) -> float:
         return cfg.cpu_peak_flops * max(1, d.world_size // d.local_world_size)
     if cfg.gpu_peak_flops > 0:
         return cfg.gpu_peak_flops * d.world_size
+    import torch
+
     name = torch.cuda.get_device_name(device)
     per_gpu = next((flops for key, flops in GPU_PEAK_FLOPS.items() if key in name), None)
     if per_gpu is None:
@@ -42,7 +46,7 @@ def train_record(step: dict, loss: float, step_s: float, compute: list[float], h
     tok_s = step["tokens"] / step_s
     mfu = tok_s * flops_per_token / peak
     slowest = max(range(len(compute)), key=compute.__getitem__)
-    ratio = compute[slowest] / max(float(np.median(compute)), 1e-9)
+    ratio = compute[slowest] / max(statistics.median(compute), 1e-9)
     log.info("step %d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s | mfu %.1f%% | %.1f ms/step%s", step["step"],
              loss, step["lr"], step["grad_norm"], tok_s, 100 * mfu, 1000 * step_s,
              f" | compute max/median {ratio:.2f} (slowest {hosts[slowest]}, rank {slowest})" if len(compute) > 1 else "")
