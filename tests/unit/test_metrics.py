@@ -54,3 +54,21 @@ def test_read_metrics_skips_a_line_cut_short_by_a_kill(tmp_path):
     path.write_text("\n".join(rows[:2]) + "\n" + rows[2][:17] + "\n" + json.dumps({"kind": "train", "step": 3,
                                                                                       "loss": 0.3}) + "\n")
     assert {s: r["loss"] for s, r in read_metrics(path).items()} == {1: 1.0, 2: 0.5, 3: 0.3}
+
+
+def test_the_train_record_figures_mfu_and_the_slowest_rank():
+    import torch
+
+    from mingpt.config import TrainerConfig
+    from mingpt.distributed import DistInfo
+    from mingpt.training.metrics import peak_flops, train_record
+
+    # CPU: the peak is per machine (2 nodes of 4 processes: twice the configured figure)
+    two_nodes = DistInfo(world_size=8, local_world_size=4)
+    assert peak_flops(TrainerConfig(cpu_peak_flops=1e11), two_nodes, torch.device("cpu")) == 2e11
+    step = {"step": 7, "tokens_seen": 7000, "tokens": 1000, "lr": 1e-3, "grad_norm": 0.5}
+    record = train_record(step, loss=2.0, step_s=0.5, compute=[0.1, 0.1, 0.3], hosts=["a:0", "a:1", "b:0"],
+                          flops_per_token=1e6, peak=1e10)
+    assert record["tokens_per_s"] == 2000 and record["mfu"] == 2000 * 1e6 / 1e10
+    assert record["slowest"] == "b:0" and abs(record["compute_max_median"] - 3.0) < 1e-9
+    assert record["compute_ms"] == [100.0, 100.0, 300.0] and record["grad_norm"] == 0.5
