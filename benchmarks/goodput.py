@@ -39,9 +39,10 @@ def trainers(agent: int) -> list[int]:
 
 
 def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, rng: random.Random,
-        model: str = "gpt-mini", limit_s: float = float("inf")) -> dict:
-    """One job to `steps`, a random trainer SIGKILLed every `kill_every` s (0: never); stopped with an
-    error after `limit_s` (kills closer together than a restart takes would go on for ever)."""
+        model: str = "gpt-mini", limit_s: float = float("inf"), max_kills: int = 0) -> dict:
+    """One job to `steps`, a random trainer SIGKILLed every `kill_every` s (0: never), at most
+    `max_kills` times (0: no limit); stopped with an error after `limit_s` (kills closer together than
+    a restart takes would go on for ever)."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1000",
            "-m", "mingpt.main", f"model={model}", f"trainer.max_steps={steps}", "trainer.log_every=10",
@@ -58,7 +59,7 @@ def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, r
             if time.time() - t0 > limit_s:
                 raise RuntimeError(f"the job did not finish in {limit_s:.0f} s: a SIGKILL every {kill_every:g} s may "
                                    f"come before a restart reaches its first step (see {log})")
-            if kill_every and time.time() >= next_kill:
+            if kill_every and time.time() >= next_kill and not (max_kills and kills >= max_kills):
                 victims = trainers(agent.pid)
                 if victims:
                     try:
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="gpt-mini")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", help="keep every job's run directory here (default: a temporary one)")
+    ap.add_argument("--max-kills", type=int, default=0, help="SIGKILLs per job at most (default: no limit)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="mingpt-goodput-") as scratch:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         for t in args.kill_every:
             for n in args.snapshot_every:
                 r = job(Path(tmp) / f"t{t:g}-n{n}", args.corpus, args.steps, n, t, rng, args.model,
-                        limit_s=20 * ref["wall_outside"] + 120)
+                        limit_s=20 * ref["wall_outside"] + 120, max_kills=args.max_kills)
                 same = r["step"] == ref["step"] and all(torch.equal(v, ref["weights"][k])
                                                         for k, v in r["weights"].items())
                 print(row(f"{t:g} s", n, r, same), flush=True)
