@@ -14,6 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mingpt.shards import assign
+
 # name -> (n_layer, n_head, n_embd)
 PRESETS: dict[str, tuple[int, int, int]] = {
     "gpt-nano": (3, 3, 48),
@@ -28,33 +30,6 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 
 # Fields that fix the shape of the parameters: a snapshot must agree on all of them.
 SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "padded_vocab_size", "bias")
-
-
-def rows_of(n: int, parts: int, i: int) -> tuple[int, int]:
-    """Rows [start, stop) of part i when n rows are cut into `parts` parts of ceil(n / parts) rows
-    (the last parts may be shorter or empty): the rule of torch.chunk, which FSDP2 shards by."""
-    size = -(-n // parts)
-    start = min(i * size, n)
-    return start, min(start + size, n)
-
-
-def local_rows(t: torch.Tensor) -> tuple[int, int]:
-    """Rows [start, stop) of dimension 0 that this rank holds of an FSDP2 DTensor: `rows_of` over the
-    mesh dimension it is sharded on (HSDP: the second; the first replicates)."""
-    dim = next(i for i, p in enumerate(t.placements) if p.is_shard())
-    return rows_of(int(t.shape[0]) if t.dim() else 1, t.device_mesh.size(dim), t.device_mesh.get_local_rank(dim))
-
-
-def assign(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the leading rows of a whole tensor, `full`, into a parameter: a plain tensor, or a shard
-    of rows (an FSDP2 DTensor, cut by torch.chunk's rule) that takes just its own rows."""
-    with torch.no_grad():
-        if hasattr(param, "device_mesh"):  # a DTensor
-            local, (start, _) = param.to_local(), local_rows(param)
-            rows = max(0, min(len(full) - start, len(local)))
-            local[:rows].copy_(full[start:start + rows])
-        else:
-            param[: len(full)].copy_(full)
 
 
 def pad_vocab(vocab_size: int, multiple: int = 64) -> int:

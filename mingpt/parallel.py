@@ -25,7 +25,8 @@ import torch
 import torch.nn as nn
 
 from mingpt.distributed import DistInfo
-from mingpt.model import GPT, local_rows
+from mingpt.model import GPT
+from mingpt.shards import local_rows
 from mingpt.snapshot.layout import Slot, n_rows
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from mingpt.model import assign
+from mingpt.shards import assign
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")

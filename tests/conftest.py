@@ -2,6 +2,7 @@ import base64
 import gzip
 import json
 import os
+import pickle
 import sys
 from pathlib import Path
 
@@ -321,3 +322,18 @@ def ledger(t0, step, kind="time", job="j1", **seconds):
     s.update(seconds)
     return {"kind": kind, "step": step, "t0": t0, "s": s, "time": t0 + sum(s.values()), "job_id": job,
             "world_size": 2}
+
+
+class Payload:
+    """What an attacker stores in a job's store: unpickling it creates a directory, as any code could run."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.mkdir, (self.marker,)
+
+
+def forged_state(marker) -> bytes:
+    """A rendezvous state as torch's c10d backend stores it (base64 of a pickle), carrying Payload."""
+    return base64.b64encode(pickle.dumps(Payload(str(marker))))

@@ -2,11 +2,9 @@
 (mingpt-torchrun, --rdzv_backend=mingpt) with a process running as `nobody` that does what a
 reviewer did to torch's c10d rendezvous (replace its state with a pickle that runs code)."""
 
-import base64
 import datetime
 import json
 import os
-import pickle
 import pwd
 import secrets
 import subprocess
@@ -15,21 +13,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from conftest import REPO, free_port, make_corpus
-
-
-class Payload:
-    """What an attacker stores: unpickling it creates a directory, as any code could run."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (self.marker,)
-
-
-def forged_state(marker) -> bytes:
-    return base64.b64encode(pickle.dumps(Payload(str(marker))))
+from conftest import REPO, forged_state, free_port, make_corpus
 
 
 def _listening(pids: set[int]) -> list[str]:

@@ -4,7 +4,6 @@ The launch against another user of the node is scenarios/test_launch_security.py
 
 import base64
 import datetime
-import os
 import pickle
 import secrets
 import subprocess
@@ -15,25 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import REPO, free_port
+from conftest import REPO, Payload, forged_state, free_port
 from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 from mingpt.cli.rendezvous import SignedBackend
-
-
-class Payload:
-    """What an attacker stores: unpickling it creates a directory, as any code could run."""
-
-    def __init__(self, marker: str):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.mkdir, (self.marker,)
-
-
-def forged_state(marker) -> bytes:
-    return base64.b64encode(pickle.dumps(Payload(str(marker))))
 
 
 def test_a_state_not_signed_with_the_jobs_secret_is_refused_before_it_is_unpickled(tmp_path):

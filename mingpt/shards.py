@@ -1,0 +1,33 @@
+"""The rows of a tensor that each rank holds: FSDP2's cut (torch.chunk's rule), which the snapshot
+layout follows too, and the copy of a whole tensor into a parameter that may be such a shard."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rows_of(n: int, parts: int, i: int) -> tuple[int, int]:
+    """Rows [start, stop) of part i when n rows are cut into `parts` parts of ceil(n / parts) rows
+    (the last parts may be shorter or empty): the rule of torch.chunk, which FSDP2 shards by."""
+    size = -(-n // parts)
+    start = min(i * size, n)
+    return start, min(start + size, n)
+
+
+def local_rows(t: torch.Tensor) -> tuple[int, int]:
+    """Rows [start, stop) of dimension 0 that this rank holds of an FSDP2 DTensor: `rows_of` over the
+    mesh dimension it is sharded on (HSDP: the second; the first replicates)."""
+    dim = next(i for i, p in enumerate(t.placements) if p.is_shard())
+    return rows_of(int(t.shape[0]) if t.dim() else 1, t.device_mesh.size(dim), t.device_mesh.get_local_rank(dim))
+
+
+def assign(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the leading rows of a whole tensor, `full`, into a parameter: a plain tensor, or a shard
+    of rows (an FSDP2 DTensor, cut by torch.chunk's rule) that takes just its own rows."""
+    with torch.no_grad():
+        if hasattr(param, "device_mesh"):  # a DTensor
+            local, (start, _) = param.to_local(), local_rows(param)
+            rows = max(0, min(len(full) - start, len(local)))
+            local[:rows].copy_(full[start:start + rows])
+        else:
+            param[: len(full)].copy_(full)
