@@ -21,6 +21,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import uuid
 
@@ -96,6 +97,20 @@ def exit_code_of_signal(signum: int, worker_codes: list[int]) -> int:
     return max(said) if said else 128 + signum
 
 
+def exit_code_of_failures(failures: list) -> int:
+    """The launcher's exit code when the workers failed for good: the code of the first worker that
+    exited by itself (it said why). Workers killed by a signal are the agent stopping the others
+    after that one (torchrun's "first failure" may be one of them: its clock counts whole seconds),
+    unless no worker exited by itself; then one line says which and the code is the shell's."""
+    exited = [f for f in failures if f.exitcode > 0]
+    if exited:
+        return min(exited, key=lambda f: f.timestamp).exitcode
+    first = min(failures, key=lambda f: f.timestamp)
+    print(f"mingpt-torchrun: worker {first.local_rank} on {socket.gethostname()} was killed by "
+          f"{signal.Signals(-first.exitcode).name}; no restarts left (--max-restarts)", file=sys.stderr)
+    return 128 - first.exitcode
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -122,13 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     except SecretError as e:
         sys.exit(_say(str(e), 2))
     except ChildFailedError as e:
-        _, failure = e.get_first_failure()
-        code = failure.exitcode
-        if code < 0:  # a worker killed by a signal, which said nothing itself
-            print(f"mingpt-torchrun: worker {failure.local_rank} on {failure.hostname} was killed by "
-                  f"{signal.Signals(-code).name}; no restarts left (--max-restarts)", file=sys.stderr)
-            code = 128 - code
-        sys.exit(code)
+        sys.exit(exit_code_of_failures(list(e.failures.values())))
     except SignalException as e:
         sys.exit(exit_code_of_signal(int(e.sigval), launcher.LocalElasticAgent.exit_codes))
     except RendezvousConnectionError as e:

@@ -1,6 +1,8 @@
 """mingpt-torchrun (mingpt/cli/launch.py)."""
 
-from mingpt.cli.launch import exit_code_of_signal
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from mingpt.cli.launch import exit_code_of_failures, exit_code_of_signal
 
 
 def test_the_launchers_exit_code_after_a_signal_is_the_workers():
@@ -8,3 +10,18 @@ def test_the_launchers_exit_code_after_a_signal_is_the_workers():
     assert exit_code_of_signal(15, [75, 75]) == 75
     assert exit_code_of_signal(2, [130, 74]) == 74  # one rank's save failed: the snapshot is not there
     assert exit_code_of_signal(2, [-9, -9]) == 130  # the workers said nothing: the shell's 128 + signal
+
+
+def test_the_launchers_exit_code_is_the_worker_that_said_why_not_one_the_agent_stopped(tmp_path, capsys):
+    def failure(rank: int, code: int, timestamp: int) -> ProcessFailure:
+        f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(tmp_path / "none.json"))
+        f.timestamp = timestamp
+        return f
+
+    # rank 0 refused a bad setting (2); the agent then SIGTERMed rank 1, whose record can carry an
+    # earlier second: torchrun's "first failure" was rank 1, and the launcher exited 1, not 2
+    assert exit_code_of_failures([failure(0, 2, 1001), failure(1, -15, 1000)]) == 2
+    assert capsys.readouterr().err == ""
+    # only signals: the first, said in one line, with the shell's code
+    assert exit_code_of_failures([failure(0, -9, 1000), failure(1, -15, 1001)]) == 137
+    assert "worker 0 on" in capsys.readouterr().err
