@@ -261,6 +261,40 @@ class DistConfig:
 
 
 @dataclass(frozen=True)
+class ReplicasConfig:
+    """Replica groups (docs/replicas.md): the job is len(peers) groups, each its own torchrun, data
+    parallel across the groups; when a group is lost the others go on training."""
+    peers: list[str] = field(default_factory=list)
+    """HOST:PORT of every group's beacon, in group order, the same list for every group; empty: off."""
+    group: int = -1
+    """This group's place in `peers` (the launch gives it: it does not change when torchrun restarts
+    the group, unlike RANK)."""
+    min_groups: int = 0
+    """Groups that must be alive to train; 0: a majority of them (two sides of a cut network never
+    both train)."""
+    heartbeat_s: float = 0.1
+    """Seconds between heartbeats to every other group."""
+    lost_after_s: float = 1.0
+    """A group silent this long is lost (a killed process is noticed at once: its connection breaks)."""
+    timeout_s: float = 30.0
+    """How long forming an epoch's process group, or one collective, may take at most."""
+
+    def __post_init__(self) -> None:
+        n = len(self.peers)
+        _check(n == 0 or 0 <= self.group < n,
+               f"replicas.group={self.group}: give each group its place in replicas.peers (0 to {n - 1})")
+        _check(n != 1, "replicas.peers lists one group: list every group's HOST:PORT, or leave it empty")
+        _check(0 <= self.min_groups <= n, f"replicas.min_groups={self.min_groups} must be 0 (a majority) to {n}")
+        _check(0 < self.heartbeat_s < self.lost_after_s,
+               f"replicas.heartbeat_s ({self.heartbeat_s}) must be positive and below lost_after_s ({self.lost_after_s})")
+        _check(len(set(self.peers)) == n, "replicas.peers lists an address twice: give each group its own HOST:PORT")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.peers)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -268,6 +302,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    replicas: ReplicasConfig = field(default_factory=ReplicasConfig)
 
     def __post_init__(self) -> None:
         # One context length, so that a model is never sampled at positions it was not trained on.

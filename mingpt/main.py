@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import traceback
@@ -32,6 +33,7 @@ from mingpt.model import GPT
 from mingpt.parallel import Parallel, ParallelError, parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
+from mingpt.replicas import Beacon, ReplicaError, Replicas, default_min_groups
 from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.lease import Lease
 from mingpt.snapshot.nodecache import NodeCache
@@ -49,7 +51,7 @@ from mingpt.training.trainer import TrainData, Trainer
 log = logging.getLogger("mingpt")
 
 USER_ERRORS = (ConfigError, DataError, ParallelError, distributed.ProcessGroupError, distributed.SecretError,
-               PreflightError, PretrainedError, SnapshotError, TokenizerError)
+               PreflightError, PretrainedError, ReplicaError, SnapshotError, TokenizerError)
 
 
 def setup_logging(info: DistInfo) -> None:
@@ -125,7 +127,8 @@ def where_to_start(cfg: RunConfig, info: DistInfo) -> tuple[RunConfig, Start]:
         check_compatible(cfg, start.manifest)
     if info.is_rank0:
         set_aside(store, others, Path(cfg.trainer.run_dir), info.launch_id, fresh=not found and not info.restarted)
-        abort_unfinished(store)
+        if not cfg.replicas.enabled:  # a replica group starts while another may be saving: its upload is not an orphan
+            abort_unfinished(store)
     return cfg, start
 
 
@@ -144,6 +147,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     optimizer and training; it continues the snapshot it starts from."""
     ledger = ledger or Ledger()
     ledger.switch("data_load")
+    replicas = build_replicas(cfg, info)  # listening first: the other groups see this one starting
     cfg, start = where_to_start(cfg, info)
     cfg, corpus = build_data(cfg, start, info)
     ledger.switch("model")
@@ -162,14 +166,33 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                       meta={"run_id": start.run_id, "job_id": info.job_id, "launch_id": info.launch_id,
                             "config": cfg.to_dict(), "model_shape": cfg.model.shape_dict(),
                             "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source},
-                      metrics=metrics, info=info, hosts=hosts, ledger=ledger)
-    if start.candidates:
+                      metrics=metrics, info=info, hosts=hosts, ledger=ledger, replicas=replicas)
+    if start.candidates and replicas:  # a group that joins live peers heals from them: no snapshot is read
+        trainer.resume = lambda: load_snapshot(cfg, trainer, start)
+    elif start.candidates:
         ledger.switch("restore")
         load_snapshot(cfg, trainer, start)
     ledger.record(metrics.write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
                   kind="start", run_id=start.run_id, job_id=info.job_id, launch_id=info.launch_id,
                   world_size=info.world_size, restart=info.restart_count, parallel=parallel.name, hosts=hosts)
     return trainer
+
+
+def build_replicas(cfg: RunConfig, info: DistInfo) -> Replicas | None:
+    """This group's side of a replica-group job (replicas.peers set), or None."""
+    rc = cfg.replicas
+    if not rc.enabled:
+        return None
+    if info.distributed:
+        raise ReplicaError(f"replica groups of {info.world_size} processes are not supported yet: run each group as "
+                           "one process (torchrun --nproc_per_node=1), one group per node or per GPU")
+    secret = distributed.job_secret()
+    if secret is None:
+        raise ReplicaError("replica groups authenticate each other with the job secret: give every group the same "
+                           "MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
+                           "`python -c 'import secrets; print(secrets.token_hex(32))'`")
+    beacon = Beacon(rc.peers, rc.group, secret, rc.heartbeat_s, rc.lost_after_s)
+    return Replicas(beacon, len(rc.peers), rc.min_groups or default_min_groups(len(rc.peers)), rc.timeout_s)
 
 
 def build_data(cfg: RunConfig, start: Start, info: DistInfo) -> tuple[RunConfig, Corpus]:
@@ -323,6 +346,9 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     try:
         ledger.switch("process_group")
         info = distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads)
+        if cfg.replicas.enabled and not os.environ.get("MINGPT_LAUNCH_ID") and distributed.job_secret():
+            # every group of the job is one launch: the same id from the same secret (restarts keep it)
+            info = replace(info, launch_id=distributed.derive(distributed.job_secret(), "launch")[:16])
         ledger.switch("preflight")
         logging.getLogger("mingpt.node").info(
             "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",

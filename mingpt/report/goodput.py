@@ -18,10 +18,11 @@ from mingpt.training.ledger import STARTUP, STATES
 from mingpt.training.metrics import read_records  # noqa: F401 - the report's reader
 
 # the job's categories, in the order the report shows them
-CATEGORIES = ("training", "lost", "down", "startup", "data_wait", "eval", "snapshot", "log")
+CATEGORIES = ("training", "lost", "down", "startup", "data_wait", "eval", "snapshot", "log", "regroup")
 LABELS = {"training": "training, kept", "lost": "training, lost (steps trained again)",
           "down": "restart (detection to new processes)", "startup": "start-up", "data_wait": "waiting on data",
-          "eval": "evaluation", "snapshot": "snapshot (blocking)", "log": "logging and records"}
+          "eval": "evaluation", "snapshot": "snapshot (blocking)", "log": "logging and records",
+          "regroup": "replica groups: a new epoch formed, a group healed"}
 STEP = ("step_data", "step_compute")
 
 
@@ -129,8 +130,8 @@ def account(records: list[dict]) -> Account:
         for phase in STARTUP:
             startup[phase] += s[phase]
             seconds["startup"] += s[phase]
-        for state in ("eval", "snapshot", "log"):
-            seconds[state] += s[state]
+        for state in ("eval", "snapshot", "log", "regroup"):
+            seconds[state] += s.get(state, 0.0)  # records older than a state do not name it
         lost_steps.append(max(0, a.last_step - max(kept_until, a.first_step)))
         same_job = i > 0 and attempts[i - 1].launch == a.launch
         gap = max(0.0, a.t0 - attempts[i - 1].end) if same_job else 0.0
@@ -142,7 +143,7 @@ def account(records: list[dict]) -> Account:
 
 def check_states() -> None:
     """The categories cover every ledger state exactly once (an import-time guard for new states)."""
-    covered = set(STARTUP) | set(STEP) | {"eval", "snapshot", "log"}
+    covered = set(STARTUP) | set(STEP) | {"eval", "snapshot", "log", "regroup"}
     assert covered == set(STATES), covered ^ set(STATES)
 
 

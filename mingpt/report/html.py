@@ -18,7 +18,7 @@ from mingpt.report.goodput import CATEGORIES, LABELS
 from mingpt.report.summary import Run, summary
 
 COLORS = {"training": "#2a9d3f", "lost": "#e76f51", "down": "#b5179e", "startup": "#f4a261", "data_wait": "#8ecae6",
-          "eval": "#457b9d", "snapshot": "#6c757d", "log": "#ced4da"}
+          "eval": "#457b9d", "snapshot": "#6c757d", "log": "#ced4da", "regroup": "#ffb703"}
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>

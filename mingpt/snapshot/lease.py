@@ -2,8 +2,9 @@
 transport) that the first rank takes before choosing where to start, renews from a background
 thread and releases at exit.
 
-Another launch is refused while the lease is live. The same launch (a torchrun restart) takes it
-over at once; a lease that was not renewed in time, or whose process is known to be gone (same
+Another launch is refused while the lease is live. The same launch (a torchrun restart, or the
+other replica groups of one job, which hold it together) takes it over at once; a lease that was
+not renewed in time, or whose process is known to be gone (same
 host and pid namespace), is taken over with a warning: a dead job cannot hold a store forever.
 """
 
@@ -54,7 +55,7 @@ class Lease:
         if not held or held.get("launch_id") != self.launch_id:
             time.sleep(SETTLE_S)
             now = self._read()
-            if now.get("token") != self.record["token"]:
+            if now and now.get("launch_id") != self.launch_id:  # another launch wrote last (one of ours may have)
                 raise LeaseError(_in_use(self.store.url, now))
         self._thread = threading.Thread(target=self._renew, name="snapshot-lease", daemon=True)
         self._thread.start()
@@ -78,7 +79,7 @@ class Lease:
         while not self._stop.wait(self.ttl_s / 4):  # a few tries before it expires
             try:
                 held = self._read()
-                if held.get("token") != self.record["token"]:
+                if held and held.get("launch_id") != self.launch_id:
                     log.error("the lease of snapshot store %s was taken over by job %s on host %s (pid %s): two "
                               "jobs now write there", self.store.url, held.get("launch_id"), held.get("host"),
                               held.get("pid"))

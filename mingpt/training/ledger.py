@@ -15,7 +15,7 @@ import time
 
 # start-up, in order, then the states of steady training
 STARTUP = ("launch", "config", "process_group", "preflight", "data_load", "model", "restore", "first_step")
-STEADY = ("step_data", "step_compute", "eval", "snapshot", "log")
+STEADY = ("step_data", "step_compute", "eval", "snapshot", "log", "regroup")  # regroup: replica groups (mingpt.replicas)
 STATES = STARTUP + STEADY
 STEP_STATES = ("step_data", "step_compute")
 

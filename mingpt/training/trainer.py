@@ -21,6 +21,7 @@ from mingpt.data.datasets import DocumentDataset, StreamDataset
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler
 from mingpt.distributed import DistInfo, all_gather_floats, all_reduce_sum
 from mingpt.parallel import Parallel
+from mingpt.replicas import MembershipChanged, Replicas
 from mingpt.snapshot import SaveFailedError, Snapshotter
 from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter, peak_flops, train_record
@@ -86,7 +87,7 @@ class Trainer:
     def __init__(self, *, cfg: TrainerConfig, optim_cfg: OptimConfig, parallel: Parallel,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, data: TrainData,
                  snapshotter: Snapshotter, policy: SavePolicy, meta: dict, metrics: MetricsWriter, info: DistInfo,
-                 hosts: list[str], ledger: Ledger | None = None):
+                 hosts: list[str], ledger: Ledger | None = None, replicas: Replicas | None = None):
         self.cfg, self.optim_cfg, self.parallel, self.optimizer, self.scaler = cfg, optim_cfg, parallel, optimizer, scaler
         self.data, self.snapshotter, self.policy, self.meta = data, snapshotter, policy, meta
         self.metrics, self.info, self.hosts, self.progress = metrics, info, hosts, Progress()
@@ -96,6 +97,16 @@ class Trainer:
         self.device = torch.device(info.device)
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
         self.pin = self.device.type == "cuda"  # pinned host memory: the copy to the GPU overlaps compute
+        self.replicas = replicas  # replica groups (mingpt.replicas): the step's shares and its exchange
+        self.shares_record: list = []  # replica groups: (group, samples, sum of sample ids) of each share
+        self.resume = None  # replica groups: loads the snapshot to continue, when no member is live
+        if replicas is not None:
+            policy.agreed = lambda: replicas.flags
+
+    @property
+    def leads(self) -> bool:
+        """This process logs and saves for the job: rank 0, or the first member of the replica epoch."""
+        return self.replicas.leads if self.replicas else self.info.is_rank0
 
     def train(self) -> bool:
         """Train to max_steps; False when stopped early by a preemption signal (after saving)."""
@@ -124,8 +135,16 @@ class Trainer:
         never count as steps."""
         p, cfg = self.progress, self.cfg
         since = (p.step, self.ledger.step_seconds())
+        if self.replicas and not self.regroup("start"):
+            return False
         while p.step < cfg.max_steps:
-            stats = self.train_step()
+            try:
+                stats = self.train_step()
+            except MembershipChanged as e:  # the step is dropped on every member; the next epoch trains it
+                if not self.regroup(str(e)):
+                    return False
+                since = (p.step, self.ledger.step_seconds())
+                continue
             p.step, p.tokens_seen = p.step + 1, p.tokens_seen + stats.tokens
             self.watchdog.beat(p.step)
             bar.update(1)
@@ -141,6 +160,9 @@ class Trainer:
                 self.watchdog.beat(p.step)
             if todo.record_time:
                 self.record_time()
+            if self.replicas and self.replicas.rejoin_pending and not todo.stop:  # a group waits: let it in now
+                if not self.regroup("a group joins"):
+                    return False
             if todo.stop:
                 self.finish_saving(self.policy.preempt.describe())
                 if self.info.is_rank0:  # every rank stops; one says so
@@ -149,6 +171,43 @@ class Trainer:
                 return False
         self.finish_saving(f"the run reached step {p.step}")
         return True
+
+    def regroup(self, why: str) -> bool:
+        """Form the next replica epoch and bring every member to the newest state among them; False
+        when a preemption signal came first (the process stops without saving: it is no member)."""
+        t0, p = time.monotonic(), self.progress
+        with self.ledger.during("regroup"):
+            while True:
+                epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested)
+                if epoch is None:
+                    log.warning("%s while waiting to join the replica groups", self.policy.preempt.describe())
+                    return False
+                self.metrics.enabled = self.leads  # one member writes the job's records
+                if self.resume is not None and not any(m.live for m in epoch.members):  # the job (re)starts
+                    with self.ledger.during("restore"):
+                        self.resume()
+                    self.resume = None
+                    continue  # announce the step loaded
+                self.resume = None  # a live member holds the job's state: heal from it, never load
+                try:
+                    source, healed = self.replicas.heal(self.parallel.slots(self.optimizer), self._state_json,
+                                                        self._load_json)
+                    break
+                except MembershipChanged as e:  # lost while healing: form the next epoch
+                    why = str(e)
+        if self.replicas.beacon.group in healed:
+            log.info("healed from replica group %d: at step %d", source, p.step)
+        if self.leads:
+            self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "groups": epoch.groups(),
+                                "why": why, "regroup_s": round(time.monotonic() - t0, 4), "healed": healed,
+                                "healed_from": source if healed else None})
+        return True
+
+    def _state_json(self) -> dict:
+        return {name: part.state_dict() for name, part in self.stateful.items()}
+
+    def _load_json(self, state: dict) -> None:
+        self.load_state(state)
 
     def decide(self, step: int) -> Todo:
         """What to do after `step`, the same on every rank: logging and evaluation by their intervals,
@@ -184,22 +243,46 @@ class Trainer:
 
     def train_step(self) -> StepStats:
         """One optimizer step over the next global batch, split over ranks and micro-batches. No
-        host sync: the loss and the gradient norm stay on the device."""
+        host sync: the loss and the gradient norm stay on the device (replica groups: see `_exchange`)."""
         t0 = time.perf_counter()
         self.ledger.switch("step_data")
         info, step = self.info, self.progress.step
+        before = self.data.sampler.state_dict() if self.replicas else None
         micro_batches = self.data.sampler.next_step()  # the global step's, the same for any world size
         # every rank knows the global token count from the plan: no collective normalises the loss
         global_tokens = self.data.train.tokens_in(np.concatenate(micro_batches))
-        split = self.data.sampler.split(micro_batches, info.world_size)
-        # a rank with no samples here still runs one (weight 0): every rank joins every reduction
-        micro_here = [(mb, 1.0) if len(mb) else (micro_batches[0][:1], 0.0) for mb in split[info.rank]]
+        # replica groups: the split of a world of one rank per group, whichever groups are alive
+        split = self.data.sampler.split(micro_batches, self.replicas.shares_total if self.replicas else info.world_size)
         lr = lr_at(step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        model = self.parallel.model
-        model.train()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.parallel.model.train()
+        rows, loss_sum = {}, torch.zeros((), device=self.device, dtype=torch.float32)
+        for share in self.replicas.shares() if self.replicas else [info.rank]:
+            self.optimizer.zero_grad(set_to_none=True)
+            # a rank with no samples here still runs one (weight 0): every rank joins every reduction
+            share_sum = self._accumulate([(mb, 1.0) if len(mb) else (micro_batches[0][:1], 0.0) for mb in split[share]],
+                                         global_tokens, step)
+            loss_sum += share_sum
+            if self.replicas:
+                rows[share] = (_flat_grads(self.parallel.gpt), share_sum, split[share])
+        compute_s = self.parallel.grads_ready_t - t0
+        if self.replicas:
+            try:
+                loss_sum = self._exchange(rows, step)
+            except MembershipChanged:
+                self.data.sampler.load_state_dict(before)  # the step is trained again, by the next epoch
+                raise
+        self.scaler.unscale_(self.optimizer)  # nanoGPT's order: clip the true gradients
+        grad_norm = self.parallel.clip_grad_norm(self.optim_cfg.grad_clip)
+        self.scaler.step(self.optimizer)  # fp16 only: a sync (the scaler reads whether a gradient overflowed)
+        self.scaler.update()
+        return StepStats(loss_sum, global_tokens, grad_norm, lr, compute_s, split)
+
+    def _accumulate(self, micro_here: list[tuple[np.ndarray, float]], global_tokens: int, step: int) -> torch.Tensor:
+        """Forward and backward over one rank's micro-batches (weight 0: run, not counted); their summed
+        token loss, on the device."""
+        model, world = self.parallel.model, 1 if self.replicas else self.info.world_size
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         x, y = self._fetch(micro_here[0][0])
         for i, (mb, weight) in enumerate(micro_here):
@@ -213,14 +296,29 @@ class Trainer:
                     x, y = self._fetch(micro_here[i + 1][0])
                 # gradients are averaged over ranks: world_size / global tokens makes them those of the
                 # mean token loss of the whole global batch, however unevenly the samples were split
-                self.scaler.scale(loss * (weight * info.world_size / global_tokens)).backward()
+                # (replica groups sum the shares' gradients instead: a world of 1 here)
+                self.scaler.scale(loss * (weight * world / global_tokens)).backward()
             loss_sum += loss.detach().float() * weight
-        compute_s = self.parallel.grads_ready_t - t0
-        self.scaler.unscale_(self.optimizer)  # nanoGPT's order: clip the true gradients
-        grad_norm = self.parallel.clip_grad_norm(self.optim_cfg.grad_clip)
-        self.scaler.step(self.optimizer)  # fp16 only: a sync (the scaler reads whether a gradient overflowed)
-        self.scaler.update()
-        return StepStats(loss_sum, global_tokens, grad_norm, lr, compute_s, split)
+        return loss_sum
+
+    def _exchange(self, rows: dict, step: int) -> torch.Tensor:
+        """Replica groups: every share's gradient, summed in share order, into this member's
+        gradients; every member's flags (preemption, save interval, a group waiting to join) are
+        agreed by it. Returns the step's summed token loss. A sync (the exchange runs on the host)."""
+        self.ledger.switch("step_compute")
+        r = self.replicas
+        timed = 0 < self.policy.every_s <= time.monotonic() - self.policy.last_save_t
+        joiners = bool(r.beacon.joiners(r.epoch))
+        heads = {share: [float(self.policy.preempt.requested), float(timed), float(joiners), float(loss.item()),
+                         float(sum(len(mb) for mb in mbs)), float(sum(int(i) for mb in mbs for i in mb)),
+                         float(r.beacon.group)]
+                 for share, (_, loss, mbs) in rows.items()}
+        total, every = r.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+        _set_grads(self.parallel.gpt, total)
+        r.flags = (any(h[0] for h in every), any(h[1] for h in every))
+        r.rejoin_pending = any(h[2] for h in every)
+        self.shares_record = [[int(h[6]), int(h[4]), int(h[5])] for h in every]  # (group, samples, sum of ids)
+        return torch.tensor(sum(h[3] for h in every), device=self.device)
 
     def _fetch(self, samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch on the device; on a GPU through pinned memory, so the copy does not wait."""
@@ -238,6 +336,8 @@ class Trainer:
         with self.ledger.during("eval"):
             val_loss = validation_loss(self.parallel.gpt, self.data, self.device, self.amp_dtype)
         p.best_val_loss = min(p.best_val_loss, val_loss)
+        if not self.leads:
+            return val_loss
         log.info("step %d | val loss %.4f | best %.4f", p.step, val_loss, p.best_val_loss)
         self.metrics.write({"kind": "eval", "step": p.step, "val_loss": val_loss})
         return val_loss
@@ -250,6 +350,8 @@ class Trainer:
         self.metrics.close()
         self.parallel.close()
         self.data.corpus.close()
+        if self.replicas:
+            self.replicas.close()
 
     def save_snapshot(self) -> None:
         """Every rank writes its share of the state; the first commits it."""
@@ -259,6 +361,8 @@ class Trainer:
         extra = {name: part.state_dict() for name, part in self.stateful.items()}
         with self.ledger.during("snapshot"):
             self.policy.saved()
+            if self.replicas and not self.leads:  # one member saves for the job (each holds the whole state)
+                return
             self.snapshotter.save(p.step, self.parallel.slots(self.optimizer), extra, manifest)
 
     def load_state(self, extra: dict) -> None:
@@ -272,15 +376,32 @@ class Trainer:
         with self.ledger.during("log"):
             loss = all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
             compute = [c[0] for c in all_gather_floats([stats.compute_s], self.info.device)]
-            if self.info.is_rank0:
+            if self.leads:
                 p = self.progress
                 step = {"step": p.step, "tokens_seen": p.tokens_seen, "tokens": stats.tokens, "lr": stats.lr,
                         "grad_norm": stats.grad_norm.item()}
                 record = train_record(step, loss, step_s, compute, self.hosts,
                                       self.parallel.gpt.flops_per_token(self.data.train.block_size),
                                       peak_flops(self.cfg, self.info, self.device))
-                self.metrics.write({**record, "epoch": self.data.sampler.epoch, "world_size": self.info.world_size,
-                                    **self.data.train.batch_stats(stats.split)})
+                world = self.replicas.epoch.world if self.replicas else self.info.world_size
+                shares = {"groups": self.replicas.epoch.groups(), "shares": self.shares_record} if self.replicas else {}
+                self.metrics.write({**record, "epoch": self.data.sampler.epoch, "world_size": world,
+                                    **self.data.train.batch_stats(stats.split), **shares})
+
+
+def _flat_grads(model: nn.Module) -> torch.Tensor:
+    """Every parameter's gradient in one host tensor (parameter order; none: zeros)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                      for p in model.parameters()])
+
+
+@torch.no_grad()
+def _set_grads(model: nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype).clone()
+        offset += n
 
 
 @torch.no_grad()

@@ -1,0 +1,496 @@
+"""Replica groups: data parallelism across groups that survive each other's loss.
+
+A job of R groups, each its own torchrun (or one process), trains one model. The global batch is
+always cut into R *shares* (the split a world of R ranks would make); each share is trained by its
+own group, or, while that group is lost, by a survivor that adopts it. A step's gradient is the sum
+of the R shares' gradients **in share order**, whoever computed them, so a run with faults ends with
+the same weights, bit for bit, as one without.
+
+Who is alive is told by heartbeats of our own (`Beacon`): every group's process listens on its
+`replicas.peers` address and sends a heartbeat to every other group every `heartbeat_s`; a peer is
+lost when its connection breaks (a killed process) or after `lost_after_s` of silence (a lost node, a
+cut network). The members of an *epoch* train together over a process group made for that epoch:
+when one is lost, the others drop the step in flight (nothing is applied from a gradient exchange
+that did not complete), form the next epoch without it and train the step again. A group that
+(re)starts asks to join; the members let it in at the next step boundary, and it heals from a live
+member: the whole training state sent over the epoch's process group as tensors plus JSON (never a
+pickle), checked by a digest before its first step.
+
+The epoch is formed by its *coordinator*, the lowest-numbered group alive: there is no fixed
+coordinator to lose. A side of a cut network that holds fewer than `min_groups` groups (by default a
+majority) does not train: it waits to rejoin, so two halves of a job never train apart.
+Every connection is authenticated by the job secret (an HMAC of a fresh nonce); nothing received is
+unpickled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import json
+import logging
+import math
+import re
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mingpt.distributed import bound_store, derive
+
+log = logging.getLogger(__name__)
+
+
+class MembershipChanged(Exception):
+    """A member was lost (or left) during a step: the step in flight is dropped."""
+
+
+class ReplicaError(RuntimeError):
+    """Replica groups cannot work as configured; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Member:
+    group: int
+    incarnation: str  # this process's start: a restarted group is a new member
+    step: int  # the steps its state holds
+    live: bool  # it has trained in an epoch (its state is the job's, not a snapshot's)
+
+
+@dataclass
+class Epoch:
+    number: int
+    members: list[Member]  # in rank order (by group)
+    rank: int
+    pg: object = None  # the epoch's gloo process group
+    store: object = None  # kept alive with the group (the coordinator hosts it)
+
+    @property
+    def world(self) -> int:
+        return len(self.members)
+
+    def groups(self) -> list[int]:
+        return [m.group for m in self.members]
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ReplicaError(f"replicas.peers entry {address!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class Beacon:
+    """This group's endpoint: a server on its own peers address (heartbeats and join requests from
+    the other groups) and a sender to every other group (heartbeats, join requests, their replies)."""
+
+    def __init__(self, peers: list[str], group: int, secret: bytes, heartbeat_s: float, lost_after_s: float):
+        self.peers, self.group, self.secret = [host_port(p) for p in peers], group, secret
+        self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
+        self.incarnation = secrets.token_hex(6)
+        self.status = {"state": "starting", "epoch": -1, "step": 0}  # then forming, training
+        self.max_epoch = -1
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._seen: dict[int, dict] = {}  # group -> its last heartbeat (with "t" and "eof")
+        self._requests: dict[int, tuple[dict, socket.socket]] = {}  # join requests, to the coordinator
+        self._replies: dict[str, dict] = {}  # replies to our join requests, by request id
+        self._senders: dict[int, socket.socket] = {}
+        self._stop = threading.Event()
+        host, port = self.peers[group]
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        self._server = socket.socket(family, kind, proto)
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._server.bind(address)  # this address only: nothing listens wider than it must
+        except OSError as e:
+            raise ReplicaError(f"replica group {group} cannot listen on {host}:{port} ({e.strerror}): give "
+                               "replicas.peers an address of this host with a free port") from None
+        self._server.listen(64)
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads += [threading.Thread(target=self._send, args=(g,), daemon=True)
+                          for g in range(len(self.peers)) if g != group]
+        for t in self._threads:
+            t.start()
+
+    # --- what the trainer asks -------------------------------------------------------------------
+    def alive(self) -> dict[int, str]:
+        """{group: incarnation} of every group heard from within lost_after_s, this one included."""
+        now = time.monotonic()
+        with self._lock:
+            out = {g: s["inc"] for g, s in self._seen.items() if not s["eof"] and now - s["t"] < self.lost_after_s}
+        out[self.group] = self.incarnation
+        return out
+
+    def lost(self, epoch: Epoch) -> str | None:
+        """Why `epoch` cannot go on (a member lost or gone to form another), or None."""
+        alive = self.alive()
+        with self._lock:
+            seen = {g: dict(s) for g, s in self._seen.items()}
+        for m in epoch.members:
+            if m.group == self.group:
+                continue
+            if alive.get(m.group) != m.incarnation:
+                return f"group {m.group} lost"
+            if seen[m.group].get("epoch") != epoch.number or seen[m.group].get("state") != "training":
+                if seen[m.group].get("epoch", -1) >= epoch.number:  # a heartbeat of the previous epoch may be late
+                    return f"group {m.group} left epoch {epoch.number}"
+        return None
+
+    def joiners(self, epoch: Epoch) -> list[int]:
+        """Groups alive that are not members of `epoch` (a restarted group, a healed partition)."""
+        mine = {m.group: m.incarnation for m in epoch.members}
+        with self._lock:
+            starting = {g for g, s in self._seen.items() if s.get("state") == "starting"}
+        return sorted(g for g, inc in self.alive().items() if mine.get(g) != inc and g not in starting)
+
+    def set_status(self, **kw) -> None:
+        with self._lock:
+            self.status.update(kw)
+            if "epoch" in kw:
+                self.max_epoch = max(self.max_epoch, kw["epoch"])
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in [self._server, *self._senders.values()]:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+    # --- forming an epoch -------------------------------------------------------------------------
+    def form(self, step: int, live: bool, min_groups: int, timeout_s: float,
+             should_stop: Callable[[], bool]) -> Epoch | None:
+        """Join the next epoch: ask the coordinator (the lowest group alive) until it forms one that
+        holds at least `min_groups` groups; then make the epoch's process group. None: `should_stop`."""
+        self.set_status(state="forming", step=step)
+        waited = time.monotonic()
+        while True:
+            if should_stop():
+                return None
+            coordinator = min(self.alive())
+            try:
+                epoch = (self._coordinate(step, live, min_groups, timeout_s) if coordinator == self.group
+                         else self._ask(coordinator, step, live))
+            except OSError:
+                epoch = None
+            if epoch is not None:
+                try:
+                    self._make_group(epoch, timeout_s)
+                except MembershipChanged as e:
+                    log.warning("epoch %d did not form (%s); trying again", epoch.number, e)
+                    continue
+                self.set_status(state="training", epoch=epoch.number)
+                return epoch
+            if time.monotonic() - waited > 10:
+                log.warning("replica group %d waits for a quorum of %d groups (alive: %s)", self.group, min_groups,
+                            sorted(self.alive()))
+                waited = time.monotonic()
+            time.sleep(self.heartbeat_s)
+
+    def _ask(self, coordinator: int, step: int, live: bool) -> Epoch | None:
+        rid = secrets.token_hex(6)
+        self._write(self._senders.get(coordinator), {"t": "join", "id": rid, "step": step, "live": live,
+                                                     "epoch_seen": self.max_epoch})
+        deadline = time.monotonic() + 5 * self.lost_after_s + 6  # a request the coordinator passed over
+        while min(self.alive()) == coordinator and time.monotonic() < deadline:
+            with self._lock:
+                reply = self._replies.pop(rid, None)
+            if reply is not None:
+                if reply["t"] != "epoch":
+                    return None
+                members = [Member(*m) for m in reply["members"]]
+                rank = [m.group for m in members].index(self.group)
+                return Epoch(reply["number"], members, rank, store=tuple(reply["store"]))
+            time.sleep(0.002)
+        return None
+
+    def _coordinate(self, step: int, live: bool, min_groups: int, timeout_s: float) -> Epoch | None:
+        """Wait for a join request from every group alive (a member finishing its step comes within a
+        step; one that never asks is left out after a while), then announce the epoch to them."""
+        started = time.monotonic()
+        while True:
+            alive = self.alive()
+            if min(alive) != self.group:
+                return None
+            with self._lock:
+                asked = {g: r for g, r in self._requests.items() if alive.get(g) == r[0]["inc"]}
+                starting = {g for g, s in self._seen.items() if s.get("state") == "starting"}
+            if set(alive) - {self.group} - starting <= set(asked) or time.monotonic() - started > 5 * self.lost_after_s + 5:
+                break
+            time.sleep(0.002)
+        with self._lock:
+            for g in asked:
+                del self._requests[g]
+        members = sorted([Member(self.group, self.incarnation, step, live)]
+                         + [Member(g, r[0]["inc"], r[0]["step"], r[0]["live"]) for g, r in asked.items()],
+                         key=lambda m: m.group)
+        if len(members) < min_groups:
+            for msg, conn in asked.values():
+                self._write(conn, {"t": "wait", "id": msg["id"]})
+            return None
+        number = max([self.max_epoch] + [r[0]["epoch_seen"] for r in asked.values()]) + 1
+        host = self.peers[self.group][0]
+        store = bound_store(host, 0, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        for msg, conn in asked.values():
+            self._write(conn, {"t": "epoch", "id": msg["id"], "number": number, "store": [host, store.port],
+                               "members": [[m.group, m.incarnation, m.step, m.live] for m in members]})
+        return Epoch(number, members, [m.group for m in members].index(self.group), store=store)
+
+    def _make_group(self, epoch: Epoch, timeout_s: float) -> None:
+        """The epoch's gloo process group, made in a thread so that a member lost meanwhile is noticed."""
+        timeout = datetime.timedelta(seconds=timeout_s)
+        out: dict = {}
+
+        def make():
+            try:
+                store = epoch.store
+                if isinstance(store, tuple):
+                    store = dist.TCPStore(store[0], store[1], is_master=False, timeout=timeout)
+                    out["store"] = store
+                prefixed = dist.PrefixStore(derive(self.secret, f"replicas-epoch-{epoch.number}"), store)
+                out["pg"] = dist.ProcessGroupGloo(prefixed, epoch.rank, epoch.world, timeout)
+            except Exception as e:  # noqa: BLE001 - reported to the waiting thread
+                out["error"] = e
+
+        thread = threading.Thread(target=make, daemon=True)
+        thread.start()
+        while thread.is_alive():
+            if (why := self.lost(epoch)) is not None:
+                raise MembershipChanged(why)
+            thread.join(0.005)
+        if "error" in out:
+            raise MembershipChanged(str(out["error"]).splitlines()[0][:200])
+        epoch.pg = out["pg"]
+        if "store" in out:
+            epoch.store = out["store"]
+
+    # --- the wire ---------------------------------------------------------------------------------
+    def _mac(self, nonce: str, group: int, inc: str) -> str:
+        return hmac.new(self.secret, f"{nonce}|{group}|{inc}".encode(), hashlib.sha256).hexdigest()
+
+    def _write(self, conn: socket.socket | None, msg: dict) -> None:
+        if conn is None:
+            raise OSError("not connected")
+        with self._send_lock:  # a send blocked by a cut network gives up after SO_SNDTIMEO
+            conn.sendall(json.dumps(msg).encode() + b"\n")
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One peer's heartbeats and requests; the first line must prove the job secret."""
+        group = inc = None
+        try:
+            nonce = secrets.token_hex(16)
+            conn.settimeout(5.0)
+            conn.sendall(json.dumps({"nonce": nonce}).encode() + b"\n")
+            reader = conn.makefile("rb")
+            hello = json.loads(reader.readline(4096) or b"{}")
+            group, inc = hello.get("group"), hello.get("inc")
+            if not (isinstance(group, int) and 0 <= group < len(self.peers) and group != self.group
+                    and isinstance(inc, str)
+                    and hmac.compare_digest(str(hello.get("mac", "")), self._mac(nonce, group, inc))):
+                log.warning("replica beacon: refused a connection that did not prove the job secret")
+                return
+            conn.settimeout(None)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
+            for line in reader:
+                msg = json.loads(line)
+                with self._lock:
+                    if msg.get("t") == "hb":
+                        self._seen[group] = {**msg, "inc": inc, "t": time.monotonic(), "eof": False}
+                        self.max_epoch = max(self.max_epoch, int(msg.get("epoch", -1)))
+                    elif msg.get("t") == "join":
+                        self._requests[group] = ({**msg, "inc": inc}, conn)
+        except (OSError, ValueError):
+            pass
+        finally:
+            with self._lock:
+                if group is not None and self._seen.get(group, {}).get("inc") == inc:
+                    self._seen[group]["eof"] = True
+            conn.close()
+
+    def _send(self, group: int) -> None:
+        """Keep a connection to `group`'s beacon: heartbeats out, replies to our requests in."""
+        while not self._stop.is_set():
+            try:
+                conn = socket.create_connection(self.peers[group], timeout=max(self.lost_after_s, 0.5))
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                reader = conn.makefile("rb")
+                nonce = json.loads(reader.readline(4096))["nonce"]
+                conn.sendall(json.dumps({"group": self.group, "inc": self.incarnation,
+                                         "mac": self._mac(nonce, self.group, self.incarnation)}).encode() + b"\n")
+                conn.settimeout(None)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
+                self._senders[group] = conn
+                threading.Thread(target=self._read_replies, args=(reader,), daemon=True).start()
+                while not self._stop.is_set():
+                    with self._lock:
+                        status = dict(self.status)
+                    self._write(conn, {"t": "hb", **status})
+                    time.sleep(self.heartbeat_s)
+            except (OSError, ValueError, KeyError):
+                self._senders.pop(group, None)
+                time.sleep(self.heartbeat_s)
+
+    def _read_replies(self, reader) -> None:
+        try:
+            for line in reader:
+                msg = json.loads(line)
+                with self._lock:
+                    self._replies[str(msg.get("id"))] = msg
+        except (OSError, ValueError):
+            pass
+
+
+class Replicas:
+    """This group's side of a replica-group job, as the Trainer uses it: which shares of the step it
+    trains, the exchange of the shares' gradients, forming the next epoch, and healing."""
+
+    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float):
+        self.beacon, self.shares_total, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
+        self.epoch: Epoch | None = None
+        self.live = False  # trained in an epoch: this state is the job's
+        self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
+        self.flags = (False, False)  # (preempted, save interval elapsed) on any member, at the last exchange
+
+    @property
+    def leads(self) -> bool:
+        """The epoch's first member: it logs and saves for the job."""
+        return self.epoch is not None and self.epoch.rank == 0
+
+    def shares(self) -> list[int]:
+        """The shares this member trains: its own group's, and those of lost groups dealt out in turn."""
+        groups = self.epoch.groups()
+        orphans = [s for s in range(self.shares_total) if s not in groups]
+        mine = [self.beacon.group] + orphans[self.epoch.rank::self.epoch.world]
+        return sorted(mine)
+
+    def form(self, step: int, should_stop: Callable[[], bool]) -> Epoch | None:
+        t0 = time.monotonic()
+        self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s, should_stop)
+        self.rejoin_pending = False
+        if self.epoch is None:
+            return None
+        log.info("replica epoch %d: groups %s (this is group %d, rank %d), formed in %.2f s", self.epoch.number,
+                 self.epoch.groups(), self.beacon.group, self.epoch.rank, time.monotonic() - t0)
+        return self.epoch
+
+    def wait(self, work) -> None:
+        """Wait for a collective of the epoch, giving up when a member is lost (a silent peer would
+        otherwise hold it until the process group's timeout)."""
+        while not work.is_completed():
+            if (why := self.beacon.lost(self.epoch)) is not None:
+                raise MembershipChanged(why)
+            time.sleep(0.0002)
+        try:
+            work.wait()
+        except RuntimeError as e:  # gloo's first line names its source file first: "[.../pair.cc:553] Connection ..."
+            raise MembershipChanged(re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]) from None
+
+    def exchange(self, step: int, rows: dict[int, torch.Tensor],
+                 headers: dict[int, list[float]]) -> tuple[torch.Tensor, list]:
+        """The sum of every share's gradient row, in share order (the same sum whoever trained which),
+        and every share's header (numbers its trainer sent with it), in share order."""
+        epoch = self.epoch
+        per = math.ceil(self.shares_total / epoch.world)
+        n = next(iter(rows.values())).numel()
+        width = 3 + len(next(iter(headers.values())))
+        heads = torch.full((per, width), -1.0, dtype=torch.float64)
+        buf = torch.zeros(per, n)
+        for i, (share, row) in enumerate(sorted(rows.items())):
+            heads[i] = torch.tensor([share, step, epoch.number, *headers[share]], dtype=torch.float64)
+            buf[i] = row
+        all_heads = torch.empty(epoch.world * per, heads.shape[1], dtype=torch.float64)
+        self.wait(epoch.pg.allgather([list(all_heads.chunk(epoch.world))], [heads]))
+        all_rows = torch.empty(epoch.world * per, n)
+        self.wait(epoch.pg.allgather([list(all_rows.chunk(epoch.world))], [buf]))
+        by_share: dict[int, int] = {}
+        for i, h in enumerate(all_heads.tolist()):
+            if h[0] < 0:
+                continue
+            if int(h[1]) != step or int(h[2]) != epoch.number or int(h[0]) in by_share:
+                raise MembershipChanged(f"the exchange of step {step} does not add up (row {h[:3]})")
+            by_share[int(h[0])] = i
+        if sorted(by_share) != list(range(self.shares_total)):
+            raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(by_share)}")
+        total = all_rows[by_share[0]].clone()
+        for share in range(1, self.shares_total):
+            total += all_rows[by_share[share]]
+        return total, [all_heads[by_share[s]].tolist()[3:] for s in range(self.shares_total)]
+
+    def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> tuple[int, list[int]]:
+        """Bring every member to the newest state among them: the first member holding it broadcasts
+        its tensors and JSON state (a broadcast reaches every member behind in one collective); a
+        receiver keeps what it received only if it matches the sender's digest. Returns (the group
+        that sent, the groups healed), or (-1, []) when every member held the same state."""
+        members = self.epoch.members
+        best = max(members, key=lambda m: (m.live, m.step))
+        source = members.index(best)
+        behind = [i for i, m in enumerate(members)
+                  if i != source and ((m.step, m.live) != (best.step, best.live) or (best.live and not m.live))]
+        me, healed = self.epoch.rank, (best.group, [members[i].group for i in behind])
+        if not behind:
+            self.live = True
+            return -1, []
+        meta = state() if me == source else {}
+        if me == source:
+            meta["digest"] = state_digest(slots, meta)
+        blob = json.dumps(meta).encode() if me == source else b""
+        size = torch.tensor([len(blob)], dtype=torch.int64)
+        self._broadcast(size, source)
+        blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
+                  else torch.empty(int(size), dtype=torch.uint8))
+        self._broadcast(blob_t, source)
+        received = [slot.local.detach().contiguous() if me == source else torch.empty_like(slot.local).contiguous()
+                    for slot in slots]
+        for t in received:
+            self._broadcast(t, source)
+        self.live = True
+        if me == source or me not in behind:  # up to date: what it received is what it holds
+            return healed
+        meta = json.loads(bytes(blob_t.numpy()))
+        digest = meta.pop("digest")
+        if state_digest(slots, meta, received) != digest:
+            raise ReplicaError(f"the state received from group {best.group} does not match its digest")
+        with torch.no_grad():
+            for slot, t in zip(slots, received):
+                slot.local.copy_(t)
+        load(meta)
+        return healed
+
+    def _broadcast(self, t: torch.Tensor, source: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = source, 0
+        self.wait(self.epoch.pg.broadcast([t], opts))
+
+    def close(self) -> None:
+        self.beacon.close()
+
+
+def state_digest(slots: list, meta: dict, tensors: list | None = None) -> str:
+    """sha256 of the JSON state and every tensor's bytes (the slots', or `tensors` in their place)."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
+    for slot, t in zip(slots, tensors or [s.local for s in slots]):
+        t = t.detach().contiguous()
+        h.update(slot.name.encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def default_min_groups(groups: int) -> int:
+    """A majority: two sides of a cut network can never both train."""
+    return groups // 2 + 1

@@ -1,0 +1,167 @@
+"""Replica groups (mingpt.replicas): three groups, each its own torchrun. A group's worker is SIGKILLed
+(its torchrun restarts it and it heals from a live peer) or frozen with SIGSTOP (silent, as a lost
+node or a cut network: only the heartbeats tell). The other groups go on from the step in flight,
+with no snapshot read; every global step is trained on exactly its samples; and the run ends with
+the weights of the run without faults, bit for bit."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, free_port, make_corpus, records, torchrun_cmd, torchrun_env
+
+from mingpt.snapshot import SnapshotStore
+
+pytestmark = pytest.mark.slow
+
+STEPS = 200  # a killed group's restart (a new interpreter, about 5 s here) ends well before the last step
+SECRET = "replica-test-secret-0123456789abcdef0123"
+CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=64",
+       "model.dropout=0.1", "trainer.batch_size=12", "trainer.micro_batch_size=2", "trainer.log_every=1",
+       "trainer.eval_every=0", "trainer.progress=false", "trainer.threads=1", f"trainer.max_steps={STEPS}",
+       "snapshot.every_steps=50"]
+
+
+def launch(g: int, peers: list[str], corpus: Path, run_dir: Path, log: Path) -> subprocess.Popen:
+    """Group g: its own torchrun (one process; restarted by its agent when it dies)."""
+    cmd = torchrun_cmd(1, "mingpt/main.py", *CFG, f"data.path={corpus}", f"data.cache_dir={run_dir.parent / 'cache'}",
+                       f"trainer.run_dir={run_dir}", f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}",
+                       max_restarts=2)
+    return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_JOB_SECRET=SECRET), stdout=log.open("w"),
+                            stderr=subprocess.STDOUT)
+
+
+def run_job(tmp: Path, corpus: Path, fault=None) -> tuple[Path, list[Path], object]:
+    """Three groups to the end; `fault(run_dir, agents)` runs meanwhile and returns what it saw."""
+    run_dir = tmp / "run"
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    logs = [tmp / f"group{g}.log" for g in range(3)]
+    agents = [launch(g, peers, corpus, run_dir, logs[g]) for g in range(3)]
+    seen = None
+    try:
+        seen = fault(run_dir, agents) if fault else None
+        codes = [a.wait(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert codes == [0, 0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    return run_dir, logs, seen
+
+
+def worker_of(agent: subprocess.Popen) -> int:
+    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+def wait_for_step(run_dir: Path, step: int, agents, timeout: float = 120) -> int:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert all(a.poll() is None for a in agents), "a group ended before the fault"
+        steps = [r["step"] for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "train"]
+        if steps and max(steps) >= step:
+            return max(steps)
+        time.sleep(0.01)
+    raise AssertionError(f"step {step} not reached")
+
+
+def final(run_dir: Path) -> dict:
+    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    assert manifest["step"] == STEPS
+    return state["model"]
+
+
+def shares_by_step(run_dir: Path) -> dict[int, list]:
+    """What each committed step was trained on: (samples, sum of sample ids) of every share; the last
+    record of a step wins (the lineage the final weights come from)."""
+    out = {}
+    for r in records(run_dir / "metrics.jsonl"):
+        if r.get("kind") == "train":
+            out[r["step"]] = [share[1:] for share in r["shares"]]
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("replicas-ref")
+    corpus = make_corpus(tmp)
+    run_dir, _, _ = run_job(tmp, corpus)
+    epochs = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "epoch"]
+    return {"corpus": corpus, "weights": final(run_dir), "shares": shares_by_step(run_dir), "epochs": epochs}
+
+
+def kill_group_1(run_dir: Path, agents) -> int:
+    step = wait_for_step(run_dir, 15, agents)
+    os.kill(worker_of(agents[1]), signal.SIGKILL)
+    return step, time.time()
+
+
+def freeze_group_2(run_dir: Path, agents) -> int:
+    step = wait_for_step(run_dir, 15, agents)
+    worker = worker_of(agents[2])
+    os.kill(worker, signal.SIGSTOP)  # silent: its connections stay open, only its heartbeats stop
+    t = time.time()
+    try:
+        wait_for_step(run_dir, step + 5, agents)  # the others train on without it
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    return step, t
+
+
+def check_survived(reference, run_dir: Path, lost: int, fault: tuple[int, float]) -> list[dict]:
+    """The survivors' epoch after the fault lacks the lost group and starts at the step in flight (no
+    snapshot read, at most that step lost); the lost group comes back, healed from a peer."""
+    recs = records(run_dir / "metrics.jsonl")
+    epochs = [r for r in recs if r.get("kind") == "epoch"]
+    fault_step, fault_t = fault
+    without = [e for e in epochs if lost not in e["groups"] and e["time"] >= fault_t]
+    assert without, epochs
+    trained_before = max(r["step"] for r in recs if r.get("kind") == "train" and r["time"] <= without[0]["time"])
+    assert fault_step <= without[0]["step"] == trained_before, (without[0], trained_before)
+    back = [e for e in epochs if e["time"] > without[0]["time"] and lost in e["groups"] and lost in e["healed"]]
+    assert back and back[0]["healed_from"] != lost, epochs
+    assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
+    # exactly the fault-free run's samples in every global step, and the same weights, bit for bit
+    assert shares_by_step(run_dir) == reference["shares"]
+    weights = final(run_dir)
+    assert all(torch.equal(weights[k], reference["weights"][k]) for k in weights)
+    return epochs
+
+
+def test_a_killed_group_costs_a_step_and_heals_from_a_peer(reference, tmp_path):
+    run_dir, logs, fault = run_job(tmp_path, reference["corpus"], kill_group_1)
+    check_survived(reference, run_dir, lost=1, fault=fault)
+    assert "healed from replica group" in logs[1].read_text()
+
+
+def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
+    run_dir, logs, fault = run_job(tmp_path, reference["corpus"], freeze_group_2)
+    epochs = check_survived(reference, run_dir, lost=2, fault=fault)
+    assert "group 2 lost" in [e for e in epochs if 2 not in e["groups"] and e["time"] >= fault[1]][0]["why"]
+
+
+def test_a_group_without_the_secret_is_refused(tmp_path):
+    """A process that does not hold the job secret is not let in: its beacon is refused, and the
+    group it pretends to be never joins an epoch."""
+    corpus = make_corpus(tmp_path)
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    run_dir = tmp_path / "run"
+    good = [launch(g, peers, corpus, run_dir, tmp_path / f"g{g}.log") for g in (0, 1)]
+    cmd = torchrun_cmd(1, "mingpt/main.py", *CFG, f"data.path={corpus}", f"trainer.run_dir={tmp_path / 'intruder'}",
+                       f"replicas.peers=[{','.join(peers)}]", "replicas.group=2")
+    intruder = subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_JOB_SECRET="not-the-job-secret-0123456789abcdef"),
+                                stdout=(tmp_path / "g2.log").open("w"), stderr=subprocess.STDOUT)
+    try:
+        codes = [a.wait(timeout=240) for a in good]
+    finally:
+        intruder.kill()
+        intruder.wait()
+    assert codes == [0, 0]
+    epochs = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "epoch"]
+    assert epochs and all(2 not in e["groups"] for e in epochs), epochs
+    assert "refused a connection that did not prove the job secret" in (tmp_path / "g0.log").read_text()
