@@ -397,7 +397,8 @@ def main() -> None:
         setup_logging(info)
         sys.exit(distributed.report_error(info, str(e), code=2, let_rank0_report=True))
     code = train_process(cfg, ledger)
-    distributed.exit_process(code, had_process_group=DistInfo.from_env(cuda=False).distributed)
+    # replica groups keep every epoch's process group to the end (see mingpt.replicas): no interpreter shutdown
+    distributed.exit_process(code, had_process_group=DistInfo.from_env(cuda=False).distributed or cfg.replicas.enabled)
 
 
 if __name__ == "__main__":

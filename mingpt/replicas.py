@@ -363,6 +363,10 @@ class Replicas:
     def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float):
         self.beacon, self.shares_total, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
         self.epoch: Epoch | None = None
+        # Every epoch's process group is kept until the process exits: freeing one whose collective a
+        # lost member left unfinished would wait in its destructor (joining gloo's threads) until
+        # that collective times out.
+        self._retired: list[Epoch] = []
         self.live = False  # trained in an epoch: this state is the job's
         self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
         self.flags = (False, False)  # (preempted, save interval elapsed) on any member, at the last exchange
@@ -381,6 +385,8 @@ class Replicas:
 
     def form(self, step: int, should_stop: Callable[[], bool]) -> Epoch | None:
         t0 = time.monotonic()
+        if self.epoch is not None:
+            self._retired.append(self.epoch)
         self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s, should_stop)
         self.rejoin_pending = False
         if self.epoch is None:
