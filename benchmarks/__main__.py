@@ -11,6 +11,7 @@
     s3tune      the S3 transport's part size, parts in flight, GET size and GETs in flight, on SeaweedFS
     soak        a 2-worker job with S3 snapshots SIGKILLed again and again: bitwise equal, nothing orphaned
     internode   bytes between two nodes (network namespaces) per step under DDP, FSDP and HSDP
+    survivors   3 replica groups, one SIGKILLed every T s or cut off: goodput, survivor gap, rejoin; vs one torchrun
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput", "scale", "internode", "s3tune", "soak")
+BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput", "scale", "internode", "s3tune", "soak",
+              "survivors")
 
 
 def main(argv: list[str] | None = None) -> None:

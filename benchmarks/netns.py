@@ -77,3 +77,46 @@ def agent_cmd(node: Node, host: Node, port: int, nproc: int, *args: str, nnodes:
             f"--nproc_per_node={nproc}", "--rdzv_backend=c10d", f"--rdzv_endpoint={host.addr}:{port}",
             f"--rdzv_id={run_id}", f"--rdzv_conf={RDZV_CONF},is_host={int(node == host)}", f"--local-addr={node.addr}",
             f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *args]
+
+
+@dataclass(frozen=True)
+class Bridged:
+    """Nodes joined through a bridge in a hub namespace; `cut` takes one node's link down, `mend` back up."""
+    hub: str
+    nodes: list[Node]
+
+    def cut(self, node: Node) -> None:
+        sh("ip", "-n", self.hub, "link", "set", f"h{node.veth}", "down")
+
+    def mend(self, node: Node) -> None:
+        sh("ip", "-n", self.hub, "link", "set", f"h{node.veth}", "up")
+
+
+@contextlib.contextmanager
+def bridged_nodes(n: int, subnet: int = 232):
+    """n nodes (10.{subnet}.9.1, .2, ...) on one bridge, torn down on exit."""
+    if shutil.which("ip") is None:
+        raise NoNamespaces("no `ip` command: network namespaces cannot be made here")
+    tag = uuid.uuid4().hex[:5]
+    hub = f"mgh{tag}"
+    if sh("ip", "netns", "add", hub, check=False).returncode != 0:
+        raise NoNamespaces("creating network namespaces is not permitted here (needs root / CAP_NET_ADMIN)")
+    nodes = [Node(f"mg{i}{tag}", f"v{i}{tag}", f"10.{subnet}.9.{i + 1}") for i in range(n)]
+    try:
+        sh("ip", "-n", hub, "link", "add", "br0", "type", "bridge")
+        sh("ip", "-n", hub, "link", "set", "br0", "up")
+        for node in nodes:
+            sh("ip", "netns", "add", node.ns)
+            sh("ip", "link", "add", node.veth, "type", "veth", "peer", "name", f"h{node.veth}")
+            sh("ip", "link", "set", node.veth, "netns", node.ns)
+            sh("ip", "link", "set", f"h{node.veth}", "netns", hub)
+            sh("ip", "-n", hub, "link", "set", f"h{node.veth}", "master", "br0")
+            sh("ip", "-n", hub, "link", "set", f"h{node.veth}", "up")
+            sh("ip", "-n", node.ns, "addr", "add", f"{node.addr}/24", "dev", node.veth)
+            sh("ip", "-n", node.ns, "link", "set", node.veth, "up")
+            sh("ip", "-n", node.ns, "link", "set", "lo", "up")
+        yield Bridged(hub, nodes)
+    finally:
+        for node in nodes:
+            sh("ip", "netns", "del", node.ns, check=False)
+        sh("ip", "netns", "del", hub, check=False)

@@ -174,7 +174,8 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
         load_snapshot(cfg, trainer, start)
     ledger.record(metrics.write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
                   kind="start", run_id=start.run_id, job_id=info.job_id, launch_id=info.launch_id,
-                  world_size=info.world_size, restart=info.restart_count, parallel=parallel.name, hosts=hosts)
+                  world_size=info.world_size, restart=info.restart_count, parallel=parallel.name, hosts=hosts,
+                  **({"group": cfg.replicas.group} if replicas else {}))
     return trainer
 
 

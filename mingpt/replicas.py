@@ -95,13 +95,14 @@ class Beacon:
         self.peers, self.group, self.secret = [host_port(p) for p in peers], group, secret
         self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
         self.incarnation = secrets.token_hex(6)
-        self.status = {"state": "starting", "epoch": -1, "step": 0}  # then forming, training
+        self.status = {"state": "starting", "epoch": -1, "step": 0, "taking": -1}  # then forming, training
         self.max_epoch = -1
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._seen: dict[int, dict] = {}  # group -> its last heartbeat (with "t" and "eof")
         self._requests: dict[int, tuple[dict, socket.socket]] = {}  # join requests, to the coordinator
         self._replies: dict[str, dict] = {}  # replies to our join requests, by request id
+        self._announced: dict | None = None  # the epoch this coordinator announced, until its group is made
         self._senders: dict[int, socket.socket] = {}
         self._stop = threading.Event()
         host, port = self.peers[group]
@@ -151,6 +152,15 @@ class Beacon:
             starting = {g for g, s in self._seen.items() if s.get("state") == "starting"}
         return sorted(g for g, inc in self.alive().items() if mine.get(g) != inc and g not in starting)
 
+    def _not_taking(self, epoch: Epoch) -> int | None:
+        """A member whose heartbeats do not say it takes part in forming `epoch` (it missed the news)."""
+        with self._lock:
+            for m in epoch.members:
+                seen = self._seen.get(m.group, {})
+                if m.group != self.group and seen.get("taking") != epoch.number and seen.get("epoch") != epoch.number:
+                    return m.group
+        return None
+
     def set_status(self, **kw) -> None:
         with self._lock:
             self.status.update(kw)
@@ -182,11 +192,15 @@ class Beacon:
             except OSError:
                 epoch = None
             if epoch is not None:
+                self.set_status(taking=epoch.number)
                 try:
                     self._make_group(epoch, timeout_s)
                 except MembershipChanged as e:
                     log.warning("epoch %d did not form (%s); trying again", epoch.number, e)
                     continue
+                finally:
+                    with self._lock:
+                        self._announced = None
                 self.set_status(state="training", epoch=epoch.number)
                 return epoch
             if time.monotonic() - waited > 10:
@@ -239,9 +253,15 @@ class Beacon:
         number = max([self.max_epoch] + [r[0]["epoch_seen"] for r in asked.values()]) + 1
         host = self.peers[self.group][0]
         store = bound_store(host, 0, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        announcement = {"t": "epoch", "number": number, "store": [host, store.port],
+                        "members": [[m.group, m.incarnation, m.step, m.live] for m in members]}
+        with self._lock:  # a member that missed its answer (it asked again meanwhile) is answered with it
+            self._announced = announcement
         for msg, conn in asked.values():
-            self._write(conn, {"t": "epoch", "id": msg["id"], "number": number, "store": [host, store.port],
-                               "members": [[m.group, m.incarnation, m.step, m.live] for m in members]})
+            try:
+                self._write(conn, {**announcement, "id": msg["id"]})
+            except OSError:
+                pass  # it is lost: forming the group notices
         return Epoch(number, members, [m.group for m in members].index(self.group), store=store)
 
     def _make_group(self, epoch: Epoch, timeout_s: float) -> None:
@@ -262,9 +282,12 @@ class Beacon:
 
         thread = threading.Thread(target=make, daemon=True)
         thread.start()
+        started = time.monotonic()
         while thread.is_alive():
             if (why := self.lost(epoch)) is not None:
                 raise MembershipChanged(why)
+            if time.monotonic() - started > 2 * self.lost_after_s and (late := self._not_taking(epoch)):
+                raise MembershipChanged(f"group {late} did not take epoch {epoch.number}")
             thread.join(0.005)
         if "error" in out:
             raise MembershipChanged(str(out["error"]).splitlines()[0][:200])
@@ -314,7 +337,14 @@ class Beacon:
                         self._seen[group] = {**msg, "inc": inc, "t": time.monotonic(), "eof": False}
                         self.max_epoch = max(self.max_epoch, int(msg.get("epoch", -1)))
                     elif msg.get("t") == "join":
-                        self._requests[group] = ({**msg, "inc": inc}, conn)
+                        news = self._announced
+                        if news and [group, inc] in [m[:2] for m in news["members"]]:
+                            self._requests.pop(group, None)
+                        else:
+                            news = None
+                            self._requests[group] = ({**msg, "inc": inc}, conn)
+                if msg.get("t") == "join" and news:  # it missed the answer to an earlier request
+                    self._write(conn, {**news, "id": msg["id"]})
         except (OSError, ValueError):
             pass
         finally:

@@ -119,3 +119,25 @@ def test_shellcheck_passes():
     shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_replica_groups_one_per_node(fake_slurm, tmp_path):
+    """slurm/replicas.sbatch: every node runs its own torchrun of one process, the same peers (the
+    allocation's nodes, in order), its group from SLURM_NODEID on that node, and the secret in the
+    environment only."""
+    nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "replicas.sbatch"), "model=gpt2"],
+                          env=slurm_env(fake_slurm, tmp_path, nodes), capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "srun.args").read_text().split("\n")
+    assert args[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill"]
+    command = args[args.index("-c") + 1]
+    assert "mingpt-torchrun --standalone --nproc_per_node=1" in command and '"replicas.group=${SLURM_NODEID}"' in command
+    assert "replicas.peers=[gpu-a1:29400,gpu-a2:29400,gpu-a3:29400]" in args
+    assert "trainer.run_dir=/shared/home/me/runs/mingpt-4242" in args and args[-2] == "model=gpt2"
+    # what each node runs: the wrapper, given SLURM_NODEID, names its group first
+    ran = subprocess.run(["bash", "-c", command.replace("exec mingpt-torchrun", "echo"), *args[args.index("-c") + 2:-1]],
+                         env={**os.environ, "SLURM_NODEID": "2"}, capture_output=True, text=True, check=True).stdout
+    assert "replicas.group=2" in ran and "replicas.peers=[gpu-a1:29400" in ran
+    secret = (tmp_path / "srun.env").read_text().strip()
+    assert len(secret) == 64 and not any(secret in a for a in args)

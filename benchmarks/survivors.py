@@ -1,0 +1,235 @@
+"""Survivors keep training: a job of 3 replica groups (mingpt.replicas, each group its own torchrun of
+one process) on this machine, one group's worker SIGKILLed every T seconds (the groups in turn, the
+coordinator included; torchrun restarts it and it heals from a live peer), and a network partition
+(each group in its own network namespace on one bridge; one group's link cut for --cut-s seconds).
+Beside it, the same job under today's single torchrun (3 workers, DDP, restarted from a snapshot
+every 5 steps). One JSON line per setting:
+
+    python -m benchmarks survivors [--kill-every 60 30 15] [--steps 600] [--model gpt-mini] [--keep DIR]
+
+goodput: steps x the fault-free run's median step time / wall time (launch to exit);
+survivor_gap_s: a fault to the next step committed (median, max); steps_lost_per_fault: steps whose
+compute was thrown away (the step in flight, and for a restart the steps since the snapshot);
+rejoin_s: the restarted process's start to the first step it committed in; final_max_abs_diff:
+final weights against the fault-free run of the same mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import die_with_bench, free_port
+from benchmarks.netns import NoNamespaces, bridged_nodes
+from mingpt.snapshot import SnapshotStore
+from mingpt.training.metrics import read_records
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "survivors-bench-" + "0123456789abcdef" * 2
+GROUPS = 3
+
+
+def job_args(model: str, steps: int, run_dir: Path, corpus: str, snapshot_every: int) -> list[str]:
+    return ["-m", "mingpt.main", f"model={model}", f"trainer.max_steps={steps}", "trainer.log_every=1",
+            "trainer.eval_every=0", f"snapshot.every_steps={snapshot_every}", f"trainer.run_dir={run_dir}",
+            f"data.path={corpus}", "trainer.progress=false", "trainer.threads=1"]
+
+
+def torchrun(nproc: int, prefix: list[str] = ()) -> list[str]:
+    return [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "--max-restarts=1000", "--monitor-interval=0.2"]
+
+
+def workers(agent: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: float) -> tuple[float, list]:
+    """Start every agent, run `faults(agents, t0)` until they all exit; (wall s, what faults did)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(run_dir / f"console{i}.log", "w"),
+                               stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_bench)
+              for i, (cmd, env) in enumerate(cmds)]
+    done = []
+    try:
+        while any(a.poll() is None for a in agents):
+            if time.time() - t0 > limit_s:
+                raise RuntimeError(f"the job did not finish in {limit_s:.0f} s (see {run_dir}/console*.log)")
+            if faults is not None:
+                done.extend(faults(agents, t0))
+            time.sleep(0.02)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+    wall = time.time() - t0
+    codes = [a.returncode for a in agents]
+    if any(codes):
+        logs = "\n".join((run_dir / f"console{i}.log").read_text()[-2000:] for i in range(len(agents)))
+        raise RuntimeError(f"the job failed ({codes}):\n{logs}")
+    return wall, done
+
+
+def killer(every: float, groups: bool):
+    """SIGKILL a worker every `every` s: the groups' workers in turn (replicas), or a worker of the one agent."""
+    state = {"next": every, "n": 0}
+
+    def faults(agents, t0):
+        if not every or time.time() - t0 < state["next"]:
+            return []
+        state["next"] += every
+        agent = agents[state["n"] % len(agents)] if groups else agents[0]
+        victims = workers(agent.pid)
+        if not victims:
+            return []
+        victim = victims[state["n"] % len(victims)] if not groups else victims[0]
+        state["n"] += 1
+        try:
+            os.kill(victim, signal.SIGKILL)
+        except ProcessLookupError:
+            return []
+        return [{"t": time.time(), "group": (state["n"] - 1) % len(agents) if groups else None}]
+    return faults
+
+
+def final(run_dir: Path) -> dict:
+    state, _ = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    return state["model"]
+
+
+def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
+    recs = read_records(run_dir / "metrics.jsonl")
+    train = sorted((r["time"], r["step"]) for r in recs if r.get("kind") == "train")
+    step_s = statistics.median(r["step_ms"] for r in recs if r.get("kind") == "train" and r["step"] > 1) / 1000
+    steps = max(s for _, s in train)
+    gaps, lost, rejoins = [], [], []
+    epochs = [r for r in recs if r.get("kind") == "epoch"]
+    starts = [r for r in recs if r.get("kind") == "start"]
+    for f in faults:
+        before = [s for t, s in train if t <= f["t"]]
+        after = [(t, s) for t, s in train if t > f["t"]]
+        if not before or not after:
+            continue
+        gaps.append(after[0][0] - f["t"])
+        resumed_at = after[0][1] - 1  # the step the survivors (or the restart) went on from
+        lost.append(max(before) - resumed_at + 1)
+        if f.get("group") is not None:
+            back = [e for e in epochs if e["time"] > f["t"] and f["group"] in e.get("healed", [])]
+            born = [s for s in starts if s.get("group") == f["group"] and s["t0"] > f["t"]]
+            if back and born:
+                first = [t for t, _ in train if t > back[0]["time"]]
+                if first:
+                    rejoins.append(first[0] - born[0]["t0"])
+    out = {"steps": steps, "wall_s": round(wall, 1), "step_s": round(step_s, 4), "faults": len(faults)}
+    if ref is not None:
+        out["goodput"] = round(steps * ref["step_s"] / wall, 4)
+        w = final(run_dir)
+        out["final_max_abs_diff"] = max((w[k].float() - ref["weights"][k].float()).abs().max().item() for k in w)
+    else:
+        out["goodput"] = round(steps * step_s / wall, 4)
+    stat = lambda xs: {"median": round(statistics.median(xs), 3), "max": round(max(xs), 3)} if xs else None  # noqa: E731
+    out.update(survivor_gap_s=stat(gaps), steps_lost_per_fault=stat(lost), rejoin_s=stat(rejoins))
+    return out
+
+
+def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list]:
+    """3 replica groups on loopback (or one per network namespace node)."""
+    addrs = [n.addr for n in nodes] if nodes else ["127.0.0.1"] * GROUPS
+    peers = [f"{a}:{free_port() if not nodes else 29500 + i}" for i, a in enumerate(addrs)]
+    cmds = []
+    for g in range(GROUPS):
+        env = {**os.environ, "MINGPT_JOB_SECRET": SECRET, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+               "OMP_NUM_THREADS": "1"}
+        if nodes:
+            env["GLOO_SOCKET_IFNAME"] = nodes[g].veth
+        cmd = [*torchrun(1, nodes[g].prefix() if nodes else []),
+               *job_args(args.model, args.steps, run_dir, args.corpus, args.snapshot_every),
+               f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}"]
+        cmds.append((cmd, env))
+    return run(cmds, run_dir, faults, args.limit_s)
+
+
+def restart_job(args, run_dir: Path, faults) -> tuple[float, list]:
+    """Today's job: one torchrun of 3 workers (DDP), restarted whole, from the newest snapshot."""
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [*torchrun(GROUPS), *job_args(args.model, args.steps, run_dir, args.corpus, 5)]
+    return run([(cmd, env)], run_dir, faults, args.limit_s)
+
+
+def partition(bridge, victim, cut_s: float, at_s: float):
+    state = {"done": False}
+
+    def faults(agents, t0):  # noqa: ARG001 - the same signature as killer's
+        if state["done"] or time.time() - t0 < at_s:
+            return []
+        state["done"] = True
+        t = time.time()
+        bridge.cut(victim)
+        time.sleep(cut_s)  # the job trains on meanwhile, in its own processes
+        bridge.mend(victim)
+        return [{"t": t, "group": None}]
+    return faults
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks survivors", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kill-every", nargs="+", type=float, default=[60, 30, 15], help="seconds between SIGKILLs")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--model", default="gpt-mini")
+    ap.add_argument("--corpus", default=str(REPO / "data" / "input.txt"))
+    ap.add_argument("--snapshot-every", type=int, default=50, help="replica groups: steps between snapshots")
+    ap.add_argument("--cut-s", type=float, default=10.0, help="how long the partition lasts (0: no partition)")
+    ap.add_argument("--no-restart-baseline", action="store_true", help="skip today's single-torchrun job")
+    ap.add_argument("--limit-s", type=float, default=3600)
+    ap.add_argument("--keep", help="keep every job's run directory here")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="mingpt-survivors-") as scratch:
+        tmp = Path(args.keep or scratch)
+        base = {"model": args.model, "groups": GROUPS, "steps": args.steps, "cpus": os.cpu_count()}
+        wall, _ = replicas_job(args, tmp / "replicas-none", None)
+        ref = measure(tmp / "replicas-none", wall, [], None)
+        ref_state = {"step_s": ref["step_s"], "weights": final(tmp / "replicas-none")}
+        print(json.dumps({**base, "mode": "replicas", "fault": "none", **ref}), flush=True)
+        for every in args.kill_every:
+            d = tmp / f"replicas-kill{every:g}"
+            wall, faults = replicas_job(args, d, killer(every, groups=True))
+            print(json.dumps({**base, "mode": "replicas", "fault": f"SIGKILL every {every:g} s",
+                              **measure(d, wall, faults, ref_state)}), flush=True)
+        if args.cut_s:
+            try:
+                with bridged_nodes(GROUPS) as bridge:
+                    d = tmp / "replicas-partition"
+                    at = max(10.0, 0.4 * ref["wall_s"])  # in steady training, after the start-up
+                    wall, faults = replicas_job(args, d, partition(bridge, bridge.nodes[2], args.cut_s, at),
+                                                nodes=bridge.nodes)
+                    print(json.dumps({**base, "mode": "replicas", "fault": f"group 2's link cut for {args.cut_s:g} s",
+                                      **measure(d, wall, faults, ref_state)}), flush=True)
+            except NoNamespaces as e:
+                print(json.dumps({**base, "mode": "replicas", "fault": "partition", "skipped": str(e)}), flush=True)
+        if not args.no_restart_baseline:
+            wall, _ = restart_job(args, tmp / "restart-none", None)
+            rref = measure(tmp / "restart-none", wall, [], None)
+            rref_state = {"step_s": rref["step_s"], "weights": final(tmp / "restart-none")}
+            print(json.dumps({**base, "mode": "single torchrun", "fault": "none", **rref}), flush=True)
+            for every in args.kill_every:
+                d = tmp / f"restart-kill{every:g}"
+                wall, faults = restart_job(args, d, killer(every, groups=False))
+                print(json.dumps({**base, "mode": "single torchrun", "fault": f"SIGKILL every {every:g} s",
+                                  **measure(d, wall, faults, rref_state)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""mingpt.replicas: who trains which share, the exchange's order, the beacon's door, the config."""
+
+import datetime
+import json
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import free_port
+
+from mingpt.config import ConfigError, ReplicasConfig
+from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, Replicas, default_min_groups
+
+SECRET = b"unit-test-secret-0123456789abcdef0123"
+
+
+class StubBeacon:
+    """What Replicas asks of its beacon, for the tests of its own logic: nobody is ever lost."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def lost(self, epoch):
+        return None
+
+
+def epoch_of(groups, me):
+    return Epoch(0, [Member(g, "x", 0, True) for g in groups], groups.index(me))
+
+
+@pytest.mark.parametrize(("total", "groups", "me", "shares"), [
+    (3, [0, 1, 2], 1, [1]),     # everyone alive: its own share
+    (3, [0, 2], 0, [0, 1]),     # group 1 lost: its share goes to the first member...
+    (3, [0, 2], 2, [2]),        # ...and not to the second
+    (3, [1, 2], 1, [0, 1]),     # the coordinator's group lost: the same rule
+    (3, [2], 2, [0, 1, 2]),     # one left (min_groups=1): it trains the whole step
+    (4, [0, 1], 0, [0, 2]),     # 4 groups, 2 alive: the orphans dealt out in turn...
+    (4, [0, 1], 1, [1, 3]),     # ...one each
+])
+def test_shares(total, groups, me, shares):
+    r = Replicas(StubBeacon(me), groups=total, min_groups=1, timeout_s=5)
+    r.epoch = epoch_of(groups, me)
+    assert r.shares() == shares
+
+
+@pytest.fixture
+def one_member():
+    """A Replicas whose epoch is this process alone, over a real gloo process group of one."""
+    store = dist.HashStore()
+    r = Replicas(StubBeacon(0), groups=3, min_groups=1, timeout_s=5)
+    r.epoch = epoch_of([0], 0)
+    r.epoch.pg = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=5))
+    return r
+
+
+def test_the_exchange_sums_the_shares_in_share_order(one_member):
+    torch.manual_seed(0)
+    rows = {s: torch.randn(1000) * 10 ** s for s in range(3)}  # magnitudes where the order shows
+    heads = {s: [float(s), 7.0] for s in range(3)}
+    total, every = one_member.exchange(4, {2: rows[2], 0: rows[0], 1: rows[1]}, heads)
+    expected = rows[0].clone()
+    expected += rows[1]
+    expected += rows[2]
+    assert torch.equal(total, expected)
+    assert every == [[0.0, 7.0], [1.0, 7.0], [2.0, 7.0]]
+
+
+def test_an_exchange_without_every_share_is_refused(one_member):
+    rows = {0: torch.ones(4), 2: torch.ones(4)}
+    with pytest.raises(MembershipChanged, match="lacks shares"):
+        one_member.exchange(0, rows, {0: [0.0], 2: [0.0]})
+
+
+def serve(beacons):
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if all(set(b.alive()) == {0, 1} for b in beacons):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_beacon_lets_in_only_the_job_secret(caplog):
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    a = Beacon(peers, 0, SECRET, 0.05, 1.0)
+    try:
+        # a stranger who does not know the secret: it is told a nonce, its answer is refused
+        with socket.create_connection(("127.0.0.1", int(peers[0].rsplit(":", 1)[1])), timeout=5) as s:
+            reader = s.makefile("rb")
+            assert "nonce" in json.loads(reader.readline())
+            s.sendall(json.dumps({"group": 1, "inc": "evil", "mac": "0" * 64}).encode() + b"\n")
+            s.sendall(json.dumps({"t": "hb", "epoch": 99, "state": "training", "step": 5}).encode() + b"\n")
+            assert reader.readline() == b""  # closed on it
+        assert set(a.alive()) == {0} and a.max_epoch == -1
+        assert "did not prove the job secret" in caplog.text
+        b = Beacon(peers, 1, SECRET, 0.05, 1.0)  # the job's own: heard within a heartbeat or two
+        try:
+            assert serve([a, b])
+        finally:
+            b.close()
+    finally:
+        a.close()
+
+
+def test_a_beacon_listens_on_its_own_address_only():
+    port = free_port()
+    b = Beacon([f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"], 0, SECRET, 0.05, 1.0)
+    try:
+        assert b._server.getsockname() == ("127.0.0.1", port)
+    finally:
+        b.close()
+
+
+@pytest.mark.parametrize(("groups", "majority"), [(2, 2), (3, 2), (4, 3), (5, 3)])
+def test_default_min_groups_is_a_majority(groups, majority):
+    assert default_min_groups(groups) == majority
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"peers": ["h:1", "h:2"], "group": 2}, "replicas.group=2"),
+    ({"peers": ["h:1"], "group": 0}, "lists one group"),
+    ({"peers": ["h:1", "h:1"], "group": 0}, "an address twice"),
+    ({"peers": ["h:1", "h:2"], "group": 0, "min_groups": 3}, "min_groups=3"),
+    ({"peers": ["h:1", "h:2"], "group": 0, "heartbeat_s": 2.0}, "heartbeat_s"),
+])
+def test_config_refuses_what_cannot_work(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ReplicasConfig(**kwargs)
