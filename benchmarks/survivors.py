@@ -82,12 +82,13 @@ def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: floa
     return wall, done
 
 
-def killer(every: float, groups: bool):
-    """SIGKILL a worker every `every` s: the groups' workers in turn (replicas), or a worker of the one agent."""
+def killer(every: float, groups: bool, max_kills: int = 0):
+    """SIGKILL a worker every `every` s (at most `max_kills` times; 0: no limit): the groups' workers in
+    turn (replicas), or a worker of the one agent."""
     state = {"next": every, "n": 0}
 
     def faults(agents, t0):
-        if not every or time.time() - t0 < state["next"]:
+        if not every or time.time() - t0 < state["next"] or (max_kills and state["n"] >= max_kills):
             return []
         state["next"] += every
         agent = agents[state["n"] % len(agents)] if groups else agents[0]
@@ -193,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--snapshot-every", type=int, default=50, help="replica groups: steps between snapshots")
     ap.add_argument("--cut-s", type=float, default=10.0, help="how long the partition lasts (0: no partition)")
     ap.add_argument("--no-restart-baseline", action="store_true", help="skip today's single-torchrun job")
+    ap.add_argument("--max-kills", type=int, default=0, help="SIGKILLs per job at most (default: no limit)")
     ap.add_argument("--limit-s", type=float, default=3600)
     ap.add_argument("--keep", help="keep every job's run directory here")
     args = ap.parse_args(argv)
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({**base, "mode": "replicas", "fault": "none", **ref}), flush=True)
         for every in args.kill_every:
             d = tmp / f"replicas-kill{every:g}"
-            wall, faults = replicas_job(args, d, killer(every, groups=True))
+            wall, faults = replicas_job(args, d, killer(every, groups=True, max_kills=args.max_kills))
             print(json.dumps({**base, "mode": "replicas", "fault": f"SIGKILL every {every:g} s",
                               **measure(d, wall, faults, ref_state)}), flush=True)
         if args.cut_s:
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({**base, "mode": "single torchrun", "fault": "none", **rref}), flush=True)
             for every in args.kill_every:
                 d = tmp / f"restart-kill{every:g}"
-                wall, faults = restart_job(args, d, killer(every, groups=False))
+                wall, faults = restart_job(args, d, killer(every, groups=False, max_kills=args.max_kills))
                 print(json.dumps({**base, "mode": "single torchrun", "fault": f"SIGKILL every {every:g} s",
                                   **measure(d, wall, faults, rref_state)}), flush=True)
 

@@ -81,6 +81,20 @@ def test_goodput(corpus_file, tmp_path):
     assert int(faulted[0].split("|")[3]) == 1, out  # one SIGKILL, recovered from
 
 
+def test_survivors(corpus_file, tmp_path):
+    # 3 replica groups, one SIGKILLed once: the survivors go on, it rejoins, the weights are bitwise the
+    # fault-free run's (the partition and today's single torchrun are the full bench's: minutes)
+    out = bench("survivors", "--model", "gpt-nano", "--steps", "150", "--kill-every", "4", "--max-kills", "1",
+                "--cut-s", "0", "--no-restart-baseline", "--corpus", str(corpus_file), "--keep", str(tmp_path),
+                timeout=600)
+    lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["fault"] for r in lines] == ["none", "SIGKILL every 4 s"], out
+    faulted = lines[1]
+    assert faulted["faults"] == 1 and faulted["final_max_abs_diff"] == 0.0, out
+    assert faulted["steps_lost_per_fault"]["max"] <= 1 and faulted["rejoin_s"] is not None, out
+    assert 0 < faulted["goodput"] <= 1 and faulted["survivor_gap_s"]["max"] > 0, out
+
+
 def test_scale():
     out = bench("scale", "--ranks", "2", "3", "--shapes", "gpt-nano")
     rows = [line for line in out.splitlines() if line.startswith("| gpt-nano |")]
