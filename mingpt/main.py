@@ -46,7 +46,8 @@ from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
 from mingpt.training.policy import SavePolicy
-from mingpt.training.trainer import TrainData, Trainer
+from mingpt.training.state import TrainData
+from mingpt.training.trainer import Trainer
 
 log = logging.getLogger("mingpt")
 
@@ -167,7 +168,8 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                             "config": cfg.to_dict(), "model_shape": cfg.model.shape_dict(),
                             "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source},
                       metrics=metrics, info=info, hosts=hosts, ledger=ledger, replicas=replicas)
-    if start.candidates and replicas:  # a group that joins live peers heals from them: no snapshot is read
+    if start.candidates and replicas and start.manifest["step"] < cfg.trainer.max_steps:
+        # a group that joins live peers heals from them: no snapshot is read
         trainer.resume = lambda: load_snapshot(cfg, trainer, start)
     elif start.candidates:
         ledger.switch("restore")

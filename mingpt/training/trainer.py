@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 import time
-from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,66 +14,18 @@ import torch
 import torch.nn as nn
 
 from mingpt.config import OptimConfig, TrainerConfig
-from mingpt.data import Corpus
-from mingpt.data.datasets import DocumentDataset, StreamDataset
-from mingpt.data.samplers import LengthGroupedSampler, StreamSampler
 from mingpt.distributed import DistInfo, all_gather_floats, all_reduce_sum
 from mingpt.parallel import Parallel
-from mingpt.replicas import MembershipChanged, Replicas
+from mingpt.replicas import MembershipChanged, Replicas, flat_grads
 from mingpt.snapshot import SaveFailedError, Snapshotter
 from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter, peak_flops, train_record
 from mingpt.training.optim import lr_at
 from mingpt.training.policy import SavePolicy
+from mingpt.training.state import Progress, StepStats, Todo, TrainData
 from mingpt.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepStats:
-    loss_sum: torch.Tensor  # this rank's summed token loss (unreduced, on the device)
-    tokens: int  # global target tokens of the step
-    grad_norm: torch.Tensor  # on the device: read on the host at log steps only
-    lr: float
-    compute_s: float
-    split: list  # every rank's micro-batches; padding/balance figures are computed at log steps only
-
-
-@dataclass
-class Todo:
-    """What the loop does after a step, decided once, then done in this order."""
-    log: bool = False
-    evaluate: bool = False
-    save: bool = False
-    record_time: bool = False
-    stop: bool = False
-
-
-@dataclass
-class TrainData:
-    """The splits, the training sampler and this rank's fixed validation micro-batches (padded with
-    empty ones to the same count on every rank: a sharded model runs collectives in its forward)."""
-    train: StreamDataset | DocumentDataset
-    val: StreamDataset | DocumentDataset
-    sampler: StreamSampler | LengthGroupedSampler
-    val_batches: list[np.ndarray]
-    corpus: Corpus  # the splits' source: closed with the Trainer (it may fetch shards ahead)
-
-
-@dataclass
-class Progress:
-    """The counters that survive a restart."""
-    step: int = 0
-    tokens_seen: int = 0
-    best_val_loss: float = math.inf
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "best_val_loss": self.best_val_loss}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self.best_val_loss = float(state["best_val_loss"])
 
 
 class Trainer:
@@ -98,7 +48,6 @@ class Trainer:
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
         self.pin = self.device.type == "cuda"  # pinned host memory: the copy to the GPU overlaps compute
         self.replicas = replicas  # replica groups (mingpt.replicas): the step's shares and its exchange
-        self.shares_record: list = []  # replica groups: (group, samples, sum of sample ids) of each share
         self.resume = None  # replica groups: loads the snapshot to continue, when no member is live
         if replicas is not None:
             policy.agreed = lambda: replicas.flags
@@ -114,9 +63,10 @@ class Trainer:
         if p.step >= cfg.max_steps:
             log.info("already at step %d of %d; nothing to train", p.step, cfg.max_steps)
             return True
-        log.info("training from step %d to %d on %d rank%s (%s), precision %s", p.step, cfg.max_steps,
-                 self.info.world_size, "" if self.info.world_size == 1 else "s", self.parallel.name,
-                 self.amp_dtype or "fp32")
+        where = (f"replica group {self.replicas.beacon.group} of {self.replicas.shares_total}" if self.replicas else
+                 f"{self.info.world_size} rank{'' if self.info.world_size == 1 else 's'}")
+        log.info("training from step %d to %d on %s (%s), precision %s", p.step, cfg.max_steps, where,
+                 self.parallel.name, self.amp_dtype or "fp32")
         if self.policy.stop_requested():
             if self.info.is_rank0:
                 log.warning("%s before the first step", self.policy.preempt.describe())
@@ -160,7 +110,8 @@ class Trainer:
                 self.watchdog.beat(p.step)
             if todo.record_time:
                 self.record_time()
-            if self.replicas and self.replicas.rejoin_pending and not todo.stop:  # a group waits: let it in now
+            if self.replicas and self.replicas.rejoin_pending and not todo.stop and p.step < cfg.max_steps:
+                # a group waits to join: let it in now, between steps
                 if not self.regroup("a group joins"):
                     return False
             if todo.stop:
@@ -191,7 +142,7 @@ class Trainer:
                 self.resume = None  # a live member holds the job's state: heal from it, never load
                 try:
                     source, healed = self.replicas.heal(self.parallel.slots(self.optimizer), self._state_json,
-                                                        self._load_json)
+                                                        self.load_state)
                     break
                 except MembershipChanged as e:  # lost while healing: form the next epoch
                     why = str(e)
@@ -205,9 +156,6 @@ class Trainer:
 
     def _state_json(self) -> dict:
         return {name: part.state_dict() for name, part in self.stateful.items()}
-
-    def _load_json(self, state: dict) -> None:
-        self.load_state(state)
 
     def decide(self, step: int) -> Todo:
         """What to do after `step`, the same on every rank: logging and evaluation by their intervals,
@@ -265,11 +213,14 @@ class Trainer:
                                          global_tokens, step)
             loss_sum += share_sum
             if self.replicas:
-                rows[share] = (_flat_grads(self.parallel.gpt), share_sum, split[share])
+                rows[share] = (flat_grads(self.parallel.gpt), share_sum, split[share])
         compute_s = self.parallel.grads_ready_t - t0
         if self.replicas:
+            self.ledger.switch("step_compute")
+            timed = 0 < self.policy.every_s <= time.monotonic() - self.policy.last_save_t
             try:
-                loss_sum = self._exchange(rows, step)
+                loss_sum = torch.tensor(self.replicas.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested,
+                                                             timed), device=self.device)
             except MembershipChanged:
                 self.data.sampler.load_state_dict(before)  # the step is trained again, by the next epoch
                 raise
@@ -300,25 +251,6 @@ class Trainer:
                 self.scaler.scale(loss * (weight * world / global_tokens)).backward()
             loss_sum += loss.detach().float() * weight
         return loss_sum
-
-    def _exchange(self, rows: dict, step: int) -> torch.Tensor:
-        """Replica groups: every share's gradient, summed in share order, into this member's
-        gradients; every member's flags (preemption, save interval, a group waiting to join) are
-        agreed by it. Returns the step's summed token loss. A sync (the exchange runs on the host)."""
-        self.ledger.switch("step_compute")
-        r = self.replicas
-        timed = 0 < self.policy.every_s <= time.monotonic() - self.policy.last_save_t
-        joiners = bool(r.beacon.joiners(r.epoch))
-        heads = {share: [float(self.policy.preempt.requested), float(timed), float(joiners), float(loss.item()),
-                         float(sum(len(mb) for mb in mbs)), float(sum(int(i) for mb in mbs for i in mb)),
-                         float(r.beacon.group)]
-                 for share, (_, loss, mbs) in rows.items()}
-        total, every = r.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
-        _set_grads(self.parallel.gpt, total)
-        r.flags = (any(h[0] for h in every), any(h[1] for h in every))
-        r.rejoin_pending = any(h[2] for h in every)
-        self.shares_record = [[int(h[6]), int(h[4]), int(h[5])] for h in every]  # (group, samples, sum of ids)
-        return torch.tensor(sum(h[3] for h in every), device=self.device)
 
     def _fetch(self, samples: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch on the device; on a GPU through pinned memory, so the copy does not wait."""
@@ -384,24 +316,9 @@ class Trainer:
                                       self.parallel.gpt.flops_per_token(self.data.train.block_size),
                                       peak_flops(self.cfg, self.info, self.device))
                 world = self.replicas.epoch.world if self.replicas else self.info.world_size
-                shares = {"groups": self.replicas.epoch.groups(), "shares": self.shares_record} if self.replicas else {}
+                shares = {"groups": self.replicas.epoch.groups(), "shares": self.replicas.shares_record} if self.replicas else {}
                 self.metrics.write({**record, "epoch": self.data.sampler.epoch, "world_size": world,
                                     **self.data.train.batch_stats(stats.split), **shares})
-
-
-def _flat_grads(model: nn.Module) -> torch.Tensor:
-    """Every parameter's gradient in one host tensor (parameter order; none: zeros)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-                      for p in model.parameters()])
-
-
-@torch.no_grad()
-def _set_grads(model: nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    for p in model.parameters():
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype).clone()
-        offset += n
 
 
 @torch.no_grad()

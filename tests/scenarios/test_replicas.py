@@ -108,7 +108,7 @@ def freeze_group_2(run_dir: Path, agents) -> int:
     os.kill(worker, signal.SIGSTOP)  # silent: its connections stay open, only its heartbeats stop
     t = time.time()
     try:
-        wait_for_step(run_dir, step + 5, agents)  # the others train on without it
+        wait_for_step(run_dir, step + 30, agents)  # the others train on without it (not held by its old collective)
     finally:
         os.kill(worker, signal.SIGCONT)
     return step, t

@@ -1,27 +1,5 @@
-"""Replica groups: data parallelism across groups that survive each other's loss.
-
-A job of R groups, each its own torchrun (or one process), trains one model. The global batch is
-always cut into R *shares* (the split a world of R ranks would make); each share is trained by its
-own group, or, while that group is lost, by a survivor that adopts it. A step's gradient is the sum
-of the R shares' gradients **in share order**, whoever computed them, so a run with faults ends with
-the same weights, bit for bit, as one without.
-
-Who is alive is told by heartbeats of our own (`Beacon`): every group's process listens on its
-`replicas.peers` address and sends a heartbeat to every other group every `heartbeat_s`; a peer is
-lost when its connection breaks (a killed process) or after `lost_after_s` of silence (a lost node, a
-cut network). The members of an *epoch* train together over a process group made for that epoch:
-when one is lost, the others drop the step in flight (nothing is applied from a gradient exchange
-that did not complete), form the next epoch without it and train the step again. A group that
-(re)starts asks to join; the members let it in at the next step boundary, and it heals from a live
-member: the whole training state sent over the epoch's process group as tensors plus JSON (never a
-pickle), checked by a digest before its first step.
-
-The epoch is formed by its *coordinator*, the lowest-numbered group alive: there is no fixed
-coordinator to lose. A side of a cut network that holds fewer than `min_groups` groups (by default a
-majority) does not train: it waits to rejoin, so two halves of a job never train apart.
-Every connection is authenticated by the job secret (an HMAC of a fresh nonce); nothing received is
-unpickled.
-"""
+"""The beacon of a replica group: heartbeats to and from every other group, join requests, and
+the epochs their coordinator (the lowest group alive) forms. See mingpt/replicas/__init__.py."""
 
 from __future__ import annotations
 
@@ -30,17 +8,15 @@ import hashlib
 import hmac
 import json
 import logging
-import math
-import re
 import secrets
 import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 
 from mingpt.distributed import bound_store, derive
@@ -98,7 +74,7 @@ class Beacon:
         self.status = {"state": "starting", "epoch": -1, "step": 0, "taking": -1}  # then forming, training
         self.max_epoch = -1
         self._lock = threading.Lock()
-        self._send_lock = threading.Lock()
+        self._send_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per connection
         self._seen: dict[int, dict] = {}  # group -> its last heartbeat (with "t" and "eof")
         self._requests: dict[int, tuple[dict, socket.socket]] = {}  # join requests, to the coordinator
         self._replies: dict[str, dict] = {}  # replies to our join requests, by request id
@@ -302,7 +278,9 @@ class Beacon:
     def _write(self, conn: socket.socket | None, msg: dict) -> None:
         if conn is None:
             raise OSError("not connected")
-        with self._send_lock:  # a send blocked by a cut network gives up after SO_SNDTIMEO
+        with self._lock:
+            lock = self._send_locks.setdefault(conn, threading.Lock())
+        with lock:  # a send blocked by a cut network gives up after SO_SNDTIMEO, and holds up no other peer
             conn.sendall(json.dumps(msg).encode() + b"\n")
 
     def _accept(self) -> None:
@@ -356,6 +334,7 @@ class Beacon:
     def _send(self, group: int) -> None:
         """Keep a connection to `group`'s beacon: heartbeats out, replies to our requests in."""
         while not self._stop.is_set():
+            conn = None
             try:
                 conn = socket.create_connection(self.peers[group], timeout=max(self.lost_after_s, 0.5))
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -374,6 +353,8 @@ class Beacon:
                     time.sleep(self.heartbeat_s)
             except (OSError, ValueError, KeyError):
                 self._senders.pop(group, None)
+                if conn is not None:
+                    conn.close()  # its reader thread ends with it
                 time.sleep(self.heartbeat_s)
 
     def _read_replies(self, reader) -> None:
@@ -384,149 +365,3 @@ class Beacon:
                     self._replies[str(msg.get("id"))] = msg
         except (OSError, ValueError):
             pass
-
-
-class Replicas:
-    """This group's side of a replica-group job, as the Trainer uses it: which shares of the step it
-    trains, the exchange of the shares' gradients, forming the next epoch, and healing."""
-
-    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float):
-        self.beacon, self.shares_total, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
-        self.epoch: Epoch | None = None
-        # Every epoch's process group is kept until the process exits: freeing one whose collective a
-        # lost member left unfinished would wait in its destructor (joining gloo's threads) until
-        # that collective times out.
-        self._retired: list[Epoch] = []
-        self.live = False  # trained in an epoch: this state is the job's
-        self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
-        self.flags = (False, False)  # (preempted, save interval elapsed) on any member, at the last exchange
-
-    @property
-    def leads(self) -> bool:
-        """The epoch's first member: it logs and saves for the job."""
-        return self.epoch is not None and self.epoch.rank == 0
-
-    def shares(self) -> list[int]:
-        """The shares this member trains: its own group's, and those of lost groups dealt out in turn."""
-        groups = self.epoch.groups()
-        orphans = [s for s in range(self.shares_total) if s not in groups]
-        mine = [self.beacon.group] + orphans[self.epoch.rank::self.epoch.world]
-        return sorted(mine)
-
-    def form(self, step: int, should_stop: Callable[[], bool]) -> Epoch | None:
-        t0 = time.monotonic()
-        if self.epoch is not None:
-            self._retired.append(self.epoch)
-        self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s, should_stop)
-        self.rejoin_pending = False
-        if self.epoch is None:
-            return None
-        log.info("replica epoch %d: groups %s (this is group %d, rank %d), formed in %.2f s", self.epoch.number,
-                 self.epoch.groups(), self.beacon.group, self.epoch.rank, time.monotonic() - t0)
-        return self.epoch
-
-    def wait(self, work) -> None:
-        """Wait for a collective of the epoch, giving up when a member is lost (a silent peer would
-        otherwise hold it until the process group's timeout)."""
-        while not work.is_completed():
-            if (why := self.beacon.lost(self.epoch)) is not None:
-                raise MembershipChanged(why)
-            time.sleep(0.0002)
-        try:
-            work.wait()
-        except RuntimeError as e:  # gloo's first line names its source file first: "[.../pair.cc:553] Connection ..."
-            raise MembershipChanged(re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]) from None
-
-    def exchange(self, step: int, rows: dict[int, torch.Tensor],
-                 headers: dict[int, list[float]]) -> tuple[torch.Tensor, list]:
-        """The sum of every share's gradient row, in share order (the same sum whoever trained which),
-        and every share's header (numbers its trainer sent with it), in share order."""
-        epoch = self.epoch
-        per = math.ceil(self.shares_total / epoch.world)
-        n = next(iter(rows.values())).numel()
-        width = 3 + len(next(iter(headers.values())))
-        heads = torch.full((per, width), -1.0, dtype=torch.float64)
-        buf = torch.zeros(per, n)
-        for i, (share, row) in enumerate(sorted(rows.items())):
-            heads[i] = torch.tensor([share, step, epoch.number, *headers[share]], dtype=torch.float64)
-            buf[i] = row
-        all_heads = torch.empty(epoch.world * per, heads.shape[1], dtype=torch.float64)
-        self.wait(epoch.pg.allgather([list(all_heads.chunk(epoch.world))], [heads]))
-        all_rows = torch.empty(epoch.world * per, n)
-        self.wait(epoch.pg.allgather([list(all_rows.chunk(epoch.world))], [buf]))
-        by_share: dict[int, int] = {}
-        for i, h in enumerate(all_heads.tolist()):
-            if h[0] < 0:
-                continue
-            if int(h[1]) != step or int(h[2]) != epoch.number or int(h[0]) in by_share:
-                raise MembershipChanged(f"the exchange of step {step} does not add up (row {h[:3]})")
-            by_share[int(h[0])] = i
-        if sorted(by_share) != list(range(self.shares_total)):
-            raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(by_share)}")
-        total = all_rows[by_share[0]].clone()
-        for share in range(1, self.shares_total):
-            total += all_rows[by_share[share]]
-        return total, [all_heads[by_share[s]].tolist()[3:] for s in range(self.shares_total)]
-
-    def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> tuple[int, list[int]]:
-        """Bring every member to the newest state among them: the first member holding it broadcasts
-        its tensors and JSON state (a broadcast reaches every member behind in one collective); a
-        receiver keeps what it received only if it matches the sender's digest. Returns (the group
-        that sent, the groups healed), or (-1, []) when every member held the same state."""
-        members = self.epoch.members
-        best = max(members, key=lambda m: (m.live, m.step))
-        source = members.index(best)
-        behind = [i for i, m in enumerate(members)
-                  if i != source and ((m.step, m.live) != (best.step, best.live) or (best.live and not m.live))]
-        me, healed = self.epoch.rank, (best.group, [members[i].group for i in behind])
-        if not behind:
-            self.live = True
-            return -1, []
-        meta = state() if me == source else {}
-        if me == source:
-            meta["digest"] = state_digest(slots, meta)
-        blob = json.dumps(meta).encode() if me == source else b""
-        size = torch.tensor([len(blob)], dtype=torch.int64)
-        self._broadcast(size, source)
-        blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
-                  else torch.empty(int(size), dtype=torch.uint8))
-        self._broadcast(blob_t, source)
-        received = [slot.local.detach().contiguous() if me == source else torch.empty_like(slot.local).contiguous()
-                    for slot in slots]
-        for t in received:
-            self._broadcast(t, source)
-        self.live = True
-        if me == source or me not in behind:  # up to date: what it received is what it holds
-            return healed
-        meta = json.loads(bytes(blob_t.numpy()))
-        digest = meta.pop("digest")
-        if state_digest(slots, meta, received) != digest:
-            raise ReplicaError(f"the state received from group {best.group} does not match its digest")
-        with torch.no_grad():
-            for slot, t in zip(slots, received):
-                slot.local.copy_(t)
-        load(meta)
-        return healed
-
-    def _broadcast(self, t: torch.Tensor, source: int) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = source, 0
-        self.wait(self.epoch.pg.broadcast([t], opts))
-
-    def close(self) -> None:
-        self.beacon.close()
-
-
-def state_digest(slots: list, meta: dict, tensors: list | None = None) -> str:
-    """sha256 of the JSON state and every tensor's bytes (the slots', or `tensors` in their place)."""
-    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
-    for slot, t in zip(slots, tensors or [s.local for s in slots]):
-        t = t.detach().contiguous()
-        h.update(slot.name.encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def default_min_groups(groups: int) -> int:
-    """A majority: two sides of a cut network can never both train."""
-    return groups // 2 + 1

@@ -1,0 +1,30 @@
+"""Replica groups: data parallelism across groups that survive each other's loss.
+
+A job of R groups, each its own torchrun (or one process), trains one model. The global batch is
+always cut into R *shares* (the split a world of R ranks would make); each share is trained by its
+own group, or, while that group is lost, by a survivor that adopts it. A step's gradient is the sum
+of the R shares' gradients **in share order**, whoever computed them, so a run with faults ends with
+the same weights, bit for bit, as one without.
+
+Who is alive is told by heartbeats of our own (`Beacon`): every group's process listens on its
+`replicas.peers` address and sends a heartbeat to every other group every `heartbeat_s`; a peer is
+lost when its connection breaks (a killed process) or after `lost_after_s` of silence (a lost node, a
+cut network). The members of an *epoch* train together over a process group made for that epoch:
+when one is lost, the others drop the step in flight (nothing is applied from a gradient exchange
+that did not complete), form the next epoch without it and train the step again. A group that
+(re)starts asks to join; the members let it in at the next step boundary, and it heals from a live
+member: the whole training state sent over the epoch's process group as tensors plus JSON (never a
+pickle), checked by a digest before its first step.
+
+The epoch is formed by its *coordinator*, the lowest-numbered group alive: there is no fixed
+coordinator to lose. A side of a cut network that holds fewer than `min_groups` groups (by default a
+majority) does not train: it waits to rejoin, so two halves of a job never train apart.
+Every connection is authenticated by the job secret (an HMAC of a fresh nonce); nothing received is
+unpickled.
+"""
+
+from mingpt.replicas.beacon import Beacon, Epoch, Member, MembershipChanged, ReplicaError
+from mingpt.replicas.group import Replicas, default_min_groups, flat_grads, set_grads
+
+__all__ = ["Beacon", "Epoch", "Member", "MembershipChanged", "ReplicaError", "Replicas", "default_min_groups",
+           "flat_grads", "set_grads"]

@@ -1,0 +1,198 @@
+"""A replica group as the Trainer uses it: the shares of a step it trains, the exchange of their
+gradients in share order, and healing from a live peer. See mingpt/replicas/__init__.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged, ReplicaError
+
+log = logging.getLogger(__name__)
+
+
+class Replicas:
+    """This group's side of a replica-group job, as the Trainer uses it: which shares of the step it
+    trains, the exchange of the shares' gradients, forming the next epoch, and healing."""
+
+    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float):
+        self.beacon, self.shares_total, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
+        self.epoch: Epoch | None = None
+        # Every epoch's process group is kept until the process exits: freeing one whose collective a
+        # lost member left unfinished would wait in its destructor (joining gloo's threads) until
+        # that collective times out.
+        self._retired: list[Epoch] = []
+        self.live = False  # trained in an epoch: this state is the job's
+        self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
+        self.flags = (False, False)  # (preempted, save interval elapsed) on any member, at the last exchange
+        self.shares_record: list = []  # the last step's (group, samples, sum of sample ids) of each share
+
+    @property
+    def leads(self) -> bool:
+        """The epoch's first member: it logs and saves for the job."""
+        return self.epoch is not None and self.epoch.rank == 0
+
+    def shares(self) -> list[int]:
+        """The shares this member trains: its own group's, and those of lost groups dealt out in turn."""
+        groups = self.epoch.groups()
+        orphans = [s for s in range(self.shares_total) if s not in groups]
+        mine = [self.beacon.group] + orphans[self.epoch.rank::self.epoch.world]
+        return sorted(mine)
+
+    def form(self, step: int, should_stop: Callable[[], bool]) -> Epoch | None:
+        t0 = time.monotonic()
+        if self.epoch is not None:
+            self._retired.append(self.epoch)
+        self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s, should_stop)
+        self.rejoin_pending = False
+        if self.epoch is None:
+            return None
+        log.info("replica epoch %d: groups %s (this is group %d, rank %d), formed in %.2f s", self.epoch.number,
+                 self.epoch.groups(), self.beacon.group, self.epoch.rank, time.monotonic() - t0)
+        return self.epoch
+
+    def wait(self, work) -> None:
+        """Wait for a collective of the epoch, giving up when a member is lost (a silent peer would
+        otherwise hold it until the process group's timeout)."""
+        while not work.is_completed():
+            if (why := self.beacon.lost(self.epoch)) is not None:
+                raise MembershipChanged(why)
+            time.sleep(0.0002)
+        try:
+            work.wait()
+        except RuntimeError as e:  # gloo's first line names its source file first: "[.../pair.cc:553] Connection ..."
+            raise MembershipChanged(re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]) from None
+
+    def exchange(self, step: int, rows: dict[int, torch.Tensor],
+                 headers: dict[int, list[float]]) -> tuple[torch.Tensor, list]:
+        """The sum of every share's gradient row, in share order (the same sum whoever trained which),
+        and every share's header (numbers its trainer sent with it), in share order."""
+        epoch = self.epoch
+        per = math.ceil(self.shares_total / epoch.world)
+        n = next(iter(rows.values())).numel()
+        width = 3 + len(next(iter(headers.values())))
+        heads = torch.full((per, width), -1.0, dtype=torch.float64)
+        buf = torch.zeros(per, n)
+        for i, (share, row) in enumerate(sorted(rows.items())):
+            heads[i] = torch.tensor([share, step, epoch.number, *headers[share]], dtype=torch.float64)
+            buf[i] = row
+        all_heads = torch.empty(epoch.world * per, heads.shape[1], dtype=torch.float64)
+        self.wait(epoch.pg.allgather([list(all_heads.chunk(epoch.world))], [heads]))
+        all_rows = torch.empty(epoch.world * per, n)
+        self.wait(epoch.pg.allgather([list(all_rows.chunk(epoch.world))], [buf]))
+        by_share: dict[int, int] = {}
+        for i, h in enumerate(all_heads.tolist()):
+            if h[0] < 0:
+                continue
+            if int(h[1]) != step or int(h[2]) != epoch.number or int(h[0]) in by_share:
+                raise MembershipChanged(f"the exchange of step {step} does not add up (row {h[:3]})")
+            by_share[int(h[0])] = i
+        if sorted(by_share) != list(range(self.shares_total)):
+            raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(by_share)}")
+        total = all_rows[by_share[0]].clone()
+        for share in range(1, self.shares_total):
+            total += all_rows[by_share[share]]
+        return total, [all_heads[by_share[s]].tolist()[3:] for s in range(self.shares_total)]
+
+    def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> tuple[int, list[int]]:
+        """Bring every member to the newest state among them: the first member holding it broadcasts
+        its tensors and JSON state (a broadcast reaches every member behind in one collective); a
+        receiver keeps what it received only if it matches the sender's digest. Returns (the group
+        that sent, the groups healed), or (-1, []) when every member held the same state."""
+        members = self.epoch.members
+        best = max(members, key=lambda m: (m.live, m.step))
+        source = members.index(best)
+        behind = [i for i, m in enumerate(members)
+                  if i != source and ((m.step, m.live) != (best.step, best.live) or (best.live and not m.live))]
+        me, healed = self.epoch.rank, (best.group, [members[i].group for i in behind])
+        if not behind:
+            self.live = True
+            return -1, []
+        meta = state() if me == source else {}
+        if me == source:
+            meta["digest"] = state_digest(slots, meta)
+        blob = json.dumps(meta).encode() if me == source else b""
+        size = torch.tensor([len(blob)], dtype=torch.int64)
+        self._broadcast(size, source)
+        blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
+                  else torch.empty(int(size), dtype=torch.uint8))
+        self._broadcast(blob_t, source)
+        received = [slot.local.detach().contiguous() if me == source else torch.empty_like(slot.local).contiguous()
+                    for slot in slots]
+        for t in received:
+            self._broadcast(t, source)
+        self.live = True
+        if me == source or me not in behind:  # up to date: what it received is what it holds
+            return healed
+        meta = json.loads(bytes(blob_t.numpy()))
+        digest = meta.pop("digest")
+        if state_digest(slots, meta, received) != digest:
+            raise ReplicaError(f"the state received from group {best.group} does not match its digest")
+        with torch.no_grad():
+            for slot, t in zip(slots, received):
+                slot.local.copy_(t)
+        load(meta)
+        return healed
+
+    def _broadcast(self, t: torch.Tensor, source: int) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = source, 0
+        self.wait(self.epoch.pg.broadcast([t], opts))
+
+    def reduce(self, model: torch.nn.Module, rows: dict, step: int, preempted: bool, timed: bool) -> float:
+        """The step's gradient into `model`: every share's (`rows`: share -> (flat gradient, summed
+        token loss, micro-batches)), summed in share order; this member's flags (a preemption signal,
+        the save interval elapsed, a group waiting to join) are agreed by the same exchange. Returns
+        the step's summed token loss. A sync: the exchange runs on the host."""
+        joiners = float(bool(self.beacon.joiners(self.epoch)))
+        heads = {share: [float(preempted), float(timed), joiners, float(loss.item()),
+                         float(sum(len(mb) for mb in mbs)), float(sum(int(i) for mb in mbs for i in mb)),
+                         float(self.beacon.group)]
+                 for share, (_, loss, mbs) in rows.items()}
+        total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+        set_grads(model, total)
+        self.flags = (any(h[0] for h in every), any(h[1] for h in every))
+        self.rejoin_pending = any(h[2] for h in every)
+        self.shares_record = [[int(h[6]), int(h[4]), int(h[5])] for h in every]  # (group, samples, sum of ids)
+        return sum(h[3] for h in every)
+
+    def close(self) -> None:
+        self.beacon.close()
+
+
+def state_digest(slots: list, meta: dict, tensors: list | None = None) -> str:
+    """sha256 of the JSON state and every tensor's bytes (the slots', or `tensors` in their place)."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
+    for slot, t in zip(slots, tensors or [s.local for s in slots]):
+        t = t.detach().contiguous()
+        h.update(slot.name.encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def default_min_groups(groups: int) -> int:
+    """A majority: two sides of a cut network can never both train."""
+    return groups // 2 + 1
+
+
+def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+    """Every parameter's gradient in one host tensor (parameter order; none: zeros)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                      for p in model.parameters()])
+
+
+@torch.no_grad()
+def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype).clone()
+        offset += n
