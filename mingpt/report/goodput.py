@@ -115,6 +115,8 @@ def account(records: list[dict]) -> Account:
     """Where the job's wall time went. Attempts of one torchrun job are joined by their restarts;
     the time between two jobs (a new command) is not the job's and is left out."""
     attempts = attempts_of(records)
+    if any(r.get("kind") == "epoch" for r in records):
+        return account_replicas(records, attempts)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     startup = dict.fromkeys(STARTUP, 0.0)
     lost_steps, gaps, wall = [], [], 0.0
@@ -139,6 +141,35 @@ def account(records: list[dict]) -> Account:
         seconds["down"] += gap
         wall += gap + (a.end - a.t0)
     return Account(wall, seconds, startup, attempts, lost_steps, gaps)
+
+
+def account_replicas(records: list[dict], attempts: list[Attempt]) -> Account:
+    """A job of replica groups (mingpt.replicas): its groups start, die and rejoin while the others
+    train, and the epoch's first member writes the job's records, so the job's time is the wall
+    clock's, from the first process start to the last record. Training kept: the step time of every
+    step the final weights descend from (the last train record of a step wins; a record covers the
+    steps since the one before), at most the median step time. Regroup: the epochs' forming and healing. Start-up: the first start
+    to the first epoch. Lost: the rest (steps dropped at faults, steps slowed while a group was away
+    and a survivor trained its share, snapshots, evaluation and logging)."""
+    starts = [r["t0"] for r in records if r.get("kind") == "start" and "t0" in r]
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    train = {r["step"]: r for r in records if r.get("kind") == "train"}
+    t0 = min(starts) if starts else min(r["time"] for r in epochs)
+    wall = max(r["time"] for r in records if "time" in r) - t0
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    # a step slowed by a fault (a survivor trains a lost group's share too) counts at the median step time
+    usual, previous = sorted(r["step_ms"] for r in train.values())[len(train) // 2] if train else 0.0, 0
+    for step in sorted(train):
+        seconds["training"] += min(train[step]["step_ms"], usual) / 1000 * (step - previous)
+        previous = step
+    seconds["regroup"] = sum(e["regroup_s"] for e in epochs[1:])
+    seconds["startup"] = epochs[0]["time"] - t0
+    seconds["lost"] = max(0.0, wall - seconds["training"] - seconds["regroup"] - seconds["startup"])
+    startup = dict.fromkeys(STARTUP, 0.0)
+    for a in attempts:
+        for phase in STARTUP:
+            startup[phase] += a.ledgers[0]["s"][phase] if a.ledgers else 0.0
+    return Account(wall, seconds, startup, attempts, [0] * len(attempts), [0.0] * len(attempts))
 
 
 def check_states() -> None:

@@ -87,6 +87,11 @@ def summary(run: Run, name: str) -> str:
     lines.append(f"  starts {len(attempts)} ({len(attempts) - jobs} restart{'s' * (len(attempts) - jobs != 1)}, "
                  f"{jobs} job{'s' * (jobs != 1)})   world size {' -> '.join(changes)}   "
                  f"{attempts[-1].start.get('parallel', '')}")
+    epochs = [r for r in run.records if r.get("kind") == "epoch"]
+    if epochs:  # replica groups: every process start is a group's, and the groups trained through faults
+        lost = sum(1 for e in epochs if e["why"] not in ("start", "a group joins"))
+        lines.append(f"  replica groups: {len(epochs)} epochs, {lost} lost a group, "
+                     f"{sum(len(e.get('healed', [])) for e in epochs)} group(s) healed from a peer")
     lines.append("")
     lines.append(f"  goodput {100 * acc.goodput:.1f}% of {_s(acc.wall)} wall time")
     width = max(len(LABELS[c]) for c in CATEGORIES)

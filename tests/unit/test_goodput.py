@@ -25,11 +25,32 @@ def test_account_of_two_restarts_and_a_second_job():
     assert [a.first_step for a in acc.attempts] == [0, 10, 30]
     assert acc.gaps == [0.0, pytest.approx(2.0), 0.0]  # the hours between the two jobs are not the job's
     expected = {"training": 8 + 15, "data_wait": 1 + 1, "lost": 18 - 9, "down": 2, "startup": 4 + 1.5 + 2,
-                "snapshot": 1, "eval": 0, "log": 1.5}
+                "snapshot": 1, "eval": 0, "log": 1.5, "regroup": 0}
     assert {c: pytest.approx(v) for c, v in expected.items()} == acc.seconds
     assert acc.wall == pytest.approx(24 + 2 + 18 + 2)
     assert sum(acc.seconds[c] for c in CATEGORIES) == pytest.approx(acc.wall)
     assert acc.goodput == pytest.approx(23 / 46)
+
+
+def test_account_of_replica_groups():
+    """Replica groups: the wall clock from the first start; training kept at most the median step
+    time (the step a survivor trained two shares of is slowed, not kept twice); the regroups."""
+    train = lambda step, ms, t: {"kind": "train", "step": step, "step_ms": ms, "time": t}  # noqa: E731
+    records = [
+        ledger(100, 0, "start", launch=3, model=2, group=0),
+        ledger(101, 0, "start", launch=3, model=1, group=1),
+        {"kind": "epoch", "step": 0, "why": "start", "regroup_s": 0.01, "groups": [0, 1], "healed": [], "time": 105},
+        *[train(s, 100, 105 + 0.1 * s) for s in range(1, 11)],
+        {"kind": "epoch", "step": 10, "why": "group 1 lost", "regroup_s": 0.2, "groups": [0], "healed": [], "time": 107},
+        train(11, 300, 107.5),  # one member trains both shares
+        train(12, 100, 109),
+        train(12, 100, 110),  # step 12 logged again: the last record of a step wins
+    ]
+    acc = account(records)
+    assert acc.wall == pytest.approx(10)
+    expected = dict.fromkeys(CATEGORIES, 0.0) | {"training": 1.2, "regroup": 0.2, "startup": 5, "lost": 10 - 1.2 - 0.2 - 5}
+    assert {c: pytest.approx(v) for c, v in expected.items()} == acc.seconds
+    assert acc.goodput == pytest.approx(0.12)
     assert acc.lost_steps == [10, 0, 0]
 
 
