@@ -11,7 +11,8 @@ goodput: steps x the fault-free run's median step time / wall time (launch to ex
 survivor_gap_s: a fault to the next step committed (median, max); steps_lost_per_fault: steps whose
 compute was thrown away (the step in flight, and for a restart the steps since the snapshot);
 rejoin_s: the restarted process's start to the first step it committed in; final_max_abs_diff:
-final weights against the fault-free run of the same mode.
+final weights against the fault-free run of the same mode (and, on its own line, the fault-free
+replica run against today's DDP run with the same global batch).
 """
 
 from __future__ import annotations
@@ -226,6 +227,12 @@ def main(argv: list[str] | None = None) -> None:
             rref = measure(tmp / "restart-none", wall, [], None)
             rref_state = {"step_s": rref["step_s"], "weights": final(tmp / "restart-none")}
             print(json.dumps({**base, "mode": "single torchrun", "fault": "none", **rref}), flush=True)
+            # today's DDP with the same global batch against the replica groups without faults: the sums
+            # differ in order only (gloo's ring, bucket by bucket, against share order)
+            diff = max((rref_state["weights"][k].float() - ref_state["weights"][k].float()).abs().max().item()
+                       for k in ref_state["weights"])
+            print(json.dumps({**base, "mode": "replicas against single torchrun (DDP)", "fault": "none",
+                              "final_max_abs_diff": diff}), flush=True)
             for every in args.kill_every:
                 d = tmp / f"restart-kill{every:g}"
                 wall, faults = restart_job(args, d, killer(every, groups=False, max_kills=args.max_kills))
