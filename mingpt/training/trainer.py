@@ -116,7 +116,7 @@ class Trainer:
                     return False
             if todo.stop:
                 self.finish_saving(self.policy.preempt.describe())
-                if self.info.is_rank0:  # every rank stops; one says so
+                if self.leads:  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
                                 self.policy.preempt.describe(), p.step)
                 return False
@@ -191,7 +191,7 @@ class Trainer:
 
     def train_step(self) -> StepStats:
         """One optimizer step over the next global batch, split over ranks and micro-batches. No
-        host sync: the loss and the gradient norm stay on the device (replica groups: see `_exchange`)."""
+        host sync: the loss and the gradient norm stay on the device (replica groups: `Replicas.reduce` syncs)."""
         t0 = time.perf_counter()
         self.ledger.switch("step_data")
         info, step = self.info, self.progress.step
