@@ -34,3 +34,23 @@ def test_a_run_on_s3_logs_our_lines_with_full_urls_and_a_missing_bucket_is_named
     assert missing.returncode == 2
     assert (f"ERROR mingpt: bucket no-such-bucket of s3://no-such-bucket/run does not exist or is not reachable at "
             f"{s3.env['AWS_ENDPOINT_URL']}: create the bucket, or correct snapshot.dir") in missing.stderr
+
+
+def test_replica_groups_are_refused_where_they_cannot_work(monkeypatch):
+    """A group of several processes, or a job without the secret the groups prove themselves with:
+    one line that says what to do, before anything listens."""
+    import pytest
+
+    from mingpt.compose import compose
+    from mingpt.distributed import DistInfo
+    from mingpt.main import build_replicas
+    from mingpt.replicas import ReplicaError
+
+    cfg = compose(["replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"])
+    monkeypatch.delenv("MINGPT_JOB_SECRET", raising=False)
+    monkeypatch.delenv("MINGPT_JOB_SECRET_FILE", raising=False)
+    with pytest.raises(ReplicaError, match="not supported yet: run each group as one process"):
+        build_replicas(cfg, DistInfo(world_size=2))
+    with pytest.raises(ReplicaError, match="give every group the same MINGPT_JOB_SECRET"):
+        build_replicas(cfg, DistInfo())
+    assert build_replicas(compose([]), DistInfo()) is None  # off by default
