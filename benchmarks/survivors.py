@@ -8,7 +8,9 @@ every 5 steps). One JSON line per setting:
     python -m benchmarks survivors [--kill-every 60 30 15] [--steps 600] [--model gpt-mini] [--keep DIR]
 
 goodput: steps x the fault-free run's median step time / wall time (launch to exit);
-survivor_gap_s: a fault to the next step committed (median, max); steps_lost_per_fault: steps whose
+survivor_gap_s: a fault to the next step committed (median, max; that step is the one in flight,
+trained again, with the lost group's share on a survivor); new_epoch_s: a fault to the survivors'
+new epoch (detection and forming); steps_lost_per_fault: steps whose
 compute was thrown away (the step in flight, and for a restart the steps since the snapshot);
 rejoin_s: the restarted process's start to the first step it committed in; final_max_abs_diff:
 final weights against the fault-free run of the same mode (and, on its own line, the fault-free
@@ -116,7 +118,7 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
     train = sorted((r["time"], r["step"]) for r in recs if r.get("kind") == "train")
     step_s = statistics.median(r["step_ms"] for r in recs if r.get("kind") == "train" and r["step"] > 1) / 1000
     steps = max(s for _, s in train)
-    gaps, lost, rejoins = [], [], []
+    gaps, lost, rejoins, regroups = [], [], [], []
     epochs = [r for r in recs if r.get("kind") == "epoch"]
     starts = [r for r in recs if r.get("kind") == "start"]
     for f in faults:
@@ -125,6 +127,9 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
         if not before or not after:
             continue
         gaps.append(after[0][0] - f["t"])
+        formed = [e["time"] for e in epochs if e["time"] > f["t"] and e["why"] not in ("start", "a group joins")]
+        if formed:
+            regroups.append(formed[0] - f["t"])
         resumed_at = after[0][1] - 1  # the step the survivors (or the restart) went on from
         lost.append(max(before) - resumed_at + 1)
         if f.get("group") is not None:
@@ -142,7 +147,9 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
     else:
         out["goodput"] = round(steps * step_s / wall, 4)
     stat = lambda xs: {"median": round(statistics.median(xs), 3), "max": round(max(xs), 3)} if xs else None  # noqa: E731
-    out.update(survivor_gap_s=stat(gaps), steps_lost_per_fault=stat(lost), rejoin_s=stat(rejoins))
+    out.update(survivor_gap_s=stat(gaps), new_epoch_s=stat(regroups), steps_lost_per_fault=stat(lost),
+               rejoin_s=stat(rejoins))
+    (run_dir / "faults.json").write_text(json.dumps(faults))
     return out
 
 
