@@ -33,7 +33,7 @@ from mingpt.model import GPT
 from mingpt.parallel import Parallel, ParallelError, parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
-from mingpt.replicas import Beacon, ReplicaError, Replicas, default_min_groups
+from mingpt.replicas import ReplicaError, Replicas
 from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.lease import Lease
 from mingpt.snapshot.nodecache import NodeCache
@@ -183,19 +183,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
 
 def build_replicas(cfg: RunConfig, info: DistInfo) -> Replicas | None:
     """This group's side of a replica-group job (replicas.peers set), or None."""
-    rc = cfg.replicas
-    if not rc.enabled:
-        return None
-    if info.distributed:
-        raise ReplicaError(f"replica groups of {info.world_size} processes are not supported yet: run each group as "
-                           "one process (torchrun --nproc_per_node=1), one group per node or per GPU")
-    secret = distributed.job_secret()
-    if secret is None:
-        raise ReplicaError("replica groups authenticate each other with the job secret: give every group the same "
-                           "MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
-                           "`python -c 'import secrets; print(secrets.token_hex(32))'`")
-    beacon = Beacon(rc.peers, rc.group, secret, rc.heartbeat_s, rc.lost_after_s)
-    return Replicas(beacon, len(rc.peers), rc.min_groups or default_min_groups(len(rc.peers)), rc.timeout_s)
+    return Replicas.build(cfg.replicas, info.world_size, distributed.job_secret()) if cfg.replicas.enabled else None
 
 
 def build_data(cfg: RunConfig, start: Start, info: DistInfo) -> tuple[RunConfig, Corpus]:

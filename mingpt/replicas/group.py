@@ -35,6 +35,20 @@ class Replicas:
         self.flags = (False, False)  # (preempted, save interval elapsed) on any member, at the last exchange
         self.shares_record: list = []  # the last step's (group, samples, sum of sample ids) of each share
 
+    @classmethod
+    def build(cls, rc, world_size: int, secret: bytes | None) -> Replicas:
+        """From the `replicas` config (mingpt.config.ReplicasConfig) of a group of `world_size`
+        processes; refused, in one line, where it cannot work."""
+        if world_size > 1:
+            raise ReplicaError(f"replica groups of {world_size} processes are not supported yet: run each group as "
+                               "one process (torchrun --nproc_per_node=1), one group per node or per GPU")
+        if secret is None:
+            raise ReplicaError("replica groups authenticate each other with the job secret: give every group the "
+                               "same MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
+                               "`python -c 'import secrets; print(secrets.token_hex(32))'`")
+        beacon = Beacon(rc.peers, rc.group, secret, rc.heartbeat_s, rc.lost_after_s)
+        return cls(beacon, len(rc.peers), rc.min_groups or default_min_groups(len(rc.peers)), rc.timeout_s)
+
     @property
     def leads(self) -> bool:
         """The epoch's first member: it logs and saves for the job."""
