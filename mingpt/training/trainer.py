@@ -49,6 +49,7 @@ class Trainer:
         self.pin = self.device.type == "cuda"  # pinned host memory: the copy to the GPU overlaps compute
         self.replicas = replicas  # replica groups (mingpt.replicas): the step's shares and its exchange
         self.resume = None  # replica groups: loads the snapshot to continue, when no member is live
+        self.finished_elsewhere, self._store_checked = False, 0.0  # replica groups: the run ended while away
         if replicas is not None:
             policy.agreed = lambda: replicas.flags
 
@@ -86,13 +87,13 @@ class Trainer:
         p, cfg = self.progress, self.cfg
         since = (p.step, self.ledger.step_seconds())
         if self.replicas and not self.regroup("start"):
-            return False
+            return self.finished_elsewhere
         while p.step < cfg.max_steps:
             try:
                 stats = self.train_step()
             except MembershipChanged as e:  # the step is dropped on every member; the next epoch trains it
                 if not self.regroup(str(e)):
-                    return False
+                    return self.finished_elsewhere
                 since = (p.step, self.ledger.step_seconds())
                 continue
             p.step, p.tokens_seen = p.step + 1, p.tokens_seen + stats.tokens
@@ -113,7 +114,7 @@ class Trainer:
             if self.replicas and self.replicas.rejoin_pending and not todo.stop and p.step < cfg.max_steps:
                 # a group waits to join: let it in now, between steps
                 if not self.regroup("a group joins"):
-                    return False
+                    return self.finished_elsewhere
             if todo.stop:
                 self.finish_saving(self.policy.preempt.describe())
                 if self.leads:  # every rank stops; one says so
@@ -129,7 +130,11 @@ class Trainer:
         t0, p = time.monotonic(), self.progress
         with self.ledger.during("regroup"):
             while True:
-                epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested)
+                epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested or self._finished_elsewhere())
+                if epoch is None and self.finished_elsewhere:
+                    log.info("the other replica groups finished the run (its snapshot of step %d is committed) while "
+                             "this group was away: nothing left to train", self.cfg.max_steps)
+                    return False
                 if epoch is None:
                     log.warning("%s while waiting to join the replica groups", self.policy.preempt.describe())
                     return False
@@ -153,6 +158,19 @@ class Trainer:
                                 "why": why, "regroup_s": round(time.monotonic() - t0, 4), "healed": healed,
                                 "healed_from": source if healed else None})
         return True
+
+    def _finished_elsewhere(self) -> bool:
+        """While this group waits to join: whether the others finished the run meanwhile (its last
+        snapshot is committed; looked for every few seconds)."""
+        if time.monotonic() - self._store_checked < 5:
+            return False
+        self._store_checked = time.monotonic()
+        try:
+            self.finished_elsewhere = any(s.committed and s.step >= self.cfg.max_steps
+                                          for s in self.snapshotter.store.list())
+        except Exception as e:  # noqa: BLE001 - an unreadable store: keep waiting for the groups
+            log.warning("cannot list %s (%s); waiting on", self.snapshotter.store.url, e)
+        return self.finished_elsewhere
 
     def _state_json(self) -> dict:
         return {name: part.state_dict() for name, part in self.stateful.items()}

@@ -5,6 +5,7 @@ with no snapshot read; every global step is trained on exactly its samples; and 
 the weights of the run without faults, bit for bit."""
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -92,7 +93,8 @@ def reference(tmp_path_factory):
     corpus = make_corpus(tmp)
     run_dir, _, _ = run_job(tmp, corpus)
     epochs = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "epoch"]
-    return {"corpus": corpus, "weights": final(run_dir), "shares": shares_by_step(run_dir), "epochs": epochs}
+    return {"corpus": corpus, "weights": final(run_dir), "shares": shares_by_step(run_dir), "epochs": epochs,
+            "run_dir": run_dir}
 
 
 def kill_group_0(run_dir: Path, agents) -> int:
@@ -144,6 +146,27 @@ def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
     run_dir, logs, fault = run_job(tmp_path, reference["corpus"], freeze_group_2)
     epochs = check_survived(reference, run_dir, lost=2, fault=fault)
     assert "group 2 lost" in [e for e in epochs if 2 not in e["groups"] and e["time"] >= fault[1]][0]["why"]
+
+
+def test_a_group_that_waits_while_the_others_finish_ends_with_the_run(reference, tmp_path):
+    """A group restarted near the end waits for a quorum that will not come: when the run's last
+    snapshot appears it ends (exit 0) instead of waiting for ever."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    run_dir = tmp_path / "run"
+    log = tmp_path / "g0.log"
+    agent = launch(0, peers, reference["corpus"], run_dir, log)
+    try:
+        deadline = time.time() + 120
+        while "waits for a quorum" not in log.read_text():  # alone: 1 of 3 groups
+            assert agent.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        last = SnapshotStore(str(reference["run_dir"] / "snapshots")).list()[-1]  # the others' last snapshot
+        shutil.copytree(last.path, run_dir / "snapshots" / Path(last.path).name)
+        assert agent.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert "the other replica groups finished the run" in log.read_text()
 
 
 def test_a_group_without_the_secret_is_refused(tmp_path):
