@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--snapshot-every", type=int, default=50, help="replica groups: steps between snapshots")
     ap.add_argument("--cut-s", type=float, default=10.0, help="how long the partition lasts (0: no partition)")
     ap.add_argument("--no-restart-baseline", action="store_true", help="skip today's single-torchrun job")
+    ap.add_argument("--restart-kill-every", nargs="+", type=float, help="its fault intervals (default: --kill-every)")
+    ap.add_argument("--reuse-reference", help="the run directory of a kept fault-free replica run of the same "
+                                              "settings (its step time and weights), instead of running it again")
     ap.add_argument("--max-kills", type=int, default=0, help="SIGKILLs per job at most (default: no limit)")
     ap.add_argument("--limit-s", type=float, default=3600)
     ap.add_argument("--keep", help="keep every job's run directory here")
@@ -209,10 +212,18 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="mingpt-survivors-") as scratch:
         tmp = Path(args.keep or scratch)
         base = {"model": args.model, "groups": GROUPS, "steps": args.steps, "cpus": os.cpu_count()}
-        wall, _ = replicas_job(args, tmp / "replicas-none", None)
-        ref = measure(tmp / "replicas-none", wall, [], None)
-        ref_state = {"step_s": ref["step_s"], "weights": final(tmp / "replicas-none")}
-        print(json.dumps({**base, "mode": "replicas", "fault": "none", **ref}), flush=True)
+        if args.reuse_reference:
+            recs = read_records(Path(args.reuse_reference) / "metrics.jsonl")
+            starts = [r["t0"] for r in recs if r.get("kind") == "start"]
+            ref = measure(Path(args.reuse_reference), max(r["time"] for r in recs if "time" in r) - min(starts), [], None)
+            ref_state = {"step_s": ref["step_s"], "weights": final(Path(args.reuse_reference))}
+            print(json.dumps({**base, "mode": "replicas", "fault": "none", "reused": args.reuse_reference, **ref}),
+                  flush=True)
+        else:
+            wall, _ = replicas_job(args, tmp / "replicas-none", None)
+            ref = measure(tmp / "replicas-none", wall, [], None)
+            ref_state = {"step_s": ref["step_s"], "weights": final(tmp / "replicas-none")}
+            print(json.dumps({**base, "mode": "replicas", "fault": "none", **ref}), flush=True)
         for every in args.kill_every:
             d = tmp / f"replicas-kill{every:g}"
             wall, faults = replicas_job(args, d, killer(every, groups=True, max_kills=args.max_kills))
@@ -240,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
                        for k in ref_state["weights"])
             print(json.dumps({**base, "mode": "replicas against single torchrun (DDP)", "fault": "none",
                               "final_max_abs_diff": diff}), flush=True)
-            for every in args.kill_every:
+            for every in args.restart_kill_every or args.kill_every:
                 d = tmp / f"restart-kill{every:g}"
                 wall, faults = restart_job(args, d, killer(every, groups=False, max_kills=args.max_kills))
                 print(json.dumps({**base, "mode": "single torchrun", "fault": f"SIGKILL every {every:g} s",
