@@ -85,7 +85,7 @@ def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: floa
     return wall, done
 
 
-def killer(every: float, groups: bool, max_kills: int = 0):
+def killer(every: float, groups: bool, run_dir: Path, max_kills: int = 0):
     """SIGKILL a worker every `every` s (at most `max_kills` times; 0: no limit): the groups' workers in
     turn (replicas), or a worker of the one agent."""
     state = {"next": every, "n": 0}
@@ -93,6 +93,11 @@ def killer(every: float, groups: bool, max_kills: int = 0):
     def faults(agents, t0):
         if not every or time.time() - t0 < state["next"] or (max_kills and state["n"] >= max_kills):
             return []
+        if not state.get("training"):  # a fault during the start-up tells nothing of survivors: wait for a step
+            metrics = run_dir / "metrics.jsonl"
+            state["training"] = metrics.exists() and '"kind": "train"' in metrics.read_text()
+            if not state["training"]:
+                return []
         state["next"] += every
         agent = agents[state["n"] % len(agents)] if groups else agents[0]
         victims = workers(agent.pid)
@@ -226,7 +231,7 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({**base, "mode": "replicas", "fault": "none", **ref}), flush=True)
         for every in args.kill_every:
             d = tmp / f"replicas-kill{every:g}"
-            wall, faults = replicas_job(args, d, killer(every, groups=True, max_kills=args.max_kills))
+            wall, faults = replicas_job(args, d, killer(every, groups=True, run_dir=d, max_kills=args.max_kills))
             print(json.dumps({**base, "mode": "replicas", "fault": f"SIGKILL every {every:g} s",
                               **measure(d, wall, faults, ref_state)}), flush=True)
         if args.cut_s:
@@ -253,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
                               "final_max_abs_diff": diff}), flush=True)
             for every in args.restart_kill_every or args.kill_every:
                 d = tmp / f"restart-kill{every:g}"
-                wall, faults = restart_job(args, d, killer(every, groups=False, max_kills=args.max_kills))
+                wall, faults = restart_job(args, d, killer(every, groups=False, run_dir=d, max_kills=args.max_kills))
                 print(json.dumps({**base, "mode": "single torchrun", "fault": f"SIGKILL every {every:g} s",
                                   **measure(d, wall, faults, rref_state)}), flush=True)
 

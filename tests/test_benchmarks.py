@@ -82,9 +82,10 @@ def test_goodput(corpus_file, tmp_path):
 
 
 def test_survivors(corpus_file, tmp_path):
-    # 3 replica groups, one SIGKILLed once: the survivors go on, it rejoins, the weights are bitwise the
+    # 3 replica groups, one SIGKILLed once (in training: the bench waits for a step), 300 steps so that it
+    # rejoins before the end; the survivors go on, the weights are bitwise the
     # fault-free run's (the partition and today's single torchrun are the full bench's: minutes)
-    out = bench("survivors", "--model", "gpt-nano", "--steps", "150", "--kill-every", "4", "--max-kills", "1",
+    out = bench("survivors", "--model", "gpt-nano", "--steps", "300", "--kill-every", "4", "--max-kills", "1",
                 "--cut-s", "0", "--no-restart-baseline", "--corpus", str(corpus_file), "--keep", str(tmp_path),
                 timeout=600)
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
