@@ -337,9 +337,9 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     try:
         ledger.switch("process_group")
         info = distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads)
-        if cfg.replicas.enabled and not os.environ.get("MINGPT_LAUNCH_ID") and distributed.job_secret():
-            # every group of the job is one launch: the same id from the same secret (restarts keep it)
-            info = replace(info, launch_id=distributed.derive(distributed.job_secret(), "launch")[:16])
+        secret = distributed.job_secret() if cfg.replicas.enabled and not os.environ.get("MINGPT_LAUNCH_ID") else None
+        if secret:  # every group of the job is one launch: the same id from the same secret (restarts keep it)
+            info = replace(info, launch_id=distributed.derive(secret, "launch")[:16])
         ledger.switch("preflight")
         logging.getLogger("mingpt.node").info(
             "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",

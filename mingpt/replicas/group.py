@@ -168,7 +168,7 @@ class Replicas:
         the step's summed token loss. A sync: the exchange runs on the host."""
         joiners = float(bool(self.beacon.joiners(self.epoch)))
         heads = {share: [float(preempted), float(timed), joiners, float(loss.item()),
-                         float(sum(len(mb) for mb in mbs)), float(sum(int(i) for mb in mbs for i in mb)),
+                         float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),
                          float(self.beacon.group)]
                  for share, (_, loss, mbs) in rows.items()}
         total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)

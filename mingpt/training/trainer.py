@@ -173,6 +173,7 @@ class Trainer:
         return self.finished_elsewhere
 
     def _state_json(self) -> dict:
+        """The registered parts' state (sampler, counters, scaler): plain containers, saved and healed alike."""
         return {name: part.state_dict() for name, part in self.stateful.items()}
 
     def decide(self, step: int) -> Todo:
@@ -308,7 +309,7 @@ class Trainer:
         p = self.progress
         manifest = {**self.meta, "tokens_seen": p.tokens_seen, "world_size": self.info.world_size,
                     "parallel": self.parallel.name, "aliases": self.parallel.aliases()}
-        extra = {name: part.state_dict() for name, part in self.stateful.items()}
+        extra = self._state_json()
         with self.ledger.during("snapshot"):
             self.policy.saved()
             if self.replicas and not self.leads:  # one member saves for the job (each holds the whole state)
