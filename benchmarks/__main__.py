@@ -11,6 +11,7 @@
     s3tune      the S3 transport's part size, parts in flight, GET size and GETs in flight, on SeaweedFS
     soak        a 2-worker job with S3 snapshots SIGKILLed again and again: bitwise equal, nothing orphaned
     internode   bytes between two nodes (network namespaces) per step under DDP, FSDP and HSDP
+    gpu         the GPU path on one CUDA device: flash attention, bf16/fp16, compile, MFU, a SIGKILL resumed
     survivors   3 replica groups, one SIGKILLed every T s or cut off: goodput, survivor gap, rejoin; vs one torchrun
 """
 
@@ -20,7 +21,7 @@ import importlib
 import sys
 
 BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput", "scale", "internode", "s3tune", "soak",
-              "survivors")
+              "survivors", "gpu")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Training throughput: tokens/s, ms per step and MFU over a fixed number of steps after warm-up.
+"""Training throughput: tokens/s, ms per step and MFU, the medians over a number of steps after warm-up.
 
     python -m benchmarks throughput model=gpt-micro data.block_size=64 trainer.batch_size=12 trainer.micro_batch_size=12
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 -m benchmarks --steps 100 model=gpt-micro ...
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 
@@ -26,7 +27,7 @@ def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
     setup_logging(info)
     with tempfile.TemporaryDirectory() as tmp:
         cfg = compose([f"trainer.run_dir={tmp}", "snapshot.resume=never", "trainer.progress=false", *overrides])
-        distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads)
+        distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads, cfg.trainer.deterministic)
         trainer = None
         try:
             trainer = assemble(cfg, info)
@@ -34,20 +35,24 @@ def throughput(overrides: list[str], steps: int, warmup: int) -> dict:
                 trainer.train_step()
                 trainer.progress.step += 1
             distributed.barrier()
-            t0 = time.perf_counter()
+            times, rates = [], []
             for _ in range(steps):
+                t0 = time.perf_counter()
                 stats = trainer.train_step()
                 trainer.progress.step += 1
-            loss = distributed.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
+                # each step timed whole (the device drained): the median leaves out a step that
+                # recompiled (torch.compile meets the epoch's short last batch once) or hit a save
+                loss = distributed.all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
+                times.append(time.perf_counter() - t0)
+                rates.append(stats.tokens / times[-1])
             distributed.barrier()
-            dt = (time.perf_counter() - t0) / steps
             flops = trainer.parallel.gpt.flops_per_token(cfg.data.block_size)
             peak = peak_flops(cfg.trainer, info, trainer.device)
         finally:
             if trainer is not None:
                 trainer.close()
             distributed.shutdown()
-    tok_s = stats.tokens / dt  # target tokens of a global step (constant for fixed blocks)
+    dt, tok_s = statistics.median(times), statistics.median(rates)  # tokens: of each step (an epoch's last is short)
     return {
         "config": " ".join(overrides) or "(defaults)",
         "world_size": info.world_size,

@@ -156,6 +156,10 @@ class TrainerConfig:
     """"auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16" or "fp16" (with GradScaler)."""
     compile: bool = False
     """torch.compile the model."""
+    deterministic: bool = False
+    """Deterministic GPU kernels (torch.use_deterministic_algorithms, a fixed cuBLAS workspace): two
+    runs of one config, and a run resumed after a fault, end bitwise equal on GPUs too, at some speed
+    (docs/performance.md). CPU runs are deterministic either way."""
     threads: int = 0
     """Intra-op CPU threads per process; 0 = the cores this process may use / local world size."""
     seed: int = 1337

@@ -162,14 +162,18 @@ def _worker_store(info: DistInfo, timeout: datetime.timedelta):
     return dist.PrefixStore(derive(secret, "workers") if secret else "mingpt", store)
 
 
-def init(info: DistInfo, timeout_s: float, threads: int = 0) -> DistInfo:
+def init(info: DistInfo, timeout_s: float, threads: int = 0, deterministic: bool = False) -> DistInfo:
     """The process's one setup (`shutdown` is its teardown): the device, the intra-op threads (0: a
     share of the cores that never oversubscribes them), TF32 matmuls on GPUs, and the process group
-    (nothing to join for a single process). Returns `info` with `restarted` agreed: a torchrun
+    (nothing to join for a single process), deterministic kernels if asked. Returns `info` with `restarted` agreed: a torchrun
     restart of this launch if any node's agent counts one (the counts may differ by node)."""
     torch.set_num_threads(threads or default_threads(info.local_world_size))
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    if deterministic:
+        # cuBLAS reduces in a fixed order only with a fixed workspace, set before its first use
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if info.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(info.device))
     if info.distributed and not dist.is_initialized():

@@ -336,7 +336,7 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     trainer, lease = None, None
     try:
         ledger.switch("process_group")
-        info = distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads)
+        info = distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads, cfg.trainer.deterministic)
         secret = distributed.job_secret() if cfg.replicas.enabled and not os.environ.get("MINGPT_LAUNCH_ID") else None
         if secret:  # every group of the job is one launch: the same id from the same secret (restarts keep it)
             info = replace(info, launch_id=distributed.derive(secret, "launch")[:16])

@@ -56,6 +56,7 @@ class Parallel:
         if out.requires_grad:
             out.register_hook(self._note_grads_ready)
 
+    @torch.compiler.disable  # a clock read cannot be traced: compiled, the forward breaks here once
     def _note_grads_ready(self, grad) -> None:  # noqa: ARG002 - hook signature
         self.grads_ready_t = time.perf_counter()
 

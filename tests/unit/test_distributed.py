@@ -1,10 +1,12 @@
 """torchrun's environment, read once (mingpt/distributed.py): DistInfo, launch ids, the job's secret."""
 
+import os
 import secrets
 
 import pytest
+import torch
 
-from mingpt.distributed import DistInfo, SecretError, default_threads, job_secret
+from mingpt.distributed import DistInfo, SecretError, default_threads, init, job_secret
 
 
 def test_dist_info_from_env_without_process_group():
@@ -41,3 +43,17 @@ def test_a_secret_others_can_read_or_guess_is_refused_with_the_fix(tmp_path, mod
     path.chmod(0o600)
     if mode:
         assert len(job_secret({"MINGPT_JOB_SECRET_FILE": str(path)})) == 64
+
+
+def test_deterministic_kernels_are_switched_on_with_cublas_fixed_before_first_use(monkeypatch):
+    """trainer.deterministic: on an H200 two fault-free bf16 runs differed by up to 1.5e-2 in a weight
+    without it and were bitwise equal with it (docs/performance.md); CPU runs are deterministic."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        init(DistInfo.from_env({}, cuda=False), 10, threads=torch.get_num_threads())
+        assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+        init(DistInfo.from_env({}, cuda=False), 10, threads=torch.get_num_threads(), deterministic=True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(False)
