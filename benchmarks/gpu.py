@@ -200,6 +200,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--precision", default="bf16", help="of the first fault check (the second is fp16)")
     ap.add_argument("--only", nargs="*", default=None, help="run only these checks")
     args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available() and (args.only is None or {"environment", "flash_attention", "generate"} & set(args.only)):
+        sys.exit("error: no CUDA device here; this benchmark measures the GPU path (on a CPU, --only faults fsdp "
+                 "runs those checks on the CPU)")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="mingpt-gpu-"))  # the runs' snapshots stay out of DIR
@@ -220,14 +225,8 @@ def main(argv: list[str] | None = None) -> None:
         ("throughput_compile_accum", throughput, checks,
          ["trainer.batch_size=64", "trainer.micro_batch_size=32", "trainer.compile=true"], args.steps // 2),
     ]
-    chosen = [name for name, *_ in plan if args.only is None or name in args.only]
-    import torch
-
-    if not torch.cuda.is_available() and {"environment", "flash_attention", "generate"} & set(chosen):
-        sys.exit("error: no CUDA device here; this benchmark measures the GPU path (on a CPU, --only faults fsdp "
-                 "runs those checks on the CPU)")
     for name, fn, *fargs in plan:
-        if name in chosen:
+        if args.only is None or name in args.only:
             checks.check(name, fn, *fargs)
     checks.log.close()
     print("\n| check | ok | figures |\n| --- | --- | --- |")
