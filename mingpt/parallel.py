@@ -205,4 +205,19 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             init_sync=False)  # every rank initialised the same values, or will load them
+        _settle_buckets(model, gpt, device)
     return Parallel(name, model, gpt, replicas, shards)
+
+
+def _settle_buckets(ddp: nn.Module, gpt: GPT, device: torch.device) -> None:
+    """One backward before any step, so that every step of every start sums its gradients in the
+    same buckets. DDP's first backward reduces one bucket of everything; the next forward rebuilds
+    the buckets in the order the gradients became ready. Over three ranks or more the order of a sum
+    changes its last bits ((a + b) + c is not a + (b + c)), so without this the first step after a
+    resume summed otherwise than the uninterrupted run did at that step, and the runs parted.
+    Eager even under torch.compile (no compilation for this shape); the weights are not touched."""
+    x = torch.zeros((1, 1), dtype=torch.long, device=device)
+    with torch.compiler.set_stance("force_eager"):
+        _, loss = ddp(x, x, reduction="sum")
+        loss.backward()
+    gpt.zero_grad(set_to_none=True)
