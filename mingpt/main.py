@@ -120,6 +120,8 @@ def where_to_start(cfg: RunConfig, info: DistInfo) -> tuple[RunConfig, Start]:
     # under torchrun's default rendezvous id "none" each start's id is its own: only the count tells
     restarted = info.restarted and info.job_id is None
     source, found, run_id, others = distributed.on_rank0(lambda: choose_start(store, sc, info.launch_id, restarted))
+    if cfg.replicas.enabled and not found:  # every group's first start names one run: theirs is one launch id
+        run_id = f"replicas-{info.launch_id[:12]}"
     pretrained = pretrained_checkpoint(cfg.model.init_from, info) if cfg.model.init_from else None
     if pretrained is not None:
         cfg = with_pretrained_shape(cfg, pretrained)

@@ -25,6 +25,7 @@ CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "
        "trainer.eval_every=40", "trainer.progress=false", "optim.warmup_steps=10", f"trainer.max_steps={MAX_STEPS}"]
 
 
+WIDE = ["model.n_embd=128"]
 DOCS = ["data=shakespeare_speeches", "data.block_size=64", "data.documents.token_budget=256",
         "data.documents.micro_batches_per_step=3"]
 
@@ -85,7 +86,10 @@ def test_sigkill_a_worker_torchrun_restarts_and_the_run_ends_bitwise_identical(r
 
 def test_documents_sigkill_recovery_is_exact_too(tmp_path):
     """Length-grouped document batches (uneven micro-batches over ranks) keep exact resume, here
-    from a dataset made by mingpt-prepare, in many small shards (pieces cross shard boundaries)."""
+    from a dataset made by mingpt-prepare, in many small shards (pieces cross shard boundaries), and
+    over three ranks, where the order of a sum shows in its last bits ((a + b) + c is not a + (b + c);
+    two ranks hide it): 128 wide, the gradients (1.7 MB) outgrow DDP's first bucket (1 MiB), so the
+    buckets DDP rebuilds after its first step differ from that step's one bucket."""
     from conftest import make_docs_corpus
 
     raw = make_docs_corpus(tmp_path)
@@ -94,18 +98,18 @@ def test_documents_sigkill_recovery_is_exact_too(tmp_path):
                     "--separator", "\n\n", "--shard-mb", "0.002", "--unit-mb", "0.004"], cwd=REPO, check=True)
     assert len(json.loads((corpus / "manifest.json").read_text())["shards"]) > 5
     ref_dir = tmp_path / "ref"
-    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir, docs=True)), cwd=REPO,
+    proc = subprocess.run(torchrun_cmd(3, "mingpt/main.py", *args(corpus, tmp_path, ref_dir, docs=True), *WIDE), cwd=REPO,
                           env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     reference = {"corpus": corpus, "weights": final_weights(ref_dir),
                  "losses": {s: r["loss"] for s, r in read_metrics(ref_dir / "metrics.jsonl").items()}}
-    check_sigkill_recovery(reference, tmp_path / "faulty", docs=True)
+    check_sigkill_recovery(reference, tmp_path / "faulty", docs=True, nproc=3, extra=WIDE)
 
 
-def check_sigkill_recovery(reference, tmp_path, docs):
+def check_sigkill_recovery(reference, tmp_path, docs, nproc=2, extra=()):
     run_dir = tmp_path / "run"
-    agent = subprocess.Popen(torchrun_cmd(2, "mingpt/main.py", *args(reference["corpus"], tmp_path, run_dir, docs=docs),
-                                          max_restarts=3),
+    agent = subprocess.Popen(torchrun_cmd(nproc, "mingpt/main.py", *args(reference["corpus"], tmp_path, run_dir, docs=docs),
+                                          *extra, max_restarts=3),
                              cwd=REPO, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     killed_at = wait_for_step(run_dir / "metrics.jsonl", 35, agent)
     victim = workers_of(agent.pid)[1]

@@ -129,6 +129,7 @@ def check_survived(reference, run_dir: Path, lost: int, fault: tuple[int, float]
     back = [e for e in epochs if e["time"] > without[0]["time"] and lost in e["groups"] and lost in e["healed"]]
     assert back and back[0]["healed_from"] != lost, epochs
     assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
+    assert len({r["run_id"] for r in recs if r.get("kind") == "start"}) == 1  # one run, whichever group started it
     # exactly the fault-free run's samples in every global step, and the same weights, bit for bit
     assert shares_by_step(run_dir) == reference["shares"]
     weights = final(run_dir)
