@@ -165,8 +165,9 @@ def _worker_store(info: DistInfo, timeout: datetime.timedelta):
 def init(info: DistInfo, timeout_s: float, threads: int = 0, deterministic: bool = False) -> DistInfo:
     """The process's one setup (`shutdown` is its teardown): the device, the intra-op threads (0: a
     share of the cores that never oversubscribes them), TF32 matmuls on GPUs, and the process group
-    (nothing to join for a single process), deterministic kernels if asked. Returns `info` with `restarted` agreed: a torchrun
-    restart of this launch if any node's agent counts one (the counts may differ by node)."""
+    (nothing to join for a single process), and deterministic kernels if asked. Returns `info` with
+    `restarted` agreed: a torchrun restart of this launch if any node's agent counts one (the counts
+    may differ by node)."""
     torch.set_num_threads(threads or default_threads(info.local_world_size))
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
