@@ -54,3 +54,11 @@ def test_replica_groups_are_refused_where_they_cannot_work(monkeypatch):
     with pytest.raises(ReplicaError, match="give every group the same MINGPT_JOB_SECRET"):
         build_replicas(cfg, DistInfo())
     assert build_replicas(compose([]), DistInfo()) is None  # off by default
+
+
+def test_the_start_line_says_when_the_kernels_are_deterministic(corpus_file, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "mingpt.main", *TINY, "trainer.deterministic=true",
+                           f"data.path={corpus_file}", f"trainer.run_dir={tmp_path / 'run'}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "training from step 0 to 2 on 1 rank (single), precision fp32, deterministic kernels" in proc.stderr
