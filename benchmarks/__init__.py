@@ -24,6 +24,14 @@ def alive(pids: list[int]) -> list[int]:
     return out
 
 
+def children(pid: int) -> list[int]:
+    """The processes `pid` started (a torchrun agent's: its workers); none once it has ended."""
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def free_port() -> int:
     """A TCP port free on loopback now."""
     with socket.socket() as s:

@@ -23,19 +23,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import die_with_bench
+from benchmarks import children, die_with_bench
 from mingpt.report.goodput import account, read_records
 from mingpt.snapshot import SnapshotStore
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def trainers(agent: int) -> list[int]:
-    """The processes that train: the agent's children."""
-    try:
-        return [int(c) for c in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, rng: random.Random,
@@ -60,7 +52,7 @@ def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, r
                 raise RuntimeError(f"the job did not finish in {limit_s:.0f} s: a SIGKILL every {kill_every:g} s may "
                                    f"come before a restart reaches its first step (see {log})")
             if kill_every and time.time() >= next_kill and not (max_kills and kills >= max_kills):
-                victims = trainers(agent.pid)
+                victims = children(agent.pid)
                 if victims:
                     try:
                         os.kill(rng.choice(victims), signal.SIGKILL)

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import children
+
 REPO = Path(__file__).resolve().parents[1]
 FAULT_CFG = ["data.block_size=256", "trainer.batch_size=32", "trainer.micro_batch_size=16",
              "trainer.max_steps=60", "trainer.log_every=1", "trainer.eval_every=0", "trainer.progress=false",
@@ -30,7 +32,7 @@ FAULT_CFG = ["data.block_size=256", "trainer.batch_size=32", "trainer.micro_batc
 class Checks:
     def __init__(self, out: Path, ranks_file: str | None):
         self.out, self.ranks_file = out, ranks_file
-        self.log = open(out / "gpu.log", "a")  # closed in main
+        self.log = open(out / "gpu.log", "a")  # closed by main's with
         self.results: dict[str, dict] = {}
 
     def run(self, name: str, cmd: list[str], timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -117,9 +119,8 @@ def train(checks: Checks, name: str, run_dir: Path, cfg: list[str], kill_at: int
         metrics, deadline = run_dir / "metrics.jsonl", time.time() + 150
         while time.time() < deadline and agent.poll() is None:
             if metrics.exists() and any(r.get("step", 0) >= kill_at for r in read_records(metrics)):
-                for pid in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split():
-                    if b"RANK=0" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
-                        os.kill(int(pid), signal.SIGKILL)
+                for pid in children(agent.pid):  # its one worker
+                    os.kill(pid, signal.SIGKILL)
                 break
             time.sleep(0.01)
         out, _ = agent.communicate(timeout=150)
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
                  "runs those checks on the CPU)")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="mingpt-gpu-"))  # the runs' snapshots stay out of DIR
+    scratch = tempfile.TemporaryDirectory(prefix="mingpt-gpu-")  # the runs' snapshots: private, removed at the end
+    tmp = Path(scratch.name)
     checks = Checks(out, str(Path(args.ranks_file).resolve()))
     plan = [
         ("environment", environment),
@@ -225,10 +227,10 @@ def main(argv: list[str] | None = None) -> None:
         ("throughput_compile_accum", throughput, checks,
          ["trainer.batch_size=64", "trainer.micro_batch_size=32", "trainer.compile=true"], args.steps // 2),
     ]
-    for name, fn, *fargs in plan:
-        if args.only is None or name in args.only:
-            checks.check(name, fn, *fargs)
-    checks.log.close()
+    with scratch, checks.log:
+        for name, fn, *fargs in plan:
+            if args.only is None or name in args.only:
+                checks.check(name, fn, *fargs)
     print("\n| check | ok | figures |\n| --- | --- | --- |")
     for name, res in checks.results.items():
         figures = {k: v for k, v in res.items() if k not in ("ok", "tail", "sample_head") and not k.endswith("_tail")}

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import alive, die_with_bench
-from benchmarks.goodput import trainers as workers
+from benchmarks import alive, children, die_with_bench
 from benchmarks.seaweed import SeaweedFS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                     time.sleep(0.02)  # three kills in four wait for an upload in flight
                 during = uploading(store)
                 whole = rng.random() < args.agent_share
-                victims = workers(job.pid)
+                victims = children(job.pid)
                 if job.poll() is not None or (not whole and not victims):
                     continue
                 if whole:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import die_with_bench, free_port
+from benchmarks import children, die_with_bench, free_port
 from benchmarks.netns import NoNamespaces, bridged_nodes
 from mingpt.snapshot import SnapshotStore
 from mingpt.training.metrics import read_records
@@ -49,13 +49,6 @@ def job_args(model: str, steps: int, run_dir: Path, corpus: str, snapshot_every:
 def torchrun(nproc: int, prefix: list[str] = ()) -> list[str]:
     return [*prefix, sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
             "--max-restarts=1000", "--monitor-interval=0.2"]
-
-
-def workers(agent: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: float) -> tuple[float, list]:
@@ -100,7 +93,7 @@ def killer(every: float, groups: bool, run_dir: Path, max_kills: int = 0):
                 return []
         state["next"] += every
         agent = agents[state["n"] % len(agents)] if groups else agents[0]
-        victims = workers(agent.pid)
+        victims = children(agent.pid)
         if not victims:
             return []
         victim = victims[state["n"] % len(victims)] if not groups else victims[0]
