@@ -181,6 +181,10 @@ class TrainerConfig:
     state), "fsdp" (FSDP2: each rank holds 1/world of weights, gradients and optimizer state) or
     "hsdp" (FSDP2 within each node, replicated across nodes: only gradient shards cross between
     nodes; every node must run the same number of processes)."""
+    tensor_parallel: int = 1
+    """Tensor parallelism: each block's attention and MLP split over this many processes of one node
+    (heads and MLP columns), combined with `parallel` across the groups of processes; 1 = off. Must
+    divide the processes per node and model.n_head."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")
@@ -189,6 +193,7 @@ class TrainerConfig:
                f"trainer.precision={self.precision!r}: use auto, fp32, bf16 or fp16")
         _check(self.log_every > 0, f"trainer.log_every must be positive, got {self.log_every}")
         _check(self.parallel in ("ddp", "fsdp", "hsdp"), f"trainer.parallel={self.parallel!r}: use ddp, fsdp or hsdp")
+        _check(self.tensor_parallel >= 1, f"trainer.tensor_parallel must be >= 1 (1 = off), got {self.tensor_parallel}")
         _check(self.eval_every >= 0 and self.eval_iters > 0, "trainer.eval_every must be >= 0 and eval_iters > 0")
         _check(self.threads >= 0, f"trainer.threads must be >= 0, got {self.threads}")
 
@@ -317,6 +322,13 @@ class RunConfig:
         _check(self.model.init_from is None or self.data.tokenizer.kind == "bpe",
                f"model.init_from={self.model.init_from} starts from GPT-2's weights, which read GPT-2's BPE tokens: "
                "set data.tokenizer.kind=bpe (e.g. data=shakespeare_bpe)")
+        tp = self.trainer.tensor_parallel
+        _check(tp == 1 or self.model.init_from is None,
+               f"model.init_from with trainer.tensor_parallel={tp} is not supported: start from GPT-2's weights "
+               "without it, and continue that run's snapshot with tensor_parallel (snapshots load under any layout)")
+        _check(tp == 1 or not self.replicas.enabled,
+               f"trainer.tensor_parallel={tp} inside replica groups (replicas.peers) is not supported yet: "
+               "use one of the two")
         fixed = (TrainerConfig.batch_size, TrainerConfig.micro_batch_size)  # the defaults: not set
         _check(self.data.kind == "stream" or (self.trainer.batch_size, self.trainer.micro_batch_size) == fixed,
                "trainer.batch_size and trainer.micro_batch_size size batches of fixed blocks; documents are "

@@ -162,8 +162,8 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     trainer = Trainer(cfg=cfg.trainer, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer,
                       scaler=torch.amp.GradScaler(torch.device(info.device).type,
                                                   enabled=cfg.trainer.precision == "fp16"),
-                      data=build_train_data(cfg, corpus, parallel.gpt, info),
-                      snapshotter=build_snapshotter(cfg, info, start, metrics, parallel.replicas),
+                      data=build_train_data(cfg, corpus, parallel),
+                      snapshotter=build_snapshotter(cfg, info, start, metrics, parallel),
                       policy=SavePolicy(cfg.snapshot.every_steps, cfg.snapshot.every_seconds,
                                         preempt or PreemptionFlag(), torch.device(info.device)),
                       meta={"run_id": start.run_id, "job_id": info.job_id, "launch_id": info.launch_id,
@@ -225,7 +225,8 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
     fresh = not start.candidates
     parallel = parallelize(gpt, cfg.trainer.parallel, info, seed=cfg.trainer.seed if fresh else None,
                            compile=cfg.trainer.compile,  # HSDP on one node only to carry on an HSDP run
-                           one_node_ok=(start.manifest or {}).get("parallel") == "hsdp")
+                           one_node_ok=(start.manifest or {}).get("parallel") == "hsdp",
+                           tensor_parallel=cfg.trainer.tensor_parallel)
     if start.pretrained is not None and fresh:
         checkpoint_vocab = read_config(start.pretrained)["vocab_size"]
         if checkpoint_vocab != cfg.model.vocab_size:
@@ -238,24 +239,24 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
     return parallel
 
 
-def build_train_data(cfg: RunConfig, corpus: Corpus, gpt: GPT, info: DistInfo) -> TrainData:
+def build_train_data(cfg: RunConfig, corpus: Corpus, parallel: Parallel) -> TrainData:
     """The splits, the training sampler and this rank's validation batches (padded with empty ones
     to the same count on every rank: a sharded model runs collectives in its forward)."""
-    sampler, val_sampler = build_samplers(cfg, corpus, gpt)
-    val = [validation_batches(val_sampler, info.world_size, r, cfg.trainer.eval_iters) for r in range(info.world_size)]
+    sampler, val_sampler = build_samplers(cfg, corpus, parallel.gpt)
+    rank, world = parallel.data_rank, parallel.data_world  # a tensor-parallel group reads as one rank
+    val = [validation_batches(val_sampler, world, r, cfg.trainer.eval_iters) for r in range(world)]
     longest = max(map(len, val))
-    return TrainData(corpus.train, corpus.val, sampler,
-                     val[info.rank] + [np.zeros(0, int)] * (longest - len(val[info.rank])), corpus)
+    return TrainData(corpus.train, corpus.val, sampler, val[rank] + [np.zeros(0, int)] * (longest - len(val[rank])), corpus)
 
 
 def build_snapshotter(cfg: RunConfig, info: DistInfo, start: Start, metrics: MetricsWriter,
-                      replicas: int) -> Snapshotter:
-    """Where and how snapshots are saved: every rank writes its share (HSDP: its part of the rows its
-    node's replica holds), the first commits."""
+                      parallel: Parallel) -> Snapshotter:
+    """Where and how snapshots are saved: every rank writes its share (HSDP, tensor parallel under
+    FSDP: its part of the rows that it and its copies hold), the first commits."""
     sc = cfg.snapshot
     cache = NodeCache(sc.node_cache_dir, start.store.url, info.launch_id) if sc.node_cache == "on" or (
         sc.node_cache == "auto" and not start.store.local) else None
-    return Snapshotter(start.store, writer=info.rank, writers=info.world_size, replicas=replicas,
+    return Snapshotter(start.store, writer=parallel.writer, writers=info.world_size, replicas=parallel.copies,
                        group=distributed.side_group(), keep_last=sc.keep_last, keep_every=sc.keep_every,
                        retries=sc.retries, events=metrics.write, cache=cache)
 

@@ -139,7 +139,11 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
-        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        # Separate projections (GPT-2 fuses them into one c_attn): tensor parallelism splits each
+        # by heads (columns), which a fused matrix would mix up across q, k and v.
+        self.c_q = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_k = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_v = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj.residual_scale = True  # marked for GPT-2's scaled init
         self.dropout = cfg.dropout
@@ -148,10 +152,10 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None, layer: int = 0) -> torch.Tensor:
         B, T, C = x.shape
         hs = C // self.n_head
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        # nh: this rank's heads (all of them, or n_head / N under N-way tensor parallelism)
+        q = self.c_q(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.c_k(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.c_v(x).view(B, T, -1, hs).transpose(1, 2)  # (B, nh, T, hs)
         causal = True
         if cache is not None:
             # The cache holds every earlier position: one new query may see them all; a first pass
@@ -163,7 +167,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
         )  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, nh * hs)
         return self.resid_drop(self.c_proj(y))
 
 

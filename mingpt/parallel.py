@@ -28,17 +28,33 @@ from mingpt.distributed import DistInfo
 from mingpt.model import GPT
 from mingpt.shards import local_rows
 from mingpt.snapshot.layout import Slot, n_rows
+from mingpt.tensor_parallel import TensorParallel, split
+from mingpt.tensor_parallel import problem as tp_problem
 
 log = logging.getLogger(__name__)
 
 class Parallel:
     """One strategy's answers to the Trainer's questions; see `parallelize`."""
 
-    def __init__(self, name: str, model: nn.Module, gpt: GPT, replicas: int = 1, shards: int = 1):
+    def __init__(self, name: str, model: nn.Module, gpt: GPT, replicas: int = 1, shards: int = 1,
+                 tp: TensorParallel | None = None, rank: int = 0, world: int = 1):
         self.name, self.model, self.gpt = name, model, gpt
-        self.sharded = name in ("fsdp", "hsdp")
+        self.sharded = name in ("fsdp", "hsdp") or tp is not None  # tensor parallel: FSDP2 for the data (parallelize)
         self.replicas = replicas  # HSDP: the nodes, each holding the whole state sharded over its ranks
         self.shards = shards
+        self.tp = tp
+        # The data-parallel coordinates: the processes of one tensor-parallel group train one share
+        # of the global batch together, so they count as one rank of the data split.
+        n = tp.size if tp else 1
+        self.data_rank, self.data_world, self.data_copies = rank // n, world // n, n
+        # A snapshot's writers (snapshot/layout.py `cut`): every rank writes; the processes of a
+        # tensor-parallel group hold the same rows once gathered, like HSDP's replicas, so under
+        # FSDP they split those rows between them (writer = copy * shards + shard).
+        self.writer, self.copies = rank, replicas
+        if tp:
+            node_replica, shard = divmod(self.data_rank, shards)
+            self.copies = replicas * n
+            self.writer = (node_replica * n + tp.rank) * shards + shard
         # This rank's own compute time per step ends when the gradient reaches the token embedding,
         # the last computation of the backward pass: the gradient all-reduce that follows makes
         # every rank look as slow as the slowest. (A tensor hook, not a DDP comm hook: a Python
@@ -48,9 +64,10 @@ class Parallel:
         self._hook = gpt.wte.register_forward_hook(self._watch_embedding)
 
     def __str__(self) -> str:
+        tp = f" x tensor parallel {self.tp.size}" if self.tp else ""
         if self.name != "hsdp":
-            return self.name
-        return f"hsdp ({self.replicas} node{'s' if self.replicas > 1 else ''} x {self.shards} processes)"
+            return self.name + tp
+        return f"hsdp ({self.replicas} node{'s' if self.replicas > 1 else ''} x {self.shards} processes{tp})"
 
     def _watch_embedding(self, module, args, out) -> None:  # noqa: ARG002 - hook signature
         if out.requires_grad:
@@ -63,7 +80,7 @@ class Parallel:
     def sync(self, last: bool):
         """The context of one micro-batch's backward: gradients are reduced across ranks only after
         the last micro-batch of a step."""
-        if self.name == "ddp" and not last:
+        if self.name == "ddp" and not self.tp and not last:
             return self.model.no_sync()
         if self.sharded:
             self.gpt.set_requires_gradient_sync(last)
@@ -72,6 +89,8 @@ class Parallel:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients of the whole model to max_norm (0: no clipping); their global norm, on
         the device (reading it on the host would wait for the step)."""
+        if self.tp:
+            return self.tp.clip_grad_norm(self.gpt, max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), max_norm if max_norm > 0 else math.inf)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
@@ -87,11 +106,14 @@ class Parallel:
         with torch.no_grad():
             for name, p in self.gpt.named_parameters():
                 names[p] = name
-                out.append(_slot(f"model.{name}", p))
+                out.append(self._slot(f"model.{name}", name, p))
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    out.extend(_slot(f"optim.{names[p]}.{k}", v) for k, v in optimizer.state[p].items())
+                    out.extend(self._slot(f"optim.{names[p]}.{k}", names[p], v) for k, v in optimizer.state[p].items())
         return out
+
+    def _slot(self, name: str, param: str, t: torch.Tensor) -> Slot:
+        return (self.tp and self.tp.slot(name, param, t)) or _slot(name, t)
 
     def aliases(self) -> dict[str, str]:
         """State-dict names that are another parameter (tied weights): {alias: name}."""
@@ -160,53 +182,87 @@ def mesh_shape(places: list[tuple[int, int, int]], one_node_ok: bool) -> tuple[i
     return nodes, size
 
 
-def node_mesh(info: DistInfo, one_node_ok: bool):
-    """HSDP's 2-D mesh: dimension 0 replicates across nodes, dimension 1 shards within a node."""
+def device_mesh(info: DistInfo, strategy: str, tp: int, n_head: int, one_node_ok: bool):
+    """HSDP's mesh: dimension "replicate" across nodes, "shard" within a node. With tensor
+    parallelism every strategy has one, with a last dimension "tp" of `tp` consecutive ranks of one
+    node: DDP is then (data ranks, 1, tp), FSDP (1, data ranks, tp), HSDP (nodes, data ranks per
+    node, tp)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     mine = torch.tensor([info.node, info.local_rank, info.rank], device=info.device)
     every = [torch.empty_like(mine) for _ in range(info.world_size)]
     dist.all_gather(every, mine)
-    nodes, size = mesh_shape([tuple(t.tolist()) for t in every], one_node_ok)
-    if nodes == 1 and info.is_rank0:
-        log.warning("HSDP on one node: carrying on as one replica (FSDP over %d processes) until another node joins",
-                    size)
-    return init_device_mesh(torch.device(info.device).type, (nodes, size), mesh_dim_names=("replicate", "shard"))
+    places = [tuple(t.tolist()) for t in every]
+    if tp > 1:
+        counts = {}
+        for node, _, _ in places:
+            counts[node] = counts.get(node, 0) + 1
+        problem = tp_problem(n_head, tp, list(counts.values()))
+        if problem:
+            raise ParallelError(problem)
+        if any(places[r][0] != places[r - r % tp][0] for r in range(info.world_size)):
+            raise ParallelError("trainer.tensor_parallel needs each node's ranks to be consecutive (torchrun numbers "
+                                "them so): launch with torchrun")
+    data = info.world_size // tp
+    if strategy == "ddp":
+        shape = (data, 1)
+    elif strategy == "fsdp":
+        shape = (1, data)
+    else:
+        nodes, size = mesh_shape(places, one_node_ok)
+        if nodes == 1 and info.is_rank0:
+            log.warning("HSDP on one node: carrying on as one replica (FSDP over %d processes) until another node "
+                        "joins", size)
+        shape = (nodes, size // tp)
+    names = ("replicate", "shard", "tp")
+    return init_device_mesh(torch.device(info.device).type, shape + (tp,) if tp > 1 else shape,
+                            mesh_dim_names=names if tp > 1 else names[:2])
 
 
 def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False,
-                one_node_ok: bool = False) -> Parallel:
+                one_node_ok: bool = False, tensor_parallel: int = 1) -> Parallel:
     """Wrap a model built on the meta device for `strategy` ("ddp", "fsdp" or "hsdp"; one process
-    runs it plainly), materialise it on this rank's device, and initialise it from `seed` (None: leave
-    it uninitialised, for a snapshot that overwrites every value). `one_node_ok`: see `node_mesh`."""
+    runs it plainly) and `tensor_parallel` (the processes that split each block; 1: none),
+    materialise it on this rank's device, and initialise it from `seed` (None: leave it
+    uninitialised, for a snapshot that overwrites every value). `one_node_ok`: see `mesh_shape`.
+
+    With tensor parallelism FSDP2 takes the data dimensions under every strategy (DDP as FSDP2 over
+    a mesh whose "shard" dimension is 1: replicated, as DDP's, with gradients all-reduced), so every
+    split parameter is one DTensor over the whole mesh."""
     device = torch.device(info.device)
-    replicas, shards = 1, 1
-    if strategy in ("fsdp", "hsdp") and info.distributed:
+    replicas, shards, tp = 1, 1, None
+    if tensor_parallel > 1 and not info.distributed:
+        raise ParallelError(f"trainer.tensor_parallel={tensor_parallel} needs that many processes: launch with "
+                            f"torchrun --nproc_per_node={tensor_parallel} (or a multiple of it)")
+    mesh = device_mesh(info, strategy, tensor_parallel, gpt.config.n_head, one_node_ok) if info.distributed and (
+        strategy == "hsdp" or tensor_parallel > 1) else None
+    if tensor_parallel > 1:
+        tp = TensorParallel(mesh["tp"], split(gpt.blocks, mesh["tp"]), info.world_size)
+    if (strategy in ("fsdp", "hsdp") or tp) and info.distributed:
         from torch.distributed.fsdp import fully_shard
 
         # The logits are a view (the padded vocabulary sliced off); nothing changes them in place.
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        mesh = node_mesh(info, one_node_ok) if strategy == "hsdp" else None
-        replicas, shards = (mesh.size(0), mesh.size(1)) if mesh is not None else (1, info.world_size)
+        data_mesh = mesh["replicate", "shard"] if mesh is not None else None
+        replicas, shards = (data_mesh.size(0), data_mesh.size(1)) if mesh is not None else (1, info.world_size)
         for block in gpt.blocks:  # one all-gather per block: only one block is ever whole at a time
-            fully_shard(block, mesh=mesh)
-        fully_shard(gpt, mesh=mesh)
+            fully_shard(block, mesh=data_mesh)
+        fully_shard(gpt, mesh=data_mesh)
         gpt.to_empty(device=device)
-        name = strategy
     else:
         _materialise(gpt, device)
         gpt.tie_weights()
-        name = "ddp" if info.distributed else "single"
+    name = strategy if info.distributed else "single"
     if seed is not None:
         gpt.init_weights(seed)
     model: nn.Module = torch.compile(gpt) if compile else gpt
-    if name == "ddp":
+    if name == "ddp" and not tp:
         model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             init_sync=False)  # every rank initialised the same values, or will load them
         _settle_buckets(model, gpt, device)
-    return Parallel(name, model, gpt, replicas, shards)
+    return Parallel(name, model, gpt, replicas, shards, tp, info.rank, info.world_size)
 
 
 def _settle_buckets(ddp: nn.Module, gpt: GPT, device: torch.device) -> None:

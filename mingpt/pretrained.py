@@ -19,10 +19,12 @@ from mingpt.shards import assign
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-# The parameters of one transformer block, under the same names in both layouts (h.N / blocks.N).
+# The parameters of one transformer block, under the same names in both layouts (h.N / blocks.N),
+# but for attention's input projection: Hugging Face's one c_attn (q | k | v) is our c_q, c_k, c_v.
 LAYER_PARAMS = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "attn.c_attn.weight", "attn.c_attn.bias",
                 "attn.c_proj.weight", "attn.c_proj.bias", "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight",
                 "mlp.c_proj.bias")
+QKV = ("attn.c_q", "attn.c_k", "attn.c_v")
 # Hugging Face's Conv1D keeps weights as (in, out); nn.Linear as (out, in).
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -98,7 +100,12 @@ def to_ours(hf: dict[str, torch.Tensor], n_layer: int) -> dict[str, torch.Tensor
     for i in range(n_layer):
         for name in LAYER_PARAMS:
             t = hf[f"h.{i}.{name}"]
-            out[f"blocks.{i}.{name}"] = t.t() if name in CONV1D else t
+            t = t.t() if name in CONV1D else t
+            if name.startswith("attn.c_attn."):  # (3C, ...): q, k and v one after the other
+                for part, piece in zip(QKV, t.chunk(3)):
+                    out[f"blocks.{i}.{part}.{name.rsplit('.', 1)[1]}"] = piece
+            else:
+                out[f"blocks.{i}.{name}"] = t
     return out
 
 
@@ -128,7 +135,11 @@ def write_gpt2(directory: Path, model_state: dict[str, torch.Tensor], shape: dic
                "transformer.ln_f.weight": model_state["ln_f.weight"], "transformer.ln_f.bias": model_state["ln_f.bias"]}
     for i in range(n_layer):
         for name in LAYER_PARAMS:
-            t = model_state[f"blocks.{i}.{name}"]
+            if name.startswith("attn.c_attn."):
+                kind = name.rsplit(".", 1)[1]
+                t = torch.cat([model_state[f"blocks.{i}.{part}.{kind}"] for part in QKV])
+            else:
+                t = model_state[f"blocks.{i}.{name}"]
             tensors[f"transformer.h.{i}.{name}"] = t.t() if name in CONV1D else t
     tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in tensors.items()}
     config = {

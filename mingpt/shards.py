@@ -22,10 +22,16 @@ def local_rows(t: torch.Tensor) -> tuple[int, int]:
 
 
 def assign(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the leading rows of a whole tensor, `full`, into a parameter: a plain tensor, or a shard
-    of rows (an FSDP2 DTensor, cut by torch.chunk's rule) that takes just its own rows."""
+    """Copy the leading rows of a whole tensor, `full`, into a parameter: a plain tensor, or a
+    DTensor (FSDP2's rows, cut by torch.chunk's rule, and/or a tensor-parallel split) that takes
+    just its own part."""
     with torch.no_grad():
-        if hasattr(param, "device_mesh"):  # a DTensor
+        if hasattr(param, "device_mesh") and tuple(full.shape) == tuple(param.shape):  # a DTensor, any split
+            from torch.distributed.tensor import distribute_tensor
+
+            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                                     src_data_rank=None).to_local())
+        elif hasattr(param, "device_mesh"):  # FSDP's rows, of which `full` gives the leading ones
             local, (start, _) = param.to_local(), local_rows(param)
             rows = max(0, min(len(full) - start, len(local)))
             local[:rows].copy_(full[start:start + rows])

@@ -17,6 +17,7 @@ pieces cover them, so a snapshot written by N ranks loads at any world size, int
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +58,9 @@ class Slot:
     shape: tuple[int, ...]  # the whole tensor's shape
     start: int = 0
     sharded: bool = False
+    load_back: Callable[[], None] | None = None
+    """Set when `local` is a copy (gathered from a tensor-parallel split): after a load, copies it into
+    the tensor it stands for. Every rank calls its slots' in the same order (it may communicate)."""
 
     @property
     def stop(self) -> int:

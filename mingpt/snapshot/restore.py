@@ -57,6 +57,9 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
     _agree(errors, store.url_of(path), world, targets[0].dest.device if targets else torch.device("cpu"))
     if exchange:
         _exchange(replicated, shares, rank, world, exchange_bytes)
+    for slot in slots:
+        if slot.load_back is not None:
+            slot.load_back()
     return extra
 
 

@@ -219,13 +219,14 @@ class Trainer:
         # every rank knows the global token count from the plan: no collective normalises the loss
         global_tokens = self.data.train.tokens_in(np.concatenate(micro_batches))
         # replica groups: the split of a world of one rank per group, whichever groups are alive
-        split = self.data.sampler.split(micro_batches, self.replicas.shares_total if self.replicas else info.world_size)
+        split = self.data.sampler.split(micro_batches, self.replicas.shares_total if self.replicas else
+                                        self.parallel.data_world)
         lr = lr_at(step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.parallel.model.train()
         rows, loss_sum = {}, torch.zeros((), device=self.device, dtype=torch.float32)
-        for share in self.replicas.shares() if self.replicas else [info.rank]:
+        for share in self.replicas.shares() if self.replicas else [self.parallel.data_rank]:
             self.optimizer.zero_grad(set_to_none=True)
             # a rank with no samples here still runs one (weight 0): every rank joins every reduction
             share_sum = self._accumulate([(mb, 1.0) if len(mb) else (micro_batches[0][:1], 0.0) for mb in split[share]],
@@ -252,7 +253,7 @@ class Trainer:
     def _accumulate(self, micro_here: list[tuple[np.ndarray, float]], global_tokens: int, step: int) -> torch.Tensor:
         """Forward and backward over one rank's micro-batches (weight 0: run, not counted); their summed
         token loss, on the device."""
-        model, world = self.parallel.model, 1 if self.replicas else self.info.world_size
+        model, world = self.parallel.model, 1 if self.replicas else self.parallel.data_world
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         x, y = self._fetch(micro_here[0][0])
         for i, (mb, weight) in enumerate(micro_here):
@@ -264,7 +265,7 @@ class Trainer:
                     _, loss = model(x, y, reduction="sum")
                 if i + 1 < len(micro_here):  # the next micro-batch, built while the device runs the forward
                     x, y = self._fetch(micro_here[i + 1][0])
-                # gradients are averaged over ranks: world_size / global tokens makes them those of the
+                # gradients are averaged over data ranks: their count / global tokens makes them those of the
                 # mean token loss of the whole global batch, however unevenly the samples were split
                 # (replica groups sum the shares' gradients instead: a world of 1 here)
                 self.scaler.scale(loss * (weight * world / global_tokens)).backward()
@@ -325,7 +326,8 @@ class Trainer:
     def _log_train(self, stats: StepStats, step_s: float) -> None:
         """The train record (collectives: the loss and every rank's compute time; sync: read on the host)."""
         with self.ledger.during("log"):
-            loss = all_reduce_sum(stats.loss_sum.clone()).item() / stats.tokens
+            # every process of a tensor-parallel group computed the same loss of the same share
+            loss = all_reduce_sum(stats.loss_sum.clone()).item() / (stats.tokens * self.parallel.data_copies)
             compute = [c[0] for c in all_gather_floats([stats.compute_s], self.info.device)]
             if self.leads:
                 p = self.progress

@@ -12,6 +12,18 @@ from mingpt.compose import compose
 from mingpt.main import assemble, setup_logging
 
 
+def whole(parallel, name: str, g: torch.Tensor) -> torch.Tensor:
+    """A gradient as one process would hold it."""
+    if hasattr(g, "full_tensor"):  # FSDP's (and tensor parallel's under FSDP)
+        return g.full_tensor()
+    dim = parallel.tp.dim(name) if parallel.tp else None
+    if dim is None:
+        return g.clone()
+    parts = [torch.empty_like(g) for _ in range(parallel.tp.size)]  # DDP with tensor parallel: split
+    torch.distributed.all_gather(parts, g.contiguous(), group=parallel.tp.group)
+    return torch.cat(parts, dim)
+
+
 def main() -> None:
     out, overrides = sys.argv[1], sys.argv[2:]
     info = distributed.DistInfo.from_env()
@@ -22,14 +34,13 @@ def main() -> None:
     try:
         run = assemble(cfg, info)
         run.train_step()
-        if run.parallel.name == "ddp":
+        if run.parallel.name == "ddp" and not run.parallel.tp:
             # a Python DDP comm hook leaves Python callbacks on gloo's threads: they abort the process
             # (SIGABRT) when they let go of them during interpreter shutdown
             hook = run.parallel.model._get_ddp_logging_data().get("comm_hook")
             assert not hook, f"a Python DDP comm hook ({hook}) is registered"
-        # an FSDP gradient is a shard: every rank joins in gathering it whole
-        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone())
-                 for n, p in run.parallel.gpt.named_parameters()}
+        # an FSDP or tensor-parallel gradient is a part: every rank joins in gathering it whole
+        grads = {n: whole(run.parallel, n, p.grad) for n, p in run.parallel.gpt.named_parameters()}
         if info.is_rank0:
             torch.save(grads, out)
     finally:

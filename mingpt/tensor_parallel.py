@@ -1,0 +1,141 @@
+"""Tensor parallelism inside a node (Megatron's split, with DTensor's parallel styles): each block's
+q, k, v and MLP input projections are split by columns (each process computes its own heads and
+its own quarter of the MLP's hidden units) and the two output projections by rows, so a block costs
+one all-reduce of the activations forward and one backward. Embeddings, norms and the LM head stay
+whole on every process of the group. `parallel.parallelize` applies it before DDP or FSDP take the
+data-parallel dimension of the mesh.
+
+What the rest of mingpt sees does not change: the seam (`Parallel`) asks this module for the
+gradient norm over every shard, and for snapshot slots in the layout a run without tensor
+parallelism has: a split tensor is gathered over the group (row cuts are all the layout knows),
+and written back into the split after a load.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from mingpt.shards import rows_of
+from mingpt.snapshot.layout import Slot
+
+# Megatron's plan for one GPT-2 block: "colwise" splits a Linear's output features, "rowwise" its
+# input features (its input arrives split; its output is summed over the group).
+PLAN = {"attn.c_q": "colwise", "attn.c_k": "colwise", "attn.c_v": "colwise", "attn.c_proj": "rowwise",
+        "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
+
+
+def problem(n_head: int, size: int, per_node: list[int]) -> str | None:
+    """Why this model or these nodes cannot take a tensor-parallel degree of `size`, in one line; None if they can."""
+    if n_head % size:
+        return (f"trainer.tensor_parallel={size} does not divide model.n_head={n_head}: each process "
+                            "needs whole attention heads; choose a divisor of n_head")
+    bad = sorted({n for n in per_node if n % size})
+    if bad:
+        return (f"trainer.tensor_parallel={size} does not divide the processes per node ({bad[0]} here): "
+                "a tensor-parallel group stays inside one node; set --nproc_per_node to a multiple of it")
+    return None
+
+
+def split(blocks: nn.ModuleList, mesh) -> dict[str, int]:
+    """Apply PLAN to every block over the 1-D mesh `mesh`; {parameter name in a block: the
+    dimension it is split along}."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block in blocks:
+        parallelize_module(block, mesh, {name: styles[kind]() for name, kind in PLAN.items()})
+    dims = {}
+    for name, kind in PLAN.items():
+        dims[f"{name}.weight"] = 0 if kind == "colwise" else 1
+        if kind == "colwise":
+            dims[f"{name}.bias"] = 0  # a row-parallel layer's bias is added once, after the sum: whole
+    return dims
+
+
+class TensorParallel:
+    """This process's tensor-parallel group and which parameters are split along which dimension."""
+
+    def __init__(self, mesh, dims: dict[str, int], world: int):
+        self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
+        self.group = mesh.get_group()
+        self.dims, self.world = dims, world
+
+    def dim(self, name: str) -> int | None:
+        """The dimension along which parameter `name` (of the whole model) is split, or None."""
+        if not name.startswith("blocks."):
+            return None
+        return self.dims.get(name.split(".", 2)[2])
+
+    def clip_grad_norm(self, gpt: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip to max_norm (0: no clipping); the norm of the whole model's gradient, which no process
+        holds: each adds the squares of its own part, weighted by 1 / the processes holding the same
+        values, and one all-reduce over the world sums them."""
+        squares, grads = torch.zeros((), dtype=torch.float32), []
+        for name, p in gpt.named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grads.append(g)
+            squares = squares.to(g.device) + g.float().pow(2).sum() / self._copies(name, p)
+        dist.all_reduce(squares)
+        norm = squares.sqrt()
+        if max_norm > 0:
+            scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(scale.to(g.dtype))
+        return norm
+
+    def _copies(self, name: str, p: torch.Tensor) -> int:
+        """How many processes hold this part of `p`'s gradient."""
+        if hasattr(p, "placements"):  # FSDP (and tensor parallel): its mesh says what is split
+            parts = 1
+            for i, placement in enumerate(p.placements):
+                parts *= 1 if placement.is_replicate() else p.device_mesh.size(i)  # (FSDP+TP: _StridedShard too)
+            return self.world // parts
+        return self.world // (self.size if self.dim(name) is not None else 1)  # DDP: split or whole
+
+    def slot(self, name: str, param: str, t: torch.Tensor) -> Slot | None:
+        """The snapshot slot of tensor `t` (parameter `param`'s value or optimizer state) in the
+        layout without tensor parallelism: gathered over the group into a new tensor, which a load
+        fills and `Slot.load_back` copies into this process's split. None: `t` is not split over
+        the group (FSDP's rows of it, or all of it, as they are)."""
+        t = t.detach()
+        if hasattr(t, "placements"):  # FSDP over the data ranks (and split over the group)
+            return self._sharded_slot(name, t) if "tp" in (t.device_mesh.mesh_dim_names or ()) else None
+        d = self.dim(param) if t.dim() else None
+        if d is None:
+            return None
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        whole = torch.cat(parts, dim=d)
+
+        def load_back() -> None:
+            t.copy_(whole.chunk(self.size, dim=d)[self.rank])
+
+        return Slot(name, whole, tuple(whole.shape), load_back=load_back)
+
+    def _sharded_slot(self, name: str, t: torch.Tensor) -> Slot:
+        """FSDP (or HSDP) and tensor parallel: the rows FSDP alone would give this process, from
+        the whole tensor (gathered); written back by slicing the whole tensor again."""
+        from torch.distributed.tensor import distribute_tensor
+
+        whole = t.full_tensor()
+        mesh, names = t.device_mesh, t.device_mesh.mesh_dim_names
+        shard_dim = names.index("shard") if "shard" in names else names.index("dp")
+        start, stop = rows_of(whole.shape[0], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
+        mine = whole[start:stop].clone()
+        del whole
+
+        def load_back() -> None:
+            rows = [torch.empty((rows_of(t.shape[0], mesh.size(shard_dim), 0)[1],) + tuple(t.shape[1:]),
+                                dtype=t.dtype, device=mine.device) for _ in range(mesh.size(shard_dim))]
+            padded = rows[0].clone()
+            padded[:len(mine)] = mine
+            dist.all_gather(rows, padded, group=mesh.get_group(shard_dim))
+            full = torch.cat([r[:b - a] for r, (a, b) in
+                              zip(rows, (rows_of(t.shape[0], mesh.size(shard_dim), i) for i in range(len(rows))))])
+            t.to_local().copy_(distribute_tensor(full, mesh, t.placements, src_data_rank=None).to_local())
+
+        return Slot(name, mine, tuple(t.shape), start, sharded=True, load_back=load_back)
