@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, sha256, targets_of, whole_slots
+from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, sha256, split_fused, targets_of, whole_slots
 from mingpt.snapshot.layout import EXTRA_FILE
 from mingpt.snapshot.s3 import S3Objects
 from mingpt.snapshot.transport import Files, LocalFiles, damaged, join, retried
@@ -163,7 +163,7 @@ class SnapshotStore:
         if version not in READABLE_VERSIONS:
             raise SnapshotError(f"snapshot {self.url_of(path)} has format version {version}; this mingpt reads "
                                 f"{', '.join(map(str, READABLE_VERSIONS))}: use the mingpt that wrote it")
-        return manifest
+        return split_fused(manifest)
 
     def missing_files(self, path: str, manifest: dict, sizes: dict[str, int] | None = None) -> list[str]:
         """The files a manifest lists that are absent or of another size (one listing, no reads;

@@ -213,7 +213,7 @@ class Trainer:
         host sync: the loss and the gradient norm stay on the device (replica groups: `Replicas.reduce` syncs)."""
         t0 = time.perf_counter()
         self.ledger.switch("step_data")
-        info, step = self.info, self.progress.step
+        step = self.progress.step
         before = self.data.sampler.state_dict() if self.replicas else None
         micro_batches = self.data.sampler.next_step()  # the global step's, the same for any world size
         # every rank knows the global token count from the plan: no collective normalises the loss

@@ -1,6 +1,7 @@
-"""Run under torchrun (or plain python): one training step, then rank 0 saves the gradients.
+"""Run under torchrun (or plain python): one training step, then rank 0 saves the gradients; with
+--state, no step: rank 0 saves the state the job started from (weights and optimizer state, whole).
 
-    python grad_worker.py OUT_FILE hydra.overrides...
+    python grad_worker.py OUT_FILE [--state] hydra.overrides...
 """
 
 import sys
@@ -13,10 +14,10 @@ from mingpt.main import assemble, setup_logging
 
 
 def whole(parallel, name: str, g: torch.Tensor) -> torch.Tensor:
-    """A gradient as one process would hold it."""
+    """A gradient (or parameter, or optimizer state) as one process would hold it."""
     if hasattr(g, "full_tensor"):  # FSDP's (and tensor parallel's under FSDP)
         return g.full_tensor()
-    dim = parallel.tp.dim(name) if parallel.tp else None
+    dim = parallel.tp.dim(name) if parallel.tp and g.dim() else None
     if dim is None:
         return g.clone()
     parts = [torch.empty_like(g) for _ in range(parallel.tp.size)]  # DDP with tensor parallel: split
@@ -26,6 +27,8 @@ def whole(parallel, name: str, g: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     out, overrides = sys.argv[1], sys.argv[2:]
+    state = overrides[:1] == ["--state"]
+    overrides = overrides[state:]
     info = distributed.DistInfo.from_env()
     setup_logging(info)
     cfg = compose(overrides)
@@ -33,16 +36,25 @@ def main() -> None:
     run = None
     try:
         run = assemble(cfg, info)
-        run.train_step()
-        if run.parallel.name == "ddp" and not run.parallel.tp:
-            # a Python DDP comm hook leaves Python callbacks on gloo's threads: they abort the process
-            # (SIGABRT) when they let go of them during interpreter shutdown
-            hook = run.parallel.model._get_ddp_logging_data().get("comm_hook")
-            assert not hook, f"a Python DDP comm hook ({hook}) is registered"
-        # an FSDP or tensor-parallel gradient is a part: every rank joins in gathering it whole
-        grads = {n: whole(run.parallel, n, p.grad) for n, p in run.parallel.gpt.named_parameters()}
-        if info.is_rank0:
-            torch.save(grads, out)
+        if state:
+            gpt, optimizer = run.parallel.gpt, run.optimizer
+            out_state = {f"model.{n}": whole(run.parallel, n, p.detach()) for n, p in gpt.named_parameters()}
+            names = {p: n for n, p in gpt.named_parameters()}
+            out_state.update({f"optim.{names[p]}.{k}": whole(run.parallel, names[p], v)
+                              for p, st in optimizer.state.items() for k, v in st.items()})
+            if info.is_rank0:
+                torch.save(out_state, out)
+        else:
+            run.train_step()
+            if run.parallel.name == "ddp" and not run.parallel.tp:
+                # a Python DDP comm hook leaves Python callbacks on gloo's threads: they abort the process
+                # (SIGABRT) when they let go of them during interpreter shutdown
+                hook = run.parallel.model._get_ddp_logging_data().get("comm_hook")
+                assert not hook, f"a Python DDP comm hook ({hook}) is registered"
+            # an FSDP or tensor-parallel gradient is a part: every rank joins in gathering it whole
+            grads = {n: whole(run.parallel, n, p.grad) for n, p in run.parallel.gpt.named_parameters()}
+            if info.is_rank0:
+                torch.save(grads, out)
     finally:
         if run is not None:
             run.close()

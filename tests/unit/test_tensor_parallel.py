@@ -1,0 +1,44 @@
+"""trainer.tensor_parallel: what is refused, in one line (the multi-process behaviour:
+tests/scenarios/test_tensor_parallel.py)."""
+
+import pytest
+
+from mingpt.compose import compose
+from mingpt.config import ConfigError
+from mingpt.tensor_parallel import PLAN, problem
+
+
+@pytest.mark.parametrize("n_head, size, per_node, message", [
+    (4, 2, [2], None),
+    (4, 4, [4, 8], None),
+    (6, 4, [4], "trainer.tensor_parallel=4 does not divide model.n_head=6: each process needs whole attention heads"),
+    (4, 2, [2, 3], "trainer.tensor_parallel=2 does not divide the processes per node (3 here)"),
+    (4, 4, [2], "trainer.tensor_parallel=4 does not divide the processes per node (2 here)"),
+])
+def test_impossible_shapes_are_named_with_the_fix(n_head, size, per_node, message):
+    got = problem(n_head, size, per_node)
+    assert (got is None) if message is None else got.startswith(message), got
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.tensor_parallel=0"], "trainer.tensor_parallel must be >= 1 (1 = off), got 0"),
+    (["trainer.tensor_parallel=2", "model.init_from=gpt2", "data.tokenizer.kind=bpe"],
+     "model.init_from with trainer.tensor_parallel=2 is not supported"),
+    (["trainer.tensor_parallel=2", "replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"],
+     "trainer.tensor_parallel=2 inside replica groups (replicas.peers) is not supported yet"),
+])
+def test_settings_that_cannot_go_with_tensor_parallelism_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        compose(overrides)
+
+
+def test_the_plan_splits_every_projection_of_a_block_once():
+    """Megatron's pairs: each column-split layer feeds a row-split one, so a block needs one
+    all-reduce forward per sub-layer."""
+    from mingpt.model import GPT, GPTConfig
+
+    block = GPT(GPTConfig(preset="gpt-nano", vocab_size=10, block_size=8)).blocks[0]
+    linears = {name for name, m in block.named_modules() if m.__class__.__name__ == "Linear"}
+    assert set(PLAN) == linears
+    assert [PLAN[n] for n in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj")] == ["colwise"] * 3 + ["rowwise"]
+    assert [PLAN[n] for n in ("mlp.c_fc", "mlp.c_proj")] == ["colwise", "rowwise"]
