@@ -13,6 +13,7 @@
     internode   bytes between two nodes (network namespaces) per step under DDP, FSDP and HSDP
     gpu         the GPU path on one CUDA device: flash attention, bf16/fp16, compile, MFU, a SIGKILL resumed
     survivors   3 replica groups, one SIGKILLed every T s or cut off: goodput, survivor gap, rejoin; vs one torchrun
+    memory      memory per process (parameters, gradients, optimizer state, activations) by layout, tensor parallel too
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import importlib
 import sys
 
 BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput", "scale", "internode", "s3tune", "soak",
-              "survivors", "gpu")
+              "survivors", "gpu", "memory")
 
 
 def main(argv: list[str] | None = None) -> None:

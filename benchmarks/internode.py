@@ -1,10 +1,11 @@
-"""Bytes between nodes per training step, by parallel strategy: two torchrun agents of 2 processes
-each in two network namespaces joined by a veth pair (needs root); the pair's byte counters are the
-traffic between the nodes (within a node the processes talk over its loopback). Each (model,
-strategy) runs twice, to `--steps` A and B; the difference of the two runs' bytes over B - A steps
-leaves out start-up, rendezvous and the final save.
+"""Bytes between nodes and inside them per training step, by parallel strategy: two torchrun agents
+of 2 processes each in two network namespaces joined by a veth pair (needs root); the pair's byte
+counters are the traffic between the nodes, each namespace's loopback the traffic inside a node.
+Each (model, strategy) runs twice, to `--steps` A and B; the difference of the two runs' bytes over
+B - A steps leaves out start-up, rendezvous and the final save. A strategy `tpN-S` is S with
+trainer.tensor_parallel=N (the 2 processes of a node split each block).
 
-    python -m benchmarks internode [--models gpt-mini gpt2] [--strategies ddp fsdp hsdp] [--steps 2 5]
+    python -m benchmarks internode [--models gpt-mini gpt2] [--strategies ddp fsdp hsdp tp2-ddp] [--steps 2 5]
 
 On gloo (CPU) only here: gloo's all-reduce is a ring over the ranks, NCCL's picks rings or trees,
 so the figures on GPUs differ in detail, not in which strategy sends more.
@@ -27,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 RANKS_FILE = REPO.parent / "shared" / "data" / "r50k_base.tiktoken"
 
 
-def run(a, b, port: int, args: list[str], log: Path, timeout: float) -> int:
-    """One 2 x 2 job to its end; the bytes that crossed the link."""
-    before = link_bytes(a)
+def run(a, b, port: int, args: list[str], log: Path, timeout: float) -> tuple[int, int]:
+    """One 2 x 2 job to its end; the bytes that crossed the link, and those inside the two nodes."""
+    before, inside = link_bytes(a), link_bytes(a, "lo") + link_bytes(b, "lo")
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     agents = [subprocess.Popen(agent_cmd(node, a, port, 2, "mingpt/main.py", *args, nnodes="2", max_restarts=0,
                                          run_id=f"internode{port}"),
@@ -47,12 +48,14 @@ def run(a, b, port: int, args: list[str], log: Path, timeout: float) -> int:
                 q.kill()
             raise SystemExit(f"a job failed ({' '.join(args)}): see {log}.0 and {log}.1\n"
                              + Path(f"{log}.0").read_text()[-3000:])
-    return link_bytes(a) - before
+    return link_bytes(a) - before, link_bytes(a, "lo") + link_bytes(b, "lo") - inside
 
 
 def job_args(model: str, strategy: str, steps: int, tmp: Path, corpus: str, extra: list[str]) -> list[str]:
     bpe = ["data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={RANKS_FILE}"] if model.startswith("gpt2") else []
-    return [f"model={model}", *bpe, f"trainer.parallel={strategy}", f"trainer.max_steps={steps}",
+    tp, _, parallel = strategy.rpartition("-")
+    return [f"model={model}", *bpe, f"trainer.parallel={parallel}", f"trainer.tensor_parallel={tp[2:] or 1}",
+            f"trainer.max_steps={steps}",
             "data.block_size=64", "trainer.batch_size=4", "trainer.micro_batch_size=1", "trainer.eval_every=0",
             "trainer.log_every=1", "trainer.progress=false", "snapshot.resume=never", "snapshot.every_steps=0",
             f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}",
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp, two_nodes() as (a, b):
         tmp, port = Path(tmp), 29700 + os.getpid() % 200
         print(f"2 nodes x 2 processes (gloo), network namespaces joined by a veth pair; steps {lo} and {hi}")
-        print("| model | strategy | MB between nodes per step | vs DDP |\n| --- | --- | --- | --- |")
+        print("| model | strategy | MB between nodes per step | vs DDP | MB inside the nodes per step |\n"
+              "| --- | --- | --- | --- | --- |")
         for model in args.models:
             per_step = {}
             for strategy in args.strategies:
@@ -82,9 +86,11 @@ def main(argv: list[str] | None = None) -> None:
                     port += 1
                     counts.append(run(a, b, port, job_args(model, strategy, steps, tmp, args.data, args.overrides),
                                       tmp / f"{model}-{strategy}-{steps}.log", args.timeout))
-                per_step[strategy] = (counts[1] - counts[0]) / (hi - lo)
+                per_step[strategy] = (counts[1][0] - counts[0][0]) / (hi - lo)
+                inside = (counts[1][1] - counts[0][1]) / (hi - lo)
                 ratio = f"{per_step[strategy] / per_step['ddp']:.2f}" if "ddp" in per_step else "-"
-                print(f"| {model} | {strategy} | {per_step[strategy] / 1e6:.1f} | {ratio} |", flush=True)
+                print(f"| {model} | {strategy} | {per_step[strategy] / 1e6:.1f} | {ratio} | {inside / 1e6:.1f} |",
+                      flush=True)
         if "fsdp" in per_step and "hsdp" in per_step:
             print(f"HSDP sends {per_step['hsdp'] / per_step['fsdp']:.2f} of FSDP's bytes between nodes ({args.models[-1]})")
     sys.stdout.flush()

@@ -56,9 +56,12 @@ def two_nodes(subnet: int = 231):
         sh("ip", "netns", "del", b.ns, check=False)
 
 
-def link_bytes(node: Node) -> int:
-    """Bytes that crossed the link so far, both ways (node's veth: sent plus received)."""
-    out = json.loads(sh("ip", "-n", node.ns, "-s", "-j", "link", "show", node.veth).stdout)
+def link_bytes(node: Node, device: str | None = None) -> int:
+    """Bytes that crossed the link so far, both ways (node's veth: sent plus received); with
+    device="lo", the bytes its processes sent each other inside the node (counted once)."""
+    out = json.loads(sh("ip", "-n", node.ns, "-s", "-j", "link", "show", device or node.veth).stdout)
+    if device == "lo":
+        return int(out[0]["stats64"]["tx"]["bytes"])
     stats = out[0]["stats64"]
     return int(stats["tx"]["bytes"]) + int(stats["rx"]["bytes"])
 

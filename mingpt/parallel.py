@@ -135,7 +135,9 @@ def _slot(name: str, t: torch.Tensor) -> Slot:
         local, (start, stop) = t.to_local(), local_rows(t)
         if n_rows(local.shape) != stop - start or not local.is_contiguous():
             raise RuntimeError(f"{name}: FSDP holds {tuple(local.shape)} here, not rows {start}-{stop}")
-        return Slot(name, local, tuple(t.shape), start, sharded=True)
+        dim = next(i for i, p in enumerate(t.placements) if p.is_shard())
+        # a mesh dimension of one (DDP across tensor-parallel groups): every rank holds every row
+        return Slot(name, local, tuple(t.shape), start, sharded=t.device_mesh.size(dim) > 1)
     return Slot(name, t, tuple(t.shape))
 
 

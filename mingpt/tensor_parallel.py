@@ -138,4 +138,5 @@ class TensorParallel:
                               zip(rows, (rows_of(t.shape[0], mesh.size(shard_dim), i) for i in range(len(rows))))])
             t.to_local().copy_(distribute_tensor(full, mesh, t.placements, src_data_rank=None).to_local())
 
-        return Slot(name, mine, tuple(t.shape), start, sharded=True, load_back=load_back)
+        # one shard (DDP across the groups): every process holds every row, which a load may share out
+        return Slot(name, mine, tuple(t.shape), start, sharded=mesh.size(shard_dim) > 1, load_back=load_back)

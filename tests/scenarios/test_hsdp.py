@@ -93,9 +93,13 @@ def test_hsdp_sends_between_nodes_less_than_fsdps_all_gathers_alone(reference):
     assert 1.5 * p < per_step < 3 * p, f"{per_step / p:.2f} P between nodes per step"
 
 
-def test_hsdp_gradients_equal_one_process(nodes, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2], ids=["hsdp", "tp2-hsdp"])
+def test_hsdp_gradients_equal_one_process(nodes, tmp_path, tp):
+    """Two nodes of two processes: HSDP (sharded within a node), and tensor parallel within a node
+    with HSDP's replicas across the nodes."""
     corpus = make_corpus(tmp_path)
-    args = [*CFG, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "snapshot.resume=never"]
+    args = [*CFG, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "snapshot.resume=never",
+            f"trainer.tensor_parallel={tp}"]
     one, four = tmp_path / "g1.pt", tmp_path / "g4.pt"
     subprocess.run([sys.executable, "tests/scenarios/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"],
                    cwd=REPO, env=torchrun_env(), check=True, capture_output=True, timeout=120)

@@ -1,0 +1,114 @@
+"""Memory per rank by layout: what each process holds of the parameters, the gradients and the
+optimizer state after one real training step (the bytes of its own tensors, DTensor parts as held),
+and the activations its forward keeps for the backward (every tensor saved for backward, counted
+once by storage, parameters left out), for 4 processes on this machine (gloo).
+
+    python -m benchmarks memory [--model gpt2-medium] [--layouts fsdp tp2-fsdp tp4-ddp] [--block 256]
+
+The figures are per process, the largest over the ranks; activations are for one micro-batch of one
+sequence of --block tokens (they scale with micro-batch x block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RANKS_FILE = REPO.parent / "shared" / "data" / "r50k_base.tiktoken"
+
+
+def _bytes(t) -> int:
+    t = t.to_local() if hasattr(t, "to_local") else t
+    return t.numel() * t.element_size()
+
+
+def worker(overrides: list[str]) -> None:
+    """One rank: assemble the run, one step with the saved activations counted, then report."""
+    import torch
+
+    from mingpt import distributed
+    from mingpt.compose import compose
+    from mingpt.main import assemble, setup_logging
+
+    info = distributed.DistInfo.from_env()
+    setup_logging(info)
+    cfg = compose(overrides)
+    distributed.init(info, 600)
+    run = assemble(cfg, info)
+    # parameters are saved for the backward too (a matmul's weight): they are counted as parameters
+    seen = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+            for p in run.parallel.gpt.parameters()}
+    saved = [0]
+
+    def pack(t):
+        if isinstance(t, torch.nn.Parameter):  # FSDP's gathered weights, freed after use: not activations
+            return t
+        t_local = t.to_local() if hasattr(t, "to_local") else t
+        key = t_local.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            saved[0] += t_local.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run.train_step()
+    gpt, opt = run.parallel.gpt, run.optimizer
+    mine = {"parameters": sum(_bytes(p) for p in gpt.parameters()),
+            "gradients": sum(_bytes(p.grad) for p in gpt.parameters() if p.grad is not None),
+            "optimizer": sum(_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
+            "activations": saved[0]}
+    every = distributed.all_gather_objects(mine)
+    if info.is_rank0:
+        print("RESULT " + json.dumps({k: max(m[k] for m in every) for k in mine}), flush=True)
+    run.close()
+    distributed.shutdown()
+    distributed.exit_process(0, had_process_group=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker(argv[1:])
+        return
+    ap = argparse.ArgumentParser(prog="python -m benchmarks memory", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="gpt2-medium")
+    ap.add_argument("--layouts", nargs="+", default=["fsdp", "tp2-fsdp", "tp4-ddp"])
+    ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--block", type=int, default=256)
+    ap.add_argument("--data", default=str(REPO / "data" / "input.txt"))
+    ap.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. model.n_layer=2")
+    args = ap.parse_args(argv)
+    bpe = ["data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={RANKS_FILE}"] if args.model.startswith("gpt2") else []
+    print(f"{args.model}, {args.nproc} processes (gloo), one step of micro-batches of 1 x {args.block} tokens; "
+          "MB per process (the largest rank)")
+    print("| layout | parameters | gradients | optimizer | activations (per micro-batch) | total |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for layout in args.layouts:
+            tp, _, parallel = layout.rpartition("-")
+            cfg = [f"model={args.model}", *bpe, f"data.path={args.data}", f"data.cache_dir={tmp}/cache",
+                   f"data.block_size={args.block}", f"trainer.batch_size={args.nproc}", "trainer.micro_batch_size=1",
+                   f"trainer.parallel={parallel}", f"trainer.tensor_parallel={tp[2:] or 1}", "trainer.eval_every=0",
+                   "trainer.progress=false", "snapshot.every_steps=0", "snapshot.resume=never",
+                   f"trainer.run_dir={tmp}/{layout}", *args.overrides]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+                   "-m", "benchmarks", "memory", "--worker", *cfg]
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)
+            lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+            if proc.returncode != 0 or not lines:
+                raise SystemExit(f"{layout} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+            r = json.loads(lines[-1].removeprefix("RESULT "))
+            mb = {k: v / 2**20 for k, v in r.items()}
+            print(f"| {layout} | {mb['parameters']:.0f} | {mb['gradients']:.0f} | {mb['optimizer']:.0f} | "
+                  f"{mb['activations']:.1f} | {sum(mb.values()):.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
