@@ -45,9 +45,8 @@ class DistInfo:
     hostname: str = "localhost"
     device: str = "cpu"
     job_id: str | None = None
-    """torchrun's rendezvous id (TORCHELASTIC_RUN_ID): the same in every restart of one job, so a
-    restart can tell its own snapshots from another run's. None outside torchrun. Users reuse one
-    id (--rdzv_id=run1) for every launch: for the report only; decisions use `launch_id`."""
+    """torchrun's rendezvous id (TORCHELASTIC_RUN_ID; None outside torchrun), the same in every restart of
+    a job. Users reuse one id (--rdzv_id=run1) for every launch: for the report only; decisions use `launch_id`."""
     launch_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """What tells one launch from another, the same on every node and every restart of it:
     MINGPT_LAUNCH_ID (set by mingpt-torchrun and the mingpt rendezvous from the per-job secret),
@@ -163,14 +162,11 @@ def _worker_store(info: DistInfo, timeout: datetime.timedelta):
 
 
 def init(info: DistInfo, timeout_s: float, threads: int = 0, deterministic: bool = False) -> DistInfo:
-    """The process's one setup (`shutdown` is its teardown): the device, the intra-op threads (0: a
-    share of the cores that never oversubscribes them), TF32 matmuls on GPUs, and the process group
-    (nothing to join for a single process), and deterministic kernels if asked. Returns `info` with
-    `restarted` agreed: a torchrun restart of this launch if any node's agent counts one (the counts
-    may differ by node)."""
+    """The process's one setup (`shutdown` is its teardown): device, intra-op threads (0: a share of the
+    cores that never oversubscribes them), TF32 on GPUs, deterministic kernels if asked, the process
+    group. Returns `info` with `restarted` agreed (a restart if any node's agent counts one)."""
     torch.set_num_threads(threads or default_threads(info.local_world_size))
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if deterministic:
         # cuBLAS reduces in a fixed order only with a fixed workspace, set before its first use
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -188,11 +184,10 @@ def init(info: DistInfo, timeout_s: float, threads: int = 0, deterministic: bool
         except SecretError:
             raise
         except Exception as e:  # noqa: BLE001 - a connection that never forms, of any backend
-            first = first_line(e)[:200]
             ifname = "NCCL_SOCKET_IFNAME" if info.backend == "nccl" else "GLOO_SOCKET_IFNAME"
             raise ProcessGroupError(
                 f"the {info.backend} process group of {info.world_size} ranks did not form within dist.timeout_s="
-                f"{timeout_s:g} ({first}): the ranks meet at MASTER_ADDR={os.environ.get('MASTER_ADDR')}:"
+                f"{timeout_s:g} ({first_line(e)[:200]}): the ranks meet at MASTER_ADDR={os.environ.get('MASTER_ADDR')}:"
                 f"{os.environ.get('MASTER_PORT')} and then connect to each other; check that the nodes reach each "
                 f"other on the interface {ifname} names (or the default route's) and that no firewall is in between"
             ) from None
