@@ -1,7 +1,7 @@
 """Memory per rank by layout: what each process holds of the parameters, the gradients and the
 optimizer state after one real training step (the bytes of its own tensors, DTensor parts as held),
 and the activations its forward keeps for the backward (every tensor saved for backward, counted
-once by storage, parameters left out), for 4 processes on this machine (gloo).
+once by storage, weights whole or gathered left out), for 4 processes on this machine (gloo).
 
     python -m benchmarks memory [--model gpt2-medium] [--layouts fsdp tp2-fsdp tp4-ddp] [--block 256]
 
@@ -41,24 +41,24 @@ def worker(overrides: list[str]) -> None:
     cfg = compose(overrides)
     distributed.init(info, 600)
     run = assemble(cfg, info)
-    # parameters are saved for the backward too (a matmul's weight): they are counted as parameters
-    seen = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
-            for p in run.parallel.gpt.parameters()}
-    saved = [0]
+    # weights are saved for the backward too (a matmul's), and FSDP's gathered weights are views of
+    # its all-gather buffers: a saved tensor that shares storage with a parameter of the moment is
+    # not an activation
+    gpt, seen, saved = run.parallel.gpt, set(), [0]
+
+    def storage(t):
+        return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
 
     def pack(t):
-        if isinstance(t, torch.nn.Parameter):  # FSDP's gathered weights, freed after use: not activations
-            return t
-        t_local = t.to_local() if hasattr(t, "to_local") else t
-        key = t_local.untyped_storage().data_ptr()
-        if key not in seen:
+        key = storage(t).data_ptr()
+        if key not in seen and key not in {storage(p).data_ptr() for p in gpt.parameters()}:
             seen.add(key)
-            saved[0] += t_local.untyped_storage().nbytes()
+            saved[0] += storage(t).nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run.train_step()
-    gpt, opt = run.parallel.gpt, run.optimizer
+    opt = run.optimizer
     mine = {"parameters": sum(_bytes(p) for p in gpt.parameters()),
             "gradients": sum(_bytes(p.grad) for p in gpt.parameters() if p.grad is not None),
             "optimizer": sum(_bytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for layout in args.layouts:
             tp, _, parallel = layout.rpartition("-")
+            data_ranks = args.nproc // int(tp[2:] or 1)  # one micro-batch of one sequence per data rank
             cfg = [f"model={args.model}", *bpe, f"data.path={args.data}", f"data.cache_dir={tmp}/cache",
-                   f"data.block_size={args.block}", f"trainer.batch_size={args.nproc}", "trainer.micro_batch_size=1",
+                   f"data.block_size={args.block}", f"trainer.batch_size={data_ranks}", "trainer.micro_batch_size=1",
                    f"trainer.parallel={parallel}", f"trainer.tensor_parallel={tp[2:] or 1}", "trainer.eval_every=0",
                    "trainer.progress=false", "snapshot.every_steps=0", "snapshot.resume=never",
                    f"trainer.run_dir={tmp}/{layout}", *args.overrides]
