@@ -98,13 +98,12 @@ def test_hsdp_gradients_equal_one_process(nodes, tmp_path, tp):
     """Two nodes of two processes: HSDP (sharded within a node), and tensor parallel within a node
     with HSDP's replicas across the nodes."""
     corpus = make_corpus(tmp_path)
-    args = [*CFG, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "snapshot.resume=never",
-            f"trainer.tensor_parallel={tp}"]
+    args = [*CFG, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "snapshot.resume=never"]
     one, four = tmp_path / "g1.pt", tmp_path / "g4.pt"
     subprocess.run([sys.executable, "tests/scenarios/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"],
                    cwd=REPO, env=torchrun_env(), check=True, capture_output=True, timeout=120)
     finish(both(nodes, tmp_path, "grad", "tests/scenarios/grad_worker.py", str(four), *args, f"trainer.run_dir={tmp_path / 'b'}",
-                nnodes="2", max_restarts=0), tmp_path, "grad", timeout=120)
+                f"trainer.tensor_parallel={tp}", nnodes="2", max_restarts=0), tmp_path, "grad", timeout=120)
     g1, g4 = torch.load(one), torch.load(four)
     assert g1.keys() == g4.keys()
     for name in g1:  # fp32 sums in another order: equal to within rounding
