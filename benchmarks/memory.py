@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     bpe = ["data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={RANKS_FILE}"] if args.model.startswith("gpt2") else []
     print(f"{args.model}, {args.nproc} processes (gloo), one step of micro-batches of 1 x {args.block} tokens; "
-          "MB per process (the largest rank)")
+          "MiB per process (the largest rank)")
     print("| layout | parameters | gradients | optimizer | activations (per micro-batch) | total |\n"
           "| --- | --- | --- | --- | --- | --- |")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
@@ -107,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit(f"{layout} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
             r = json.loads(lines[-1].removeprefix("RESULT "))
             mb = {k: v / 2**20 for k, v in r.items()}
-            print(f"| {layout} | {mb['parameters']:.0f} | {mb['gradients']:.0f} | {mb['optimizer']:.0f} | "
-                  f"{mb['activations']:.1f} | {sum(mb.values()):.0f} |", flush=True)
+            print(f"| {layout} | {mb['parameters']:.2f} | {mb['gradients']:.2f} | {mb['optimizer']:.2f} | "
+                  f"{mb['activations']:.2f} | {sum(mb.values()):.2f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -110,3 +110,15 @@ def test_s3tune():
     write, read = re.search(r"\| 16 \| ([\d,]+) \| ([\d,]+) \|", out), re.search(r"\| 64 \| ([\d,]+) \|", out)
     assert write and read and all(int(v.replace(",", "")) > 0 for v in (*write.groups(), *read.groups())), out
 
+
+
+def test_memory(corpus_file):
+    """Two processes: DDP holds every weight on each; TP2 half of each split one, and half of the
+    split layers' activations."""
+    out = bench("memory", "--model", "gpt-nano", "--nproc", "2", "--layouts", "ddp", "tp2-ddp", "--block", "32",
+                "--data", str(corpus_file), "model.n_head=2")
+    rows = {r.split("|")[1].strip(): [float(x) for x in r.split("|")[2:7]] for r in out.splitlines()
+            if r.startswith(("| ddp ", "| tp2-ddp "))}
+    assert rows.keys() == {"ddp", "tp2-ddp"}, out
+    (p1, g1, o1, a1, _), (p2, g2, o2, a2, _) = rows["ddp"], rows["tp2-ddp"]
+    assert p2 < p1 and g2 < g1 and o2 < o1 and 0 < a2 < a1, out

@@ -1,5 +1,5 @@
 """trainer.tensor_parallel: what is refused, in one line (the multi-process behaviour:
-tests/scenarios/test_tensor_parallel.py)."""
+tests/scenarios/test_tp_jobs.py)."""
 
 import pytest
 
