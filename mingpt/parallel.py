@@ -106,14 +106,14 @@ class Parallel:
         with torch.no_grad():
             for name, p in self.gpt.named_parameters():
                 names[p] = name
-                out.append(self._slot(f"model.{name}", name, p))
+                out.append(self._slot(f"model.{name}", p))
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    out.extend(self._slot(f"optim.{names[p]}.{k}", names[p], v) for k, v in optimizer.state[p].items())
+                    out.extend(self._slot(f"optim.{names[p]}.{k}", v) for k, v in optimizer.state[p].items())
         return out
 
-    def _slot(self, name: str, param: str, t: torch.Tensor) -> Slot:
-        return (self.tp and self.tp.slot(name, param, t)) or _slot(name, t)
+    def _slot(self, name: str, t: torch.Tensor) -> Slot:
+        return (self.tp and self.tp.slot(name, t)) or _slot(name, t)
 
     def aliases(self) -> dict[str, str]:
         """State-dict names that are another parameter (tied weights): {alias: name}."""
@@ -240,7 +240,8 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
     mesh = device_mesh(info, strategy, tensor_parallel, gpt.config.n_head, one_node_ok) if info.distributed and (
         strategy == "hsdp" or tensor_parallel > 1) else None
     if tensor_parallel > 1:
-        tp = TensorParallel(mesh["tp"], split(gpt.blocks, mesh["tp"]), info.world_size)
+        split(gpt.blocks, mesh["tp"])
+        tp = TensorParallel(mesh["tp"], info.world_size)
     if (strategy in ("fsdp", "hsdp") or tp) and info.distributed:
         from torch.distributed.fsdp import fully_shard
 

@@ -38,47 +38,34 @@ def problem(n_head: int, size: int, per_node: list[int]) -> str | None:
     return None
 
 
-def split(blocks: nn.ModuleList, mesh) -> dict[str, int]:
-    """Apply PLAN to every block over the 1-D mesh `mesh`; {parameter name in a block: the
-    dimension it is split along}."""
+def split(blocks: nn.ModuleList, mesh) -> None:
+    """Apply PLAN to every block over the 1-D mesh `mesh` (a row-split layer's bias stays whole: it
+    is added once, after the sum)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in blocks:
         parallelize_module(block, mesh, {name: styles[kind]() for name, kind in PLAN.items()})
-    dims = {}
-    for name, kind in PLAN.items():
-        dims[f"{name}.weight"] = 0 if kind == "colwise" else 1
-        if kind == "colwise":
-            dims[f"{name}.bias"] = 0  # a row-parallel layer's bias is added once, after the sum: whole
-    return dims
 
 
 class TensorParallel:
-    """This process's tensor-parallel group and which parameters are split along which dimension."""
+    """This process's tensor-parallel group. Every parameter is a DTensor over the whole mesh (FSDP2
+    takes the data dimensions, see `parallel.parallelize`), whose placements say what is split."""
 
-    def __init__(self, mesh, dims: dict[str, int], world: int):
-        self.mesh, self.size, self.rank = mesh, mesh.size(), mesh.get_local_rank()
-        self.group = mesh.get_group()
-        self.dims, self.world = dims, world
-
-    def dim(self, name: str) -> int | None:
-        """The dimension along which parameter `name` (of the whole model) is split, or None."""
-        if not name.startswith("blocks."):
-            return None
-        return self.dims.get(name.split(".", 2)[2])
+    def __init__(self, mesh, world: int):
+        self.size, self.rank, self.world = mesh.size(), mesh.get_local_rank(), world
 
     def clip_grad_norm(self, gpt: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to max_norm (0: no clipping); the norm of the whole model's gradient, which no process
         holds: each adds the squares of its own part, weighted by 1 / the processes holding the same
         values, and one all-reduce over the world sums them."""
         squares, grads = torch.zeros((), dtype=torch.float32), []
-        for name, p in gpt.named_parameters():
+        for p in gpt.parameters():
             if p.grad is None:
                 continue
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g = p.grad.to_local()
             grads.append(g)
-            squares = squares.to(g.device) + g.float().pow(2).sum() / self._copies(name, p)
+            squares = squares.to(g.device) + g.float().pow(2).sum() / self._copies(p)
         dist.all_reduce(squares)
         norm = squares.sqrt()
         if max_norm > 0:
@@ -87,43 +74,27 @@ class TensorParallel:
                 g.mul_(scale.to(g.dtype))
         return norm
 
-    def _copies(self, name: str, p: torch.Tensor) -> int:
-        """How many processes hold this part of `p`'s gradient."""
-        if hasattr(p, "placements"):  # FSDP (and tensor parallel): its mesh says what is split
-            parts = 1
-            for i, placement in enumerate(p.placements):
-                parts *= 1 if placement.is_replicate() else p.device_mesh.size(i)  # (FSDP+TP: _StridedShard too)
-            return self.world // parts
-        return self.world // (self.size if self.dim(name) is not None else 1)  # DDP: split or whole
+    def _copies(self, p: torch.Tensor) -> int:
+        """How many processes hold this part of `p`'s gradient: the world over the parts its mesh
+        splits it into (a `_StridedShard`, FSDP's split of a split tensor, counts as a split)."""
+        parts = 1
+        for i, placement in enumerate(p.placements):
+            parts *= 1 if placement.is_replicate() else p.device_mesh.size(i)
+        return self.world // parts
 
-    def slot(self, name: str, param: str, t: torch.Tensor) -> Slot | None:
-        """The snapshot slot of tensor `t` (parameter `param`'s value or optimizer state) in the
-        layout without tensor parallelism: gathered over the group into a new tensor, which a load
-        fills and `Slot.load_back` copies into this process's split. None: `t` is not split over
-        the group (FSDP's rows of it, or all of it, as they are)."""
-        t = t.detach()
-        if hasattr(t, "placements"):  # FSDP over the data ranks (and split over the group)
-            return self._sharded_slot(name, t) if "tp" in (t.device_mesh.mesh_dim_names or ()) else None
-        d = self.dim(param) if t.dim() else None
-        if d is None:
-            return None
-        parts = [torch.empty_like(t) for _ in range(self.size)]
-        dist.all_gather(parts, t.contiguous(), group=self.group)
-        whole = torch.cat(parts, dim=d)
-
-        def load_back() -> None:
-            t.copy_(whole.chunk(self.size, dim=d)[self.rank])
-
-        return Slot(name, whole, tuple(whole.shape), load_back=load_back)
-
-    def _sharded_slot(self, name: str, t: torch.Tensor) -> Slot:
-        """FSDP (or HSDP) and tensor parallel: the rows FSDP alone would give this process, from
-        the whole tensor (gathered); written back by slicing the whole tensor again."""
+    def slot(self, name: str, t: torch.Tensor) -> Slot | None:
+        """The snapshot slot of tensor `t` (a parameter or its optimizer state) in the layout
+        without tensor parallelism: the rows FSDP alone would give this process, cut from the whole
+        tensor (gathered) into a new one, which a load fills and `Slot.load_back` copies into this
+        process's part. None: `t` is not split over the group (FSDP's rows as they are, or a scalar)."""
         from torch.distributed.tensor import distribute_tensor
 
+        t = t.detach()
+        if "tp" not in (getattr(t, "device_mesh", None) and t.device_mesh.mesh_dim_names or ()):
+            return None
         whole = t.full_tensor()
-        mesh, names = t.device_mesh, t.device_mesh.mesh_dim_names
-        shard_dim = names.index("shard") if "shard" in names else names.index("dp")
+        mesh = t.device_mesh
+        shard_dim = mesh.mesh_dim_names.index("shard")
         start, stop = rows_of(whole.shape[0], mesh.size(shard_dim), mesh.get_local_rank(shard_dim))
         mine = whole[start:stop].clone()
         del whole

@@ -13,16 +13,9 @@ from mingpt.compose import compose
 from mingpt.main import assemble, setup_logging
 
 
-def whole(parallel, name: str, g: torch.Tensor) -> torch.Tensor:
+def whole(g: torch.Tensor) -> torch.Tensor:
     """A gradient (or parameter, or optimizer state) as one process would hold it."""
-    if hasattr(g, "full_tensor"):  # FSDP's (and tensor parallel's under FSDP)
-        return g.full_tensor()
-    dim = parallel.tp.dim(name) if parallel.tp and g.dim() else None
-    if dim is None:
-        return g.clone()
-    parts = [torch.empty_like(g) for _ in range(parallel.tp.size)]  # DDP with tensor parallel: split
-    torch.distributed.all_gather(parts, g.contiguous(), group=parallel.tp.group)
-    return torch.cat(parts, dim)
+    return g.full_tensor() if hasattr(g, "full_tensor") else g.clone()  # FSDP's and tensor parallel's: parts
 
 
 def main() -> None:
@@ -38,9 +31,9 @@ def main() -> None:
         run = assemble(cfg, info)
         if state:
             gpt, optimizer = run.parallel.gpt, run.optimizer
-            out_state = {f"model.{n}": whole(run.parallel, n, p.detach()) for n, p in gpt.named_parameters()}
+            out_state = {f"model.{n}": whole(p.detach()) for n, p in gpt.named_parameters()}
             names = {p: n for n, p in gpt.named_parameters()}
-            out_state.update({f"optim.{names[p]}.{k}": whole(run.parallel, names[p], v)
+            out_state.update({f"optim.{names[p]}.{k}": whole(v)
                               for p, st in optimizer.state.items() for k, v in st.items()})
             if info.is_rank0:
                 torch.save(out_state, out)
@@ -52,7 +45,7 @@ def main() -> None:
                 hook = run.parallel.model._get_ddp_logging_data().get("comm_hook")
                 assert not hook, f"a Python DDP comm hook ({hook}) is registered"
             # an FSDP or tensor-parallel gradient is a part: every rank joins in gathering it whole
-            grads = {n: whole(run.parallel, n, p.grad) for n, p in run.parallel.gpt.named_parameters()}
+            grads = {n: whole(p.grad) for n, p in run.parallel.gpt.named_parameters()}
             if info.is_rank0:
                 torch.save(grads, out)
     finally:
