@@ -107,20 +107,20 @@ def test_documents_sigkill_recovery_is_exact_too(tmp_path):
 
 
 def test_tensor_parallel_sigkill_recovery_is_exact_too(tmp_path):
-    """Two processes splitting each block (trainer.tensor_parallel=2): the worker SIGKILLed, torchrun
+    """Two processes splitting each block (trainer.tensor_parallel=2): a worker SIGKILLed, torchrun
     restarts both, and they resume from the snapshot (gathered whole when saved, split again when
     loaded) into the run's exact course: final weights bitwise, the loss curve equal."""
     from conftest import make_corpus
 
-    tp = ["trainer.tensor_parallel=2", "trainer.max_steps=50"]  # shorter: a split model is slow on CPU
+    tp = ["trainer.tensor_parallel=2", "trainer.max_steps=30"]  # shorter: a split model is slow on CPU
     corpus, ref_dir = make_corpus(tmp_path), tmp_path / "ref"
     proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir), *tp), cwd=REPO,
                           env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "ddp x tensor parallel 2" in proc.stdout + proc.stderr
-    reference = {"corpus": corpus, "weights": final_weights(ref_dir, 50),
+    reference = {"corpus": corpus, "weights": final_weights(ref_dir, 30),
                  "losses": {s: r["loss"] for s, r in read_metrics(ref_dir / "metrics.jsonl").items()}}
-    check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, extra=tp, kill_after=25, steps=50)
+    check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, extra=tp, kill_after=15, steps=30)
 
 
 def check_sigkill_recovery(reference, tmp_path, docs, nproc=2, extra=(), kill_after=35, steps=MAX_STEPS):
