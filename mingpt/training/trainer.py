@@ -67,7 +67,7 @@ class Trainer:
         where = (f"replica group {self.replicas.beacon.group} of {self.replicas.shares_total}" if self.replicas else
                  f"{self.info.world_size} rank{'' if self.info.world_size == 1 else 's'}")
         log.info("training from step %d to %d on %s (%s), precision %s%s", p.step, cfg.max_steps, where,
-                 self.parallel.name, self.amp_dtype or "fp32", ", deterministic kernels" if cfg.deterministic else "")
+                 self.parallel, self.amp_dtype or "fp32", ", deterministic kernels" if cfg.deterministic else "")
         if self.policy.stop_requested():
             if self.info.is_rank0:
                 log.warning("%s before the first step", self.policy.preempt.describe())

@@ -117,7 +117,7 @@ def test_tensor_parallel_sigkill_recovery_is_exact_too(tmp_path):
     proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir), *tp), cwd=REPO,
                           env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "ddp x tensor parallel 2" in proc.stdout + proc.stderr
+    assert "training from step 0 to 30 on 2 ranks (ddp x tensor parallel 2)" in proc.stdout + proc.stderr
     reference = {"corpus": corpus, "weights": final_weights(ref_dir, 30),
                  "losses": {s: r["loss"] for s, r in read_metrics(ref_dir / "metrics.jsonl").items()}}
     check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, extra=tp, kill_after=15, steps=30)
