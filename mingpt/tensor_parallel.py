@@ -32,7 +32,7 @@ def problem(n_head: int, size: int, per_node: list[int]) -> str | None:
     """Why this model or these nodes cannot take a tensor-parallel degree of `size`, in one line; None if they can."""
     if n_head % size:
         return (f"trainer.tensor_parallel={size} does not divide model.n_head={n_head}: each process "
-                            "needs whole attention heads; choose a divisor of n_head")
+                "needs whole attention heads; choose a divisor of n_head")
     bad = sorted({n for n in per_node if n % size})
     if bad:
         return (f"trainer.tensor_parallel={size} does not divide the processes per node ({bad[0]} here): "

@@ -57,7 +57,8 @@ def test_tensor_parallel_gradients_equal_one_process(tmp_path, one_process_grads
 def test_a_snapshot_written_under_tp_and_fsdp_loads_bitwise_under_every_layout(corpus_file, tmp_path):
     """Written by TP2 x FSDP2 (4 processes; each tensor split by heads and by rows), the snapshot holds
     the whole tensors once, in the layout every other strategy reads: one process, FSDP over 2,
-    and TP4 (another degree) all start from exactly the weights and optimizer state stored."""
+    TP4 (another degree) and TP2 x FSDP2 again (each process's rows split back out) all start from
+    exactly the weights and optimizer state stored."""
     data = [*TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.batch_size=8",
             "trainer.micro_batch_size=2", f"trainer.run_dir={tmp_path / 'run'}"]
     run(torchrun_cmd(4, "mingpt/main.py", *data, "trainer.max_steps=4", "snapshot.every_steps=4",
@@ -70,7 +71,7 @@ def test_a_snapshot_written_under_tp_and_fsdp_loads_bitwise_under_every_layout(c
     # every byte written once: the shard files hold exactly the stored tensors
     tensor_bytes = sum(v.numel() * v.element_size() for v in stored.values())
     assert sum(f["size"] for name, f in manifest["files"].items() if name.startswith("shard-")) == tensor_bytes
-    for nproc, parallel, tp in [(1, "ddp", 1), (2, "fsdp", 1), (4, "ddp", 4)]:
+    for nproc, parallel, tp in [(1, "ddp", 1), (2, "fsdp", 1), (4, "ddp", 4), (4, "fsdp", 2)]:
         out = tmp_path / f"{nproc}-{parallel}-{tp}.pt"
         cmd = ["tests/scenarios/grad_worker.py", str(out), "--state", *data, f"trainer.parallel={parallel}",
                f"trainer.tensor_parallel={tp}"]
