@@ -93,7 +93,7 @@ class TensorParallel:
         without tensor parallelism: the rows FSDP alone would give this process, cut from the whole
         tensor (gathered) into a new one, which a load fills and `Slot.load_back` copies into this
         process's part. None: `t` is not split over the group (FSDP's rows as they are, or a scalar)."""
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
         t = t.detach()
         if "tp" not in (getattr(t, "device_mesh", None) and t.device_mesh.mesh_dim_names or ()):
@@ -105,14 +105,9 @@ class TensorParallel:
         mine = whole[start:stop].clone()
         del whole
 
-        def load_back() -> None:
-            rows = [torch.empty((rows_of(t.shape[0], mesh.size(shard_dim), 0)[1],) + tuple(t.shape[1:]),
-                                dtype=t.dtype, device=mine.device) for _ in range(mesh.size(shard_dim))]
-            padded = rows[0].clone()
-            padded[:len(mine)] = mine
-            dist.all_gather(rows, padded, group=mesh.get_group(shard_dim))
-            full = torch.cat([r[:b - a] for r, (a, b) in
-                              zip(rows, (rows_of(t.shape[0], mesh.size(shard_dim), i) for i in range(len(rows))))])
+        def load_back() -> None:  # FSDP's rows (Shard(0) on "shard": torch.chunk's cut, as rows_of) -> whole -> split
+            rows = [Shard(0) if i == shard_dim else Replicate() for i in range(mesh.ndim)]
+            full = DTensor.from_local(mine, mesh, rows, run_check=False, shape=t.shape, stride=t.stride()).full_tensor()
             t.to_local().copy_(distribute_tensor(full, mesh, t.placements, src_data_rank=None).to_local())
 
         # one shard (DDP across the groups): every process holds every row, which a load may share out
