@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import secrets
 import socket
 import struct
@@ -111,14 +112,15 @@ class Beacon:
         alive = self.alive()
         with self._lock:
             seen = {g: dict(s) for g, s in self._seen.items()}
-        for m in epoch.members:
-            if m.group == self.group:
-                continue
+        others = [m for m in epoch.members if m.group != self.group]
+        for m in others:  # a lost member first: it is the cause, the others leaving only follow it
             if alive.get(m.group) != m.incarnation:
                 return f"group {m.group} lost"
-            if seen[m.group].get("epoch") != epoch.number or seen[m.group].get("state") != "training":
-                if seen[m.group].get("epoch", -1) >= epoch.number:  # a heartbeat of the previous epoch may be late
-                    return f"group {m.group} left epoch {epoch.number}"
+        for m in others:
+            s = seen[m.group]
+            if (s.get("epoch") != epoch.number or s.get("state") != "training") and s.get("epoch", -1) >= epoch.number:
+                # (a heartbeat of the previous epoch may be late); it left for the cause it saw first
+                return f"group {m.group} left epoch {epoch.number}" + (f" ({s['why']})" if s.get("why") else "")
         return None
 
     def joiners(self, epoch: Epoch) -> list[int]:
@@ -153,10 +155,11 @@ class Beacon:
 
     # --- forming an epoch -------------------------------------------------------------------------
     def form(self, step: int, live: bool, min_groups: int, timeout_s: float,
-             should_stop: Callable[[], bool]) -> Epoch | None:
+             should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
         """Join the next epoch: ask the coordinator (the lowest group alive) until it forms one that
-        holds at least `min_groups` groups; then make the epoch's process group. None: `should_stop`."""
-        self.set_status(state="forming", step=step)
+        holds at least `min_groups` groups; then make the epoch's process group. None: `should_stop`.
+        `why` the last epoch ended, told to the others in the heartbeats (its root cause only)."""
+        self.set_status(state="forming", step=step, why=re.sub(r"^group \d+ left epoch \d+ \((.*)\)$", r"\1", why))
         waited = time.monotonic()
         while True:
             if should_stop():

@@ -61,11 +61,11 @@ class Replicas:
         mine = [self.beacon.group] + orphans[self.epoch.rank::self.epoch.world]
         return sorted(mine)
 
-    def form(self, step: int, should_stop: Callable[[], bool]) -> Epoch | None:
+    def form(self, step: int, should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
         t0 = time.monotonic()
         if self.epoch is not None:
             self._retired.append(self.epoch)
-        self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s, should_stop)
+        self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s, should_stop, why)
         self.rejoin_pending = False
         if self.epoch is None:
             return None

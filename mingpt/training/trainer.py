@@ -130,7 +130,8 @@ class Trainer:
         t0, p = time.monotonic(), self.progress
         with self.ledger.during("regroup"):
             while True:
-                epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested or self._finished_elsewhere())
+                epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested or self._finished_elsewhere(),
+                                           why)
                 if epoch is None and self.finished_elsewhere:
                     log.info("the other replica groups finished the run (its snapshot of step %d is committed) while "
                              "this group was away: nothing left to train", self.cfg.max_steps)

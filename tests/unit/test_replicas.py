@@ -148,3 +148,22 @@ def test_default_min_groups_is_a_majority(groups, majority):
 def test_config_refuses_what_cannot_work(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         ReplicasConfig(**kwargs)
+
+
+def test_a_member_that_left_is_reported_with_the_cause_it_saw():
+    """The epoch record names the root cause whichever member noticed it first: group 1 may see group 2
+    silent before the coordinator does, and leave; the coordinator's reason then carries group 1's."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    a = Beacon(peers, 0, SECRET, 0.05, 60.0)
+    try:
+        epoch = Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "one", 9, True), Member(2, "two", 9, True)], 0)
+        now = time.monotonic()
+        with a._lock:
+            a._seen[1] = {"inc": "one", "t": now, "eof": False, "epoch": 4, "state": "forming", "why": "group 2 lost"}
+            a._seen[2] = {"inc": "two", "t": now, "eof": False, "epoch": 4, "state": "training"}
+        assert a.lost(epoch) == "group 1 left epoch 4 (group 2 lost)"
+        with a._lock:
+            a._seen[2]["eof"] = True  # now the coordinator sees group 2 gone too: the cause comes first
+        assert a.lost(epoch) == "group 2 lost"
+    finally:
+        a.close()
