@@ -47,7 +47,8 @@ def worker(overrides: list[str]) -> None:
     gpt, seen, saved = run.parallel.gpt, set(), [0]
 
     def storage(t):
-        return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return getattr(t, "elem", t).untyped_storage()  # a functional collective's result wraps its tensor
 
     def pack(t):
         key = storage(t).data_ptr()

@@ -197,6 +197,19 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class RealVocab(nn.Module):
+    """The logits of the real vocabulary: the padded columns sliced off, so that padding ids can
+    never be predicted or sampled. (Tensor parallelism swaps it for a mask of those columns, which
+    keeps logits split by vocabulary: mingpt/tensor_parallel.py.)"""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits[..., : self.size]
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -216,6 +229,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, V, bias=False)
+        self.real_vocab = RealVocab(cfg.vocab_size)
         self.tie_weights()
         if not meta:  # built in place: initialised by the same path, seeded from torch's generator
             self.init_weights(int(torch.randint(2**62, ())))
@@ -277,8 +291,7 @@ class GPT(nn.Module):
         if cache is not None:
             cache.pos += T
         x = self.ln_f(x)  # (B, T, C)
-        # Slicing off the padded columns means padding ids can never be predicted or sampled.
-        logits = self.lm_head(x)[..., : self.config.vocab_size]  # (B, T, V)
+        logits = self.real_vocab(self.lm_head(x))  # (B, T, V)
         if targets is None:
             return logits, None
         loss = F.cross_entropy(

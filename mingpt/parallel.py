@@ -127,6 +127,8 @@ class Parallel:
 
     def close(self) -> None:
         self._hook.remove()
+        if self.tp:
+            self.tp.close()
 
 
 def _slot(name: str, t: torch.Tensor) -> Slot:
@@ -184,7 +186,7 @@ def mesh_shape(places: list[tuple[int, int, int]], one_node_ok: bool) -> tuple[i
     return nodes, size
 
 
-def device_mesh(info: DistInfo, strategy: str, tp: int, n_head: int, one_node_ok: bool):
+def device_mesh(info: DistInfo, strategy: str, tp: int, heads_block: tuple[int, int], one_node_ok: bool):
     """HSDP's mesh: dimension "replicate" across nodes, "shard" within a node. With tensor
     parallelism every strategy has one, with a last dimension "tp" of `tp` consecutive ranks of one
     node: DDP is then (data ranks, 1, tp), FSDP (1, data ranks, tp), HSDP (nodes, data ranks per
@@ -200,7 +202,7 @@ def device_mesh(info: DistInfo, strategy: str, tp: int, n_head: int, one_node_ok
         counts = {}
         for node, _, _ in places:
             counts[node] = counts.get(node, 0) + 1
-        problem = tp_problem(n_head, tp, list(counts.values()))
+        problem = tp_problem(*heads_block, tp, list(counts.values()))
         if problem:
             raise ParallelError(problem)
         if any(places[r][0] != places[r - r % tp][0] for r in range(info.world_size)):
@@ -237,10 +239,11 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
     if tensor_parallel > 1 and not info.distributed:
         raise ParallelError(f"trainer.tensor_parallel={tensor_parallel} needs that many processes: launch with "
                             f"torchrun --nproc_per_node={tensor_parallel} (or a multiple of it)")
-    mesh = device_mesh(info, strategy, tensor_parallel, gpt.config.n_head, one_node_ok) if info.distributed and (
-        strategy == "hsdp" or tensor_parallel > 1) else None
+    mesh = None
+    if info.distributed and (strategy == "hsdp" or tensor_parallel > 1):
+        mesh = device_mesh(info, strategy, tensor_parallel, (gpt.config.n_head, gpt.config.block_size), one_node_ok)
     if tensor_parallel > 1:
-        split(gpt.blocks, mesh["tp"])
+        split(gpt, mesh["tp"])
         tp = TensorParallel(mesh["tp"], info.world_size)
     if (strategy in ("fsdp", "hsdp") or tp) and info.distributed:
         from torch.distributed.fsdp import fully_shard

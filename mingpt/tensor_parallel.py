@@ -1,9 +1,12 @@
 """Tensor parallelism inside a node (Megatron's split, with DTensor's parallel styles): each block's
 q, k, v and MLP input projections are split by columns (each process computes its own heads and
-its own quarter of the MLP's hidden units) and the two output projections by rows, so a block costs
-one all-reduce of the activations forward and one backward. Embeddings, norms and the LM head stay
-whole on every process of the group. `parallel.parallelize` applies it before DDP or FSDP take the
-data-parallel dimension of the mesh.
+its own quarter of the MLP's hidden units) and the two output projections by rows. Between them the
+residual stream is split by tokens (sequence parallelism): the norms, the dropouts and the residual
+adds each work on 1/N of the sequence, an all-gather brings the whole sequence to a sub-layer and a
+reduce-scatter takes its output back to each process's tokens (the same bytes as Megatron's one
+all-reduce). The token embedding and the LM head tied to it are split by vocabulary, and so are the
+logits, into the loss (`loss_parallel`); the position embedding stays whole. `parallel.parallelize`
+applies it before FSDP takes the data-parallel dimensions of the mesh.
 
 What the rest of mingpt sees does not change: the seam (`Parallel`) asks this module for the
 gradient norm over every shard, and for snapshot slots in the layout a run without tensor
@@ -13,11 +16,13 @@ and written back into the split after a load.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 from mingpt.shards import rows_of
 from mingpt.snapshot.layout import Slot
@@ -28,11 +33,14 @@ PLAN = {"attn.c_q": "colwise", "attn.c_k": "colwise", "attn.c_v": "colwise", "at
         "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
 
 
-def problem(n_head: int, size: int, per_node: list[int]) -> str | None:
+def problem(n_head: int, block_size: int, size: int, per_node: list[int]) -> str | None:
     """Why this model or these nodes cannot take a tensor-parallel degree of `size`, in one line; None if they can."""
     if n_head % size:
         return (f"trainer.tensor_parallel={size} does not divide model.n_head={n_head}: each process "
                 "needs whole attention heads; choose a divisor of n_head")
+    if block_size % size:
+        return (f"trainer.tensor_parallel={size} does not divide data.block_size={block_size}: the processes "
+                "of a group split the sequence evenly between the sub-layers; choose a block size it divides")
     bad = sorted({n for n in per_node if n % size})
     if bad:
         return (f"trainer.tensor_parallel={size} does not divide the processes per node ({bad[0]} here): "
@@ -40,18 +48,88 @@ def problem(n_head: int, size: int, per_node: list[int]) -> str | None:
     return None
 
 
-def split(blocks: nn.ModuleList, mesh) -> None:
-    """Apply PLAN to every block over the 1-D mesh `mesh` (a row-split layer's bias stays whole: it
-    is added once, after the sum)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def split(gpt: nn.Module, mesh) -> None:
+    """Apply PLAN to every block of `gpt` over the 1-D mesh `mesh`, the stream between the
+    sub-layers split by tokens (a row-split layer's bias stays whole: it is added once, after the
+    sum), and the tied token embedding and LM head by vocabulary rows: the logits stay split by
+    vocabulary into the loss (`loss_parallel`, entered by `TensorParallel`). A sequence the group
+    cannot split evenly is padded at its end (the earlier positions never see it: attention is
+    causal; its targets do not count) and cut back."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     # Gathering a tensor split twice (FSDP's rows of a tensor-parallel split) for a snapshot warns at
     # every save that its two all-gathers "may give inconsistent results": that is true of sums, not
     # of gathers, which copy bytes.
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    for block in blocks:
-        parallelize_module(block, mesh, {name: styles[kind]() for name, kind in PLAN.items()})
+    tokens, whole = Shard(1), Replicate()
+
+    def gather(*rest):  # a sub-layer's input: the whole sequence (all-gather; its backward a reduce-scatter)
+        return PrepareModuleInput(input_layouts=(tokens, *rest), desired_input_layouts=(whole, *rest),
+                                  use_local_output=True)
+
+    styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=tokens)}
+    plan = {"wte": RowwiseParallel(input_layouts=whole, output_layouts=tokens),  # each its rows of the vocabulary
+            "wpe": PrepareModuleOutput(output_layouts=whole, desired_output_layouts=Shard(0), use_local_output=True),
+            "ln_f": SequenceParallel(use_local_output=True),
+            "lm_head": ColwiseParallel(input_layouts=tokens, output_layouts=Shard(-1), use_local_output=False)}
+    for i in range(len(gpt.blocks)):
+        plan |= {f"blocks.{i}.{name}": styles[kind]() for name, kind in PLAN.items()}
+        plan |= {f"blocks.{i}.ln_1": SequenceParallel(use_local_output=True), f"blocks.{i}.attn": gather(None, None),
+                 f"blocks.{i}.ln_2": SequenceParallel(use_local_output=True), f"blocks.{i}.mlp": gather()}
+    parallelize_module(gpt, mesh, plan)
+    gpt.tie_weights()  # each style made its own split parameter of the tied matrix: one again
+    cfg = gpt.config
+    if cfg.padded_vocab_size > cfg.vocab_size:
+        gpt.real_vocab = MaskedVocab(cfg.vocab_size, cfg.padded_vocab_size, mesh)
+    size, rank = mesh.size(), mesh.get_local_rank()
+    cut: list[int] = []
+
+    def pad(module, args, kwargs):
+        if module.training and module.config.dropout > 0:
+            # Every random draw is now on this process's own part (its tokens, its heads): each process of the
+            # group draws its own dropout noise, from the micro-batch's seed and its place in the group.
+            torch.manual_seed((torch.initial_seed() + rank) & 0x7FFF_FFFF_FFFF)
+        extra = -args[0].size(1) % size
+        cut[:] = [args[0].size(1)] if extra else []
+        if not extra:
+            return None
+        args = [F.pad(a, (0, extra), value=0 if i == 0 else -100) if torch.is_tensor(a) else a
+                for i, a in enumerate(args)]
+        if torch.is_tensor(kwargs.get("targets")):
+            kwargs = {**kwargs, "targets": F.pad(kwargs["targets"], (0, extra), value=-100)}
+        return tuple(args), kwargs
+
+    def unpad(module, args, kwargs, out):  # noqa: ARG001 - hook signature
+        logits, loss = out
+        # the loss of the split logits is whole once its parts are added (a lazy all-reduce)
+        return logits[:, :cut[0]] if cut else logits, loss.full_tensor() if loss is not None else None
+
+    gpt.register_forward_pre_hook(pad, with_kwargs=True)
+    gpt.register_forward_hook(unpad, with_kwargs=True)
+
+
+class MaskedVocab(nn.Module):
+    """The padded columns of logits split by vocabulary get -inf (no probability, no gradient)
+    instead of being sliced off, which would gather the logits whole."""
+
+    def __init__(self, size: int, padded: int, mesh):
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        super().__init__()
+        mask = torch.zeros(padded)
+        mask[size:] = float("-inf")
+        self.mask = distribute_tensor(mask, mesh, [Shard(0)])  # not a buffer: no state to save
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits + self.mask
 
 
 class TensorParallel:
@@ -59,7 +137,16 @@ class TensorParallel:
     takes the data dimensions, see `parallel.parallelize`), whose placements say what is split."""
 
     def __init__(self, mesh, world: int):
+        from torch.distributed.tensor.parallel import loss_parallel
+
         self.size, self.rank, self.world = mesh.size(), mesh.get_local_rank(), world
+        # For the life of the split model (its forwards and backwards, training and evaluation):
+        # the cross-entropy of logits split by vocabulary adds its parts without gathering them.
+        self._loss = contextlib.ExitStack()
+        self._loss.enter_context(loss_parallel())
+
+    def close(self) -> None:
+        self._loss.close()
 
     def clip_grad_norm(self, gpt: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to max_norm (0: no clipping); the norm of the whole model's gradient, which no process

@@ -114,16 +114,20 @@ def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, bat
     assert max(g.abs().max().item() for g in g1.values()) > 1e-3  # real, non-zero gradients
 
 
-def test_documents_two_processes_give_the_same_gradients_as_one(tmp_path):
-    """Length-grouped document batches, 3 micro-batches per step over 2 ranks: uneven token counts."""
+@pytest.mark.parametrize("tp", [1, 2], ids=["ddp", "tensor-parallel"])
+def test_documents_two_processes_give_the_same_gradients_as_one(tmp_path, tp):
+    """Length-grouped document batches, 3 micro-batches per step over 2 ranks: uneven token counts.
+    Under tensor parallelism the 2 processes split each block and each sequence, whose lengths
+    (of any parity here) the group pads to a multiple of 2 and cuts back."""
     corpus = make_docs_corpus(tmp_path)
     args = [*TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data=shakespeare_speeches",
             "data.block_size=32", "data.documents.token_budget=128", "data.documents.micro_batches_per_step=3",
             "snapshot.resume=never"]
     one, two = tmp_path / "g1.pt", tmp_path / "g2.pt"
     run([sys.executable, "tests/scenarios/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
-    log = run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))
-    assert "length_grouped batching" in log
+    log = run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}",
+                           f"trainer.tensor_parallel={tp}"))
+    assert "length_grouped batching" in log and (tp == 1 or "ddp x tensor parallel 2" in log)
     g1, g2 = torch.load(one), torch.load(two)
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)

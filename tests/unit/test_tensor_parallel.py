@@ -8,15 +8,17 @@ from mingpt.config import ConfigError
 from mingpt.tensor_parallel import PLAN, problem
 
 
-@pytest.mark.parametrize("n_head, size, per_node, message", [
-    (4, 2, [2], None),
-    (4, 4, [4, 8], None),
-    (6, 4, [4], "trainer.tensor_parallel=4 does not divide model.n_head=6: each process needs whole attention heads"),
-    (4, 2, [2, 3], "trainer.tensor_parallel=2 does not divide the processes per node (3 here)"),
-    (4, 4, [2], "trainer.tensor_parallel=4 does not divide the processes per node (2 here)"),
+@pytest.mark.parametrize("n_head, block, size, per_node, message", [
+    (4, 64, 2, [2], None),
+    (4, 64, 4, [4, 8], None),
+    (6, 64, 4, [4], "trainer.tensor_parallel=4 does not divide model.n_head=6: each process needs whole attention heads"),
+    (4, 66, 4, [4], "trainer.tensor_parallel=4 does not divide data.block_size=66: the processes of a group split "
+                    "the sequence evenly"),
+    (4, 64, 2, [2, 3], "trainer.tensor_parallel=2 does not divide the processes per node (3 here)"),
+    (4, 64, 4, [2], "trainer.tensor_parallel=4 does not divide the processes per node (2 here)"),
 ])
-def test_impossible_shapes_are_named_with_the_fix(n_head, size, per_node, message):
-    got = problem(n_head, size, per_node)
+def test_impossible_shapes_are_named_with_the_fix(n_head, block, size, per_node, message):
+    got = problem(n_head, block, size, per_node)
     assert (got is None) if message is None else got.startswith(message), got
 
 
