@@ -22,11 +22,17 @@ CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "
        "trainer.progress=false", "optim.warmup_steps=10", f"trainer.max_steps={MAX_STEPS}", "snapshot.every_steps=10"]
 
 
-def agent_cmd(port: int, run_dir: Path, corpus: Path, cache: Path, extra_conf: str = "") -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1",
+# With tensor parallelism each node is one group of 2 processes splitting every block: a lost node
+# leaves one data replica, the TP degree unchanged. Shorter: a split model is slow on this CPU.
+TP2 = ["trainer.tensor_parallel=2", "trainer.max_steps=100"]
+
+
+def agent_cmd(port: int, run_dir: Path, corpus: Path, cache: Path, extra_conf: str = "", tp: int = 1) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc_per_node={tp}",
             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic-test",
             f"--rdzv_conf={RDZV_CONF}{extra_conf}", "--max-restarts=5", "--monitor-interval=0.5",
-            "mingpt/main.py", *CFG, f"data.path={corpus}", f"data.cache_dir={cache}", f"trainer.run_dir={run_dir}"]
+            "mingpt/main.py", *CFG, *(TP2 if tp > 1 else []), f"data.path={corpus}", f"data.cache_dir={cache}",
+            f"trainer.run_dir={run_dir}"]
 
 
 def wait_until(cond, procs, timeout=120, what=""):
@@ -47,21 +53,31 @@ def start(cmd, log: Path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("elastic-ref")
-    corpus = make_corpus(tmp)
-    run_dir = tmp / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "mingpt/main.py",
-           *CFG, f"data.path={corpus}", f"data.cache_dir={tmp / 'cache'}", f"trainer.run_dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return corpus, run_dir
+    """The uninterrupted run at both nodes' size, by tensor-parallel degree: (corpus, run directory)."""
+    runs = {}
+
+    def run(tp: int):
+        if tp not in runs:
+            tmp = tmp_path_factory.mktemp("elastic-ref")
+            corpus = make_corpus(tmp)
+            run_dir = tmp / "run"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={2 * tp}",
+                   "mingpt/main.py", *CFG, *(TP2 if tp > 1 else []), f"data.path={corpus}",
+                   f"data.cache_dir={tmp / 'cache'}", f"trainer.run_dir={run_dir}"]
+            proc = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=400)
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            runs[tp] = corpus, run_dir
+        return runs[tp]
+
+    return run
 
 
 # The agent-hosted store (the other node dies, the store with its host stays) is the case of
 # test_hsdp.py's lost node, on two network-namespace nodes; this one keeps the standalone store.
-@pytest.mark.parametrize("store", ["standalone"])
-def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, store):
-    corpus, ref_dir = reference
+@pytest.mark.parametrize("store, tp", [("standalone", 1), ("standalone", 2)], ids=["standalone", "standalone-tp2"])
+def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, store, tp):
+    corpus, ref_dir = reference(tp)
+    steps = 100 if tp > 1 else MAX_STEPS
     run_dir, cache, port = tmp_path / "run", tmp_path / "cache", free_port()
     server, extra = None, ""
     if store == "standalone":
@@ -69,11 +85,11 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
                                    "--port", str(port)], cwd=REPO, stderr=subprocess.PIPE, text=True)
         assert "listening" in server.stderr.readline()
         extra = ",is_host=0"
-    a = start(agent_cmd(port, run_dir, corpus, cache, extra), tmp_path / "a.log")
+    a = start(agent_cmd(port, run_dir, corpus, cache, extra, tp), tmp_path / "a.log")
     time.sleep(0.5)
-    b = start(agent_cmd(port, run_dir, corpus, cache, extra), tmp_path / "b.log")
+    b = start(agent_cmd(port, run_dir, corpus, cache, extra, tp), tmp_path / "b.log")
     try:
-        wait_until(lambda: any(r.get("world_size") == 2 and r.get("step", 0) >= 40 for r in records(run_dir / "metrics.jsonl")),
+        wait_until(lambda: any(r.get("world_size") == 2 * tp and r.get("step", 0) >= 40 for r in records(run_dir / "metrics.jsonl")),
                    [a, b], what="training at world size 2")
         # kill the node that hosts rank 0 with the standalone store (the rendezvous survives it);
         # with the agent-hosted store, kill the other node (the store dies with its host).
@@ -81,12 +97,12 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
         t_kill = time.time()
-        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == 1 for r in records(run_dir / "metrics.jsonl")),
+        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == tp for r in records(run_dir / "metrics.jsonl")),
                    [survivor], what="the survivor resuming at world size 1")
         resumed_after = time.time() - t_kill
-        victim = start(agent_cmd(port, run_dir, corpus, cache, extra), tmp_path / "c.log")
+        victim = start(agent_cmd(port, run_dir, corpus, cache, extra, tp), tmp_path / "c.log")
         t_back = time.time()
-        wait_until(lambda: [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"][-1:] == [2],
+        wait_until(lambda: [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"][-1:] == [2 * tp],
                    [survivor, victim], what="the returning node rejoining at world size 2")
         print(f"\n[{store} store] resumed at world size 1 {resumed_after:.1f} s after the kill; "
               f"back at world size 2 {time.time() - t_back:.1f} s after the node returned")
@@ -102,12 +118,15 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
     assert survivor_log.count("lost contact with a peer") == 1, survivor_log[-4000:]
     assert "Error executing job" not in survivor_log and "Traceback" not in survivor_log, survivor_log[-4000:]
     logs = "".join((tmp_path / f"{n}.log").read_text() for n in "abc")
-    assert re.search(r"\[rank 1/2\] INFO mingpt.node: \S+ joined", logs), logs[-3000:]
+    assert re.search(rf"\[rank {tp}/{2 * tp}\] INFO mingpt.node: \S+ joined", logs), logs[-3000:]
     sizes = [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"]
-    assert sizes == [1, 2]
+    assert sizes == [tp, 2 * tp]
     assert resumed_after < 30
     train = read_metrics(run_dir / "metrics.jsonl")
-    assert {1, 2} <= {r["world_size"] for r in train.values()}
+    assert {tp, 2 * tp} <= {r["world_size"] for r in train.values()}
+    if tp > 1:  # one data replica, then two again; every start splits the blocks in two
+        starts = re.findall(r"on (\d+) ranks \((ddp x tensor parallel \d)\)", logs)
+        assert {n for n, _ in starts} == {str(tp), str(2 * tp)} and {p for _, p in starts} == {"ddp x tensor parallel 2"}
     ref = read_metrics(ref_dir / "metrics.jsonl")
     assert set(train) == set(ref)  # every step logged, max_steps reached
     worst = max(abs(train[s]["loss"] - ref[s]["loss"]) for s in ref)
@@ -115,4 +134,4 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
     # same data consumed, in global units: nothing repeated or skipped
     _, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
     _, ref_manifest = SnapshotStore(str(ref_dir / "snapshots")).load_latest()
-    assert manifest["step"] == MAX_STEPS and manifest["tokens_seen"] == ref_manifest["tokens_seen"]
+    assert manifest["step"] == steps and manifest["tokens_seen"] == ref_manifest["tokens_seen"]
