@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from mingpt.distributed import DistInfo
-from mingpt.model import GPT
+from mingpt.model import GPT, GPTConfig
 from mingpt.shards import local_rows
 from mingpt.snapshot.layout import Slot, n_rows
 from mingpt.tensor_parallel import TensorParallel, split
@@ -186,7 +186,7 @@ def mesh_shape(places: list[tuple[int, int, int]], one_node_ok: bool) -> tuple[i
     return nodes, size
 
 
-def device_mesh(info: DistInfo, strategy: str, tp: int, heads_block: tuple[int, int], one_node_ok: bool):
+def device_mesh(info: DistInfo, strategy: str, tp: int, model: GPTConfig, one_node_ok: bool):
     """HSDP's mesh: dimension "replicate" across nodes, "shard" within a node. With tensor
     parallelism every strategy has one, with a last dimension "tp" of `tp` consecutive ranks of one
     node: DDP is then (data ranks, 1, tp), FSDP (1, data ranks, tp), HSDP (nodes, data ranks per
@@ -202,7 +202,7 @@ def device_mesh(info: DistInfo, strategy: str, tp: int, heads_block: tuple[int, 
         counts = {}
         for node, _, _ in places:
             counts[node] = counts.get(node, 0) + 1
-        problem = tp_problem(*heads_block, tp, list(counts.values()))
+        problem = tp_problem(model, tp, list(counts.values()))
         if problem:
             raise ParallelError(problem)
         if any(places[r][0] != places[r - r % tp][0] for r in range(info.world_size)):
@@ -241,7 +241,7 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
                             f"torchrun --nproc_per_node={tensor_parallel} (or a multiple of it)")
     mesh = None
     if info.distributed and (strategy == "hsdp" or tensor_parallel > 1):
-        mesh = device_mesh(info, strategy, tensor_parallel, (gpt.config.n_head, gpt.config.block_size), one_node_ok)
+        mesh = device_mesh(info, strategy, tensor_parallel, gpt.config, one_node_ok)
     if tensor_parallel > 1:
         split(gpt, mesh["tp"])
         tp = TensorParallel(mesh["tp"], info.world_size)

@@ -33,14 +33,18 @@ PLAN = {"attn.c_q": "colwise", "attn.c_k": "colwise", "attn.c_v": "colwise", "at
         "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
 
 
-def problem(n_head: int, block_size: int, size: int, per_node: list[int]) -> str | None:
-    """Why this model or these nodes cannot take a tensor-parallel degree of `size`, in one line; None if they can."""
-    if n_head % size:
-        return (f"trainer.tensor_parallel={size} does not divide model.n_head={n_head}: each process "
+def problem(cfg, size: int, per_node: list[int]) -> str | None:
+    """Why this model (a resolved GPTConfig) or these nodes cannot take a tensor-parallel degree of
+    `size`, in one line; None if they can."""
+    if cfg.n_head % size:
+        return (f"trainer.tensor_parallel={size} does not divide model.n_head={cfg.n_head}: each process "
                 "needs whole attention heads; choose a divisor of n_head")
-    if block_size % size:
-        return (f"trainer.tensor_parallel={size} does not divide data.block_size={block_size}: the processes "
+    if cfg.block_size % size:
+        return (f"trainer.tensor_parallel={size} does not divide data.block_size={cfg.block_size}: the processes "
                 "of a group split the sequence evenly between the sub-layers; choose a block size it divides")
+    if cfg.padded_vocab_size % size:
+        return (f"trainer.tensor_parallel={size} does not divide the vocabulary ({cfg.vocab_size} tokens, padded to "
+                f"{cfg.padded_vocab_size}): the processes of a group split it evenly; choose a divisor of 64")
     bad = sorted({n for n in per_node if n % size})
     if bad:
         return (f"trainer.tensor_parallel={size} does not divide the processes per node ({bad[0]} here): "

@@ -88,24 +88,25 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
     a = start(agent_cmd(port, run_dir, corpus, cache, extra, tp), tmp_path / "a.log")
     time.sleep(0.5)
     b = start(agent_cmd(port, run_dir, corpus, cache, extra, tp), tmp_path / "b.log")
+    metrics = run_dir / "metrics.jsonl"
     try:
-        wait_until(lambda: any(r.get("world_size") == 2 * tp and r.get("step", 0) >= 40 for r in records(run_dir / "metrics.jsonl")),
-                   [a, b], what="training at world size 2")
+        wait_until(lambda: any(r.get("world_size") == 2 * tp and r.get("step", 0) >= 40 for r in records(metrics)),
+                   [a, b], what="training at both nodes' world size")
         # kill the node that hosts rank 0 with the standalone store (the rendezvous survives it);
         # with the agent-hosted store, kill the other node (the store dies with its host).
         victim, survivor = (a, b) if store == "standalone" else (b, a)
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
         t_kill = time.time()
-        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == tp for r in records(run_dir / "metrics.jsonl")),
-                   [survivor], what="the survivor resuming at world size 1")
+        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == tp for r in records(metrics)),
+                   [survivor], what="the survivor resuming at one node's world size")
         resumed_after = time.time() - t_kill
         victim = start(agent_cmd(port, run_dir, corpus, cache, extra, tp), tmp_path / "c.log")
         t_back = time.time()
-        wait_until(lambda: [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"][-1:] == [2 * tp],
-                   [survivor, victim], what="the returning node rejoining at world size 2")
-        print(f"\n[{store} store] resumed at world size 1 {resumed_after:.1f} s after the kill; "
-              f"back at world size 2 {time.time() - t_back:.1f} s after the node returned")
+        wait_until(lambda: [r["world_size"] for r in records(metrics) if r["kind"] == "resume"][-1:] == [2 * tp],
+                   [survivor, victim], what="the returning node rejoining at both nodes' world size")
+        print(f"\n[{store} store, TP{tp}] resumed at world size {tp} {resumed_after:.1f} s after the kill; "
+              f"back at world size {2 * tp} {time.time() - t_back:.1f} s after the node returned")
         assert survivor.wait(timeout=240) == 0
         assert victim.wait(timeout=60) == 0
     finally:

@@ -8,17 +8,22 @@ from mingpt.config import ConfigError
 from mingpt.tensor_parallel import PLAN, problem
 
 
-@pytest.mark.parametrize("n_head, block, size, per_node, message", [
-    (4, 64, 2, [2], None),
-    (4, 64, 4, [4, 8], None),
-    (6, 64, 4, [4], "trainer.tensor_parallel=4 does not divide model.n_head=6: each process needs whole attention heads"),
-    (4, 66, 4, [4], "trainer.tensor_parallel=4 does not divide data.block_size=66: the processes of a group split "
-                    "the sequence evenly"),
-    (4, 64, 2, [2, 3], "trainer.tensor_parallel=2 does not divide the processes per node (3 here)"),
-    (4, 64, 4, [2], "trainer.tensor_parallel=4 does not divide the processes per node (2 here)"),
+@pytest.mark.parametrize("n_head, block, vocab, size, per_node, message", [
+    (4, 64, 65, 2, [2], None),
+    (4, 64, 50257, 4, [4, 8], None),
+    (6, 64, 65, 4, [4], "trainer.tensor_parallel=4 does not divide model.n_head=6: each process needs whole attention "
+                        "heads"),
+    (4, 66, 65, 4, [4], "trainer.tensor_parallel=4 does not divide data.block_size=66: the processes of a group split "
+                        "the sequence evenly"),
+    (3, 66, 65, 3, [3], "trainer.tensor_parallel=3 does not divide the vocabulary (65 tokens, padded to 128)"),
+    (4, 64, 65, 2, [2, 3], "trainer.tensor_parallel=2 does not divide the processes per node (3 here)"),
+    (4, 64, 65, 4, [2], "trainer.tensor_parallel=4 does not divide the processes per node (2 here)"),
 ])
-def test_impossible_shapes_are_named_with_the_fix(n_head, block, size, per_node, message):
-    got = problem(n_head, block, size, per_node)
+def test_impossible_shapes_are_named_with_the_fix(n_head, block, vocab, size, per_node, message):
+    from mingpt.model import GPTConfig
+
+    cfg = GPTConfig(preset=None, n_layer=1, n_head=n_head, n_embd=8 * n_head, block_size=block, vocab_size=vocab)
+    got = problem(cfg, size, per_node)
     assert (got is None) if message is None else got.startswith(message), got
 
 
