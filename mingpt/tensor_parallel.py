@@ -76,8 +76,10 @@ def split(gpt: nn.Module, mesh) -> None:
     tokens, whole = Shard(1), Replicate()
 
     def gather(*rest):  # a sub-layer's input: the whole sequence (all-gather; its backward a reduce-scatter)
+        # kept a DTensor, so that the partial input gradients of its split layers (q, k and v) add up
+        # before one reduce-scatter, instead of an all-reduce each
         return PrepareModuleInput(input_layouts=(tokens, *rest), desired_input_layouts=(whole, *rest),
-                                  use_local_output=True)
+                                  use_local_output=False)
 
     styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=tokens)}
     plan = {"wte": RowwiseParallel(input_layouts=whole, output_layouts=tokens),  # each its rows of the vocabulary
