@@ -327,6 +327,9 @@ class RunConfig:
         _check(tp == 1 or self.model.init_from is None,
                f"model.init_from with trainer.tensor_parallel={tp} is not supported: start from GPT-2's weights "
                "without it, and continue that run's snapshot with tensor_parallel (snapshots load under any layout)")
+        _check(tp == 1 or not self.trainer.compile,
+               f"trainer.compile with trainer.tensor_parallel={tp} is not supported: torch.compile fails on the split "
+               "model (torch 2.13: its split embedding); set trainer.compile=false")
         _check(tp == 1 or not self.replicas.enabled,
                f"trainer.tensor_parallel={tp} inside replica groups (replicas.peers) is not supported yet: "
                "use one of the two")

@@ -31,6 +31,8 @@ def test_impossible_shapes_are_named_with_the_fix(n_head, block, vocab, size, pe
     (["trainer.tensor_parallel=0"], "trainer.tensor_parallel must be >= 1 (1 = off), got 0"),
     (["trainer.tensor_parallel=2", "model.init_from=gpt2", "data.tokenizer.kind=bpe"],
      "model.init_from with trainer.tensor_parallel=2 is not supported"),
+    (["trainer.tensor_parallel=2", "trainer.compile=true"],
+     "trainer.compile with trainer.tensor_parallel=2 is not supported: torch.compile fails on the split model"),
     (["trainer.tensor_parallel=2", "replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"],
      "trainer.tensor_parallel=2 inside replica groups (replicas.peers) is not supported yet"),
 ])
