@@ -182,10 +182,9 @@ class TrainerConfig:
     "hsdp" (FSDP2 within each node, replicated across nodes: only gradient shards cross between
     nodes; every node must run the same number of processes)."""
     tensor_parallel: int = 1
-    """Tensor parallelism: each block's attention and MLP split over this many processes of one node
-    (heads and MLP columns), the sequence between them and the vocabulary too, combined with
-    `parallel` across the groups of processes; 1 = off. Must divide the processes per node,
-    model.n_head, data.block_size and the vocabulary padded to a multiple of 64."""
+    """Tensor parallelism: each block (heads, MLP columns), the sequence between blocks and the vocabulary
+    split over this many processes of one node, with `parallel` across the groups; 1 = off. Must divide
+    the processes per node, model.n_head, data.block_size and the vocabulary padded to a multiple of 64."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")

@@ -24,7 +24,8 @@ CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "
 
 # With tensor parallelism each node is one group of 2 processes splitting every block: a lost node
 # leaves one data replica, the TP degree unchanged. Shorter: a split model is slow on this CPU.
-TP2 = ["trainer.tensor_parallel=2", "trainer.max_steps=100"]
+TP2_STEPS = 100
+TP2 = ["trainer.tensor_parallel=2", f"trainer.max_steps={TP2_STEPS}"]
 
 
 def agent_cmd(port: int, run_dir: Path, corpus: Path, cache: Path, extra_conf: str = "", tp: int = 1) -> list[str]:
@@ -77,7 +78,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("store, tp", [("standalone", 1), ("standalone", 2)], ids=["standalone", "standalone-tp2"])
 def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, store, tp):
     corpus, ref_dir = reference(tp)
-    steps = 100 if tp > 1 else MAX_STEPS
+    steps = TP2_STEPS if tp > 1 else MAX_STEPS
     run_dir, cache, port = tmp_path / "run", tmp_path / "cache", free_port()
     server, extra = None, ""
     if store == "standalone":
