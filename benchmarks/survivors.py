@@ -2,10 +2,13 @@
 one process) on this machine, one group's worker SIGKILLed every T seconds (the groups in turn, the
 coordinator included; torchrun restarts it and it heals from a live peer), and a network partition
 (each group in its own network namespace on one bridge; one group's link cut for --cut-s seconds).
-Beside it, the same job under today's single torchrun (3 workers, DDP, restarted from a snapshot
-every 5 steps). One JSON line per setting:
+Beside it, the same 3 groups through torchft 0.2.0's Manager (its lighthouse, `Manager.allreduce`,
+`should_commit`, healing by its own transport; benchmarks/torchft_worker.py; skipped where torchft
+is not installed), and the same job under today's single torchrun (3 workers, DDP, restarted from a
+snapshot every 5 steps). One JSON line per setting:
 
     python -m benchmarks survivors [--kill-every 60 30 15] [--steps 600] [--model gpt-mini] [--keep DIR]
+        [--no-replicas] [--no-torchft] [--no-restart-baseline] [--cut-s 0]
 
 goodput: steps x the fault-free run's median step time / wall time (launch to exit);
 survivor_gap_s: a fault to the next step committed (median, max; that step is the one in flight,
@@ -30,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from benchmarks import children, die_with_bench, free_port
 from benchmarks.netns import NoNamespaces, bridged_nodes
 from mingpt.snapshot import SnapshotStore
@@ -51,27 +56,33 @@ def torchrun(nproc: int, prefix: list[str] = ()) -> list[str]:
             "--max-restarts=1000", "--monitor-interval=0.2"]
 
 
-def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: float) -> tuple[float, list]:
-    """Start every agent, run `faults(agents, t0)` until they all exit; (wall s, what faults did)."""
+def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: float, ended=None) -> tuple[float, list]:
+    """Start every agent, run `faults(agents, t0)` until they all exit (or, with `ended`, until it
+    is true: the agents still running 5 s later are stopped); (wall s, what faults did)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     agents = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(run_dir / f"console{i}.log", "w"),
                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_bench)
               for i, (cmd, env) in enumerate(cmds)]
-    done = []
+    done, end = [], None
     try:
         while any(a.poll() is None for a in agents):
             if time.time() - t0 > limit_s:
                 raise RuntimeError(f"the job did not finish in {limit_s:.0f} s (see {run_dir}/console*.log)")
-            if faults is not None:
+            if end is None and ended is not None and ended():
+                end = time.time()
+            if end is not None and time.time() - end > 5:
+                break
+            if faults is not None and end is None:
                 done.extend(faults(agents, t0))
             time.sleep(0.02)
     finally:
         for a in agents:
             if a.poll() is None:
                 os.killpg(a.pid, signal.SIGKILL)
-    wall = time.time() - t0
-    codes = [a.returncode for a in agents]
+                a.wait()
+    wall = (end or time.time()) - t0
+    codes = [a.returncode for a in agents if end is None or a.returncode >= 0]
     if any(codes):
         logs = "\n".join((run_dir / f"console{i}.log").read_text()[-2000:] for i in range(len(agents)))
         raise RuntimeError(f"the job failed ({codes}):\n{logs}")
@@ -87,11 +98,10 @@ def killer(every: float, groups: bool, run_dir: Path, max_kills: int = 0):
         if not every or time.time() - t0 < state["next"] or (max_kills and state["n"] >= max_kills):
             return []
         if not state.get("training"):  # a fault during the start-up tells nothing of survivors: wait for a step
-            metrics = run_dir / "metrics.jsonl"
-            state["training"] = metrics.exists() and '"kind": "train"' in metrics.read_text()
+            state["training"] = any('"kind": "train"' in m.read_text() for m in run_dir.glob("metrics*.jsonl"))
             if not state["training"]:
                 return []
-        state["next"] += every
+        state["next"] = time.time() - t0 + every  # faults `every` s apart, also after a long start-up
         agent = agents[state["n"] % len(agents)] if groups else agents[0]
         victims = children(agent.pid)
         if not victims:
@@ -107,6 +117,9 @@ def killer(every: float, groups: bool, run_dir: Path, max_kills: int = 0):
 
 
 def final(run_dir: Path) -> dict:
+    ends = sorted(run_dir.glob("final-*.pt"))  # torchft's groups
+    if ends:
+        return torch.load(ends[0], weights_only=True)
     state, _ = SnapshotStore(str(run_dir / "snapshots")).load_latest()
     return state["model"]
 
@@ -130,13 +143,13 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
             regroups.append(formed[0] - f["t"])
         resumed_at = after[0][1] - 1  # the step the survivors (or the restart) went on from
         lost.append(max(before) - resumed_at + 1)
-        if f.get("group") is not None:
-            back = [e for e in epochs if e["time"] > f["t"] and f["group"] in e.get("healed", [])]
-            born = [s for s in starts if s.get("group") == f["group"] and s["t0"] > f["t"]]
-            if back and born:
-                first = [t for t, _ in train if t > back[0]["time"]]
-                if first:
-                    rejoins.append(first[0] - born[0]["t0"])
+        born = [s for s in starts if f.get("group") is not None and s.get("group") == f["group"] and s["t0"] > f["t"]]
+        back = [e for e in epochs if born and e["time"] > f["t"] and f["group"] in e.get("healed", [])]
+        first = [t for t, _ in train if back and t > back[0]["time"]] or [  # torchft: the group's own first commit
+            r["time"] for r in recs if born and r.get("kind") == "group_train" and r["group"] == f["group"]
+            and r["time"] > born[0]["t0"]]
+        if first:
+            rejoins.append(min(first) - born[0]["t0"])
     out = {"steps": steps, "wall_s": round(wall, 1), "step_s": round(step_s, 4), "faults": len(faults)}
     if ref is not None:
         out["goodput"] = round(steps * ref["step_s"] / wall, 4)
@@ -166,6 +179,37 @@ def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list]:
                f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}"]
         cmds.append((cmd, env))
     return run(cmds, run_dir, faults, args.limit_s)
+
+
+def torchft_job(args, run_dir: Path, faults) -> tuple[float, list]:
+    """The same 3 groups through torchft's Manager (benchmarks/torchft_worker.py), its lighthouse on
+    loopback; the groups' records merged into metrics.jsonl (a step: its first commit)."""
+    port = free_port()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # a quorum of 2 (a majority, as replicas.min_groups), a group lost after 1 s of silence (as
+    # replicas.lost_after_s; torchft's default is 5 s), stragglers waited for 1 s
+    lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "2", "--heartbeat_timeout_ms", "1000",
+                                   "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"],
+                                  stdout=open(run_dir / "lighthouse.log", "w"), stderr=subprocess.STDOUT,
+                                  preexec_fn=die_with_bench)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)  # torchft's Manager joins the store torchrun shares
+    cmds = [([*torchrun(1), "-m", "benchmarks.torchft_worker", "--group", str(g), "--groups", str(GROUPS),
+              "--lighthouse", f"http://127.0.0.1:{port}", "--run-dir", str(run_dir), "--corpus", args.corpus,
+              "--model", args.model, "--steps", str(args.steps)], env) for g in range(GROUPS)]
+    try:
+        out = run(cmds, run_dir, faults, args.limit_s, ended=lambda: any(run_dir.glob("final-*.pt")))
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    recs = [r for m in sorted(run_dir.glob("metrics-*.jsonl")) for r in read_records(m)]
+    firsts = {}
+    for r in sorted((r for r in recs if r["kind"] == "train"), key=lambda r: r["time"]):
+        firsts.setdefault(r["step"], r)
+    merged = [r for r in recs if r["kind"] == "start"] + list(firsts.values()) + [
+        {**r, "kind": "group_train"} for r in recs if r["kind"] == "train"]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in merged))
+    return out
 
 
 def restart_job(args, run_dir: Path, faults) -> tuple[float, list]:
@@ -200,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--snapshot-every", type=int, default=50, help="replica groups: steps between snapshots")
     ap.add_argument("--cut-s", type=float, default=10.0, help="how long the partition lasts (0: no partition)")
     ap.add_argument("--no-restart-baseline", action="store_true", help="skip today's single-torchrun job")
+    ap.add_argument("--no-replicas", action="store_true", help="skip mingpt's replica groups (the other modes only)")
+    ap.add_argument("--no-torchft", action="store_true", help="skip the same groups through torchft's Manager")
     ap.add_argument("--restart-kill-every", nargs="+", type=float, help="its fault intervals (default: --kill-every)")
     ap.add_argument("--reuse-reference", help="the run directory of a kept fault-free replica run of the same "
                                               "settings (its step time and weights), instead of running it again")
@@ -210,34 +256,51 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="mingpt-survivors-") as scratch:
         tmp = Path(args.keep or scratch)
         base = {"model": args.model, "groups": GROUPS, "steps": args.steps, "cpus": os.cpu_count()}
-        if args.reuse_reference:
-            recs = read_records(Path(args.reuse_reference) / "metrics.jsonl")
-            starts = [r["t0"] for r in recs if r.get("kind") == "start"]
-            ref = measure(Path(args.reuse_reference), max(r["time"] for r in recs if "time" in r) - min(starts), [], None)
-            ref_state = {"step_s": ref["step_s"], "weights": final(Path(args.reuse_reference))}
-            print(json.dumps({**base, "mode": "replicas", "fault": "none", "reused": args.reuse_reference, **ref}),
-                  flush=True)
-        else:
-            wall, _ = replicas_job(args, tmp / "replicas-none", None)
-            ref = measure(tmp / "replicas-none", wall, [], None)
-            ref_state = {"step_s": ref["step_s"], "weights": final(tmp / "replicas-none")}
-            print(json.dumps({**base, "mode": "replicas", "fault": "none", **ref}), flush=True)
-        for every in args.kill_every:
-            d = tmp / f"replicas-kill{every:g}"
-            wall, faults = replicas_job(args, d, killer(every, groups=True, run_dir=d, max_kills=args.max_kills))
-            print(json.dumps({**base, "mode": "replicas", "fault": f"SIGKILL every {every:g} s",
-                              **measure(d, wall, faults, ref_state)}), flush=True)
-        if args.cut_s:
+        ref_state = None
+        if not args.no_replicas:
+            if args.reuse_reference:
+                recs = read_records(Path(args.reuse_reference) / "metrics.jsonl")
+                starts = [r["t0"] for r in recs if r.get("kind") == "start"]
+                ref = measure(Path(args.reuse_reference), max(r["time"] for r in recs if "time" in r) - min(starts), [], None)
+                ref_state = {"step_s": ref["step_s"], "weights": final(Path(args.reuse_reference))}
+                print(json.dumps({**base, "mode": "replicas", "fault": "none", "reused": args.reuse_reference, **ref}),
+                      flush=True)
+            else:
+                wall, _ = replicas_job(args, tmp / "replicas-none", None)
+                ref = measure(tmp / "replicas-none", wall, [], None)
+                ref_state = {"step_s": ref["step_s"], "weights": final(tmp / "replicas-none")}
+                print(json.dumps({**base, "mode": "replicas", "fault": "none", **ref}), flush=True)
+            for every in args.kill_every:
+                d = tmp / f"replicas-kill{every:g}"
+                wall, faults = replicas_job(args, d, killer(every, groups=True, run_dir=d, max_kills=args.max_kills))
+                print(json.dumps({**base, "mode": "replicas", "fault": f"SIGKILL every {every:g} s",
+                                  **measure(d, wall, faults, ref_state)}), flush=True)
+            if args.cut_s:
+                try:
+                    with bridged_nodes(GROUPS) as bridge:
+                        d = tmp / "replicas-partition"
+                        at = max(10.0, 0.4 * ref["wall_s"])  # in steady training, after the start-up
+                        wall, faults = replicas_job(args, d, partition(bridge, bridge.nodes[2], args.cut_s, at),
+                                                    nodes=bridge.nodes)
+                        print(json.dumps({**base, "mode": "replicas", "fault": f"group 2's link cut for {args.cut_s:g} s",
+                                          **measure(d, wall, faults, ref_state)}), flush=True)
+                except NoNamespaces as e:
+                    print(json.dumps({**base, "mode": "replicas", "fault": "partition", "skipped": str(e)}), flush=True)
+        if not args.no_torchft:
             try:
-                with bridged_nodes(GROUPS) as bridge:
-                    d = tmp / "replicas-partition"
-                    at = max(10.0, 0.4 * ref["wall_s"])  # in steady training, after the start-up
-                    wall, faults = replicas_job(args, d, partition(bridge, bridge.nodes[2], args.cut_s, at),
-                                                nodes=bridge.nodes)
-                    print(json.dumps({**base, "mode": "replicas", "fault": f"group 2's link cut for {args.cut_s:g} s",
-                                      **measure(d, wall, faults, ref_state)}), flush=True)
-            except NoNamespaces as e:
-                print(json.dumps({**base, "mode": "replicas", "fault": "partition", "skipped": str(e)}), flush=True)
+                import torchft  # noqa: F401 - benchmark-only: pip install torchft==0.2.0 (it needs torch>=2.7)
+            except ImportError as e:
+                print(json.dumps({**base, "mode": "torchft", "fault": "none", "skipped": str(e)}), flush=True)
+            else:
+                wall, _ = torchft_job(args, tmp / "torchft-none", None)
+                tref = measure(tmp / "torchft-none", wall, [], None)
+                tref_state = {"step_s": tref["step_s"], "weights": final(tmp / "torchft-none")}
+                print(json.dumps({**base, "mode": "torchft", "fault": "none", **tref}), flush=True)
+                for every in args.kill_every:
+                    d = tmp / f"torchft-kill{every:g}"
+                    wall, faults = torchft_job(args, d, killer(every, groups=True, run_dir=d, max_kills=args.max_kills))
+                    print(json.dumps({**base, "mode": "torchft", "fault": f"SIGKILL every {every:g} s",
+                                      **measure(d, wall, faults, tref_state)}), flush=True)
         if not args.no_restart_baseline:
             wall, _ = restart_job(args, tmp / "restart-none", None)
             rref = measure(tmp / "restart-none", wall, [], None)
@@ -245,10 +308,11 @@ def main(argv: list[str] | None = None) -> None:
             print(json.dumps({**base, "mode": "single torchrun", "fault": "none", **rref}), flush=True)
             # today's DDP with the same global batch against the replica groups without faults: the sums
             # differ in order only (gloo's ring, bucket by bucket, against share order)
-            diff = max((rref_state["weights"][k].float() - ref_state["weights"][k].float()).abs().max().item()
-                       for k in ref_state["weights"])
-            print(json.dumps({**base, "mode": "replicas against single torchrun (DDP)", "fault": "none",
-                              "final_max_abs_diff": diff}), flush=True)
+            if ref_state is not None:
+                diff = max((rref_state["weights"][k].float() - ref_state["weights"][k].float()).abs().max().item()
+                           for k in ref_state["weights"])
+                print(json.dumps({**base, "mode": "replicas against single torchrun (DDP)", "fault": "none",
+                                  "final_max_abs_diff": diff}), flush=True)
             for every in args.restart_kill_every or args.kill_every:
                 d = tmp / f"restart-kill{every:g}"
                 wall, faults = restart_job(args, d, killer(every, groups=False, run_dir=d, max_kills=args.max_kills))

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import traceback
@@ -33,7 +32,7 @@ from mingpt.model import GPT
 from mingpt.parallel import Parallel, ParallelError, parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
-from mingpt.replicas import ReplicaError, Replicas
+from mingpt.replicas import ReplicaError, Replicas, one_launch
 from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.lease import Lease
 from mingpt.snapshot.nodecache import NodeCache
@@ -340,9 +339,7 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     try:
         ledger.switch("process_group")
         info = distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads, cfg.trainer.deterministic)
-        secret = distributed.job_secret() if cfg.replicas.enabled and not os.environ.get("MINGPT_LAUNCH_ID") else None
-        if secret:  # every group of the job is one launch: the same id from the same secret (restarts keep it)
-            info = replace(info, launch_id=distributed.derive(secret, "launch")[:16])
+        info = one_launch(info) if cfg.replicas.enabled else info
         ledger.switch("preflight")
         logging.getLogger("mingpt.node").info(
             "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",

@@ -83,17 +83,21 @@ def test_goodput(corpus_file, tmp_path):
 
 def test_survivors(corpus_file, tmp_path):
     # 3 replica groups, one SIGKILLed once (in training: the bench waits for a step), 300 steps so that it
-    # rejoins before the end; the survivors go on, the weights are bitwise the
-    # fault-free run's (the partition and today's single torchrun are the full bench's: minutes)
+    # rejoins before the end; the survivors go on, the weights are bitwise the fault-free run's; then
+    # the same through torchft's Manager (the partition and today's single torchrun are the full bench's)
     out = bench("survivors", "--model", "gpt-nano", "--steps", "300", "--kill-every", "4", "--max-kills", "1",
                 "--cut-s", "0", "--no-restart-baseline", "--corpus", str(corpus_file), "--keep", str(tmp_path),
                 timeout=600)
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert [r["fault"] for r in lines] == ["none", "SIGKILL every 4 s"], out
-    faulted = lines[1]
-    assert faulted["faults"] == 1 and faulted["final_max_abs_diff"] == 0.0, out
-    assert faulted["steps_lost_per_fault"]["max"] <= 1 and faulted["rejoin_s"] is not None, out
-    assert 0 < faulted["goodput"] <= 1 and faulted["survivor_gap_s"]["max"] > 0, out
+    assert [(r["mode"], r["fault"]) for r in lines] == [
+        ("replicas", "none"), ("replicas", "SIGKILL every 4 s"), ("torchft", "none"), ("torchft", "SIGKILL every 4 s")], out
+    for faulted in lines[1], lines[3]:
+        assert faulted["faults"] == 1 and faulted["steps_lost_per_fault"]["max"] <= 1, out
+        assert faulted["rejoin_s"] is not None and faulted["survivor_gap_s"]["max"] > 0, out
+        assert 0 < faulted["goodput"] <= 1, out
+    assert lines[1]["final_max_abs_diff"] == 0.0, out  # the shares summed in order: the fault-free run's weights
+    # torchft trains the survivors' batches only while a group is away: near the fault-free run, not equal
+    assert 0 < lines[3]["final_max_abs_diff"] < 1, out
 
 
 def test_scale():

@@ -7,16 +7,26 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from mingpt import distributed
+from mingpt.distributed import DistInfo
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged, ReplicaError
 
 log = logging.getLogger(__name__)
+
+
+def one_launch(info: DistInfo) -> DistInfo:
+    """Every group of a job is one launch: its id derived from the job secret (a restart keeps it)."""
+    secret = None if os.environ.get("MINGPT_LAUNCH_ID") else distributed.job_secret()
+    return replace(info, launch_id=distributed.derive(secret, "launch")[:16]) if secret else info
 
 
 class Replicas:
