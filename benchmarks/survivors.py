@@ -10,7 +10,9 @@ snapshot every 5 steps). One JSON line per setting:
     python -m benchmarks survivors [--kill-every 60 30 15] [--steps 600] [--model gpt-mini] [--keep DIR]
         [--no-replicas] [--no-torchft] [--no-restart-baseline] [--cut-s 0]
 
-goodput: steps x the fault-free run's median step time / wall time (launch to exit);
+goodput: steps x the fault-free run's median step time / wall time (launch to exit); batch_goodput:
+the same with each step counted by the share of the global batch it trained (torchft's steps while a
+group is away train the survivors' shares only; mingpt's are always whole);
 survivor_gap_s: a fault to the next step committed (median, max; that step is the one in flight,
 trained again, with the lost group's share on a survivor); new_epoch_s: a fault to the survivors'
 new epoch (detection and forming); steps_lost_per_fault: steps whose
@@ -151,8 +153,12 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
         if first:
             rejoins.append(min(first) - born[0]["t0"])
     out = {"steps": steps, "wall_s": round(wall, 1), "step_s": round(step_s, 4), "faults": len(faults)}
+    # torchft trains a smaller global batch while a group is away: its steps counted by the share of
+    # the global batch they trained (mingpt's steps are always whole)
+    batches = sum(r.get("participants", GROUPS) / GROUPS for r in recs if r.get("kind") == "train")
     if ref is not None:
         out["goodput"] = round(steps * ref["step_s"] / wall, 4)
+        out["batch_goodput"] = round(batches * ref["step_s"] / wall, 4)
         w = final(run_dir)
         out["final_max_abs_diff"] = max((w[k].float() - ref["weights"][k].float()).abs().max().item() for k in w)
     else:

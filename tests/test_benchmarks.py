@@ -95,6 +95,8 @@ def test_survivors(corpus_file, tmp_path):
         assert faulted["faults"] == 1 and faulted["steps_lost_per_fault"]["max"] <= 1, out
         assert faulted["rejoin_s"] is not None and faulted["survivor_gap_s"]["max"] > 0, out
         assert 0 < faulted["goodput"] <= 1, out
+    assert lines[1]["batch_goodput"] == lines[1]["goodput"], out  # every step trained the whole global batch
+    assert 0 < lines[3]["batch_goodput"] < lines[3]["goodput"], out  # torchft's steps without the lost group
     assert lines[1]["final_max_abs_diff"] == 0.0, out  # the shares summed in order: the fault-free run's weights
     # torchft trains the survivors' batches only while a group is away: near the fault-free run, not equal
     assert 0 < lines[3]["final_max_abs_diff"] < 1, out
