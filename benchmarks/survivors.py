@@ -155,7 +155,8 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
     out = {"steps": steps, "wall_s": round(wall, 1), "step_s": round(step_s, 4), "faults": len(faults)}
     # torchft trains a smaller global batch while a group is away: its steps counted by the share of
     # the global batch they trained (mingpt's steps are always whole)
-    batches = sum(r.get("participants", GROUPS) / GROUPS for r in recs if r.get("kind") == "train")
+    batches = sum(n / GROUPS for n in {r["step"]: r.get("participants", GROUPS)  # a step trained again counts once
+                                       for r in recs if r.get("kind") == "train"}.values())
     if ref is not None:
         out["goodput"] = round(steps * ref["step_s"] / wall, 4)
         out["batch_goodput"] = round(batches * ref["step_s"] / wall, 4)
@@ -262,34 +263,45 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="mingpt-survivors-") as scratch:
         tmp = Path(args.keep or scratch)
         base = {"model": args.model, "groups": GROUPS, "steps": args.steps, "cpus": os.cpu_count()}
-        ref_state = None
+        job = {"replicas": lambda d, f: replicas_job(args, d, f), "torchft": lambda d, f: torchft_job(args, d, f),
+               "single torchrun": lambda d, f: restart_job(args, d, f)}
+
+        def rows(mode: str, name: str, intervals, ref: tuple | None = None) -> tuple:
+            """The fault-free run (unless `ref`, its figures and final state, is given), then one run
+            SIGKILLed every T s for each T; returns `ref`."""
+            if ref is None:
+                wall, _ = job[mode](tmp / f"{name}-none", None)
+                got = measure(tmp / f"{name}-none", wall, [], None)
+                ref = got, {"step_s": got["step_s"], "weights": final(tmp / f"{name}-none")}
+                print(json.dumps({**base, "mode": mode, "fault": "none", **got}), flush=True)
+            for every in intervals:
+                d = tmp / f"{name}-kill{every:g}"
+                wall, faults = job[mode](d, killer(every, groups=mode != "single torchrun", run_dir=d,
+                                                   max_kills=args.max_kills))
+                print(json.dumps({**base, "mode": mode, "fault": f"SIGKILL every {every:g} s",
+                                  **measure(d, wall, faults, ref[1])}), flush=True)
+            return ref
+
+        ref = None
         if not args.no_replicas:
             if args.reuse_reference:
-                recs = read_records(Path(args.reuse_reference) / "metrics.jsonl")
-                starts = [r["t0"] for r in recs if r.get("kind") == "start"]
-                ref = measure(Path(args.reuse_reference), max(r["time"] for r in recs if "time" in r) - min(starts), [], None)
-                ref_state = {"step_s": ref["step_s"], "weights": final(Path(args.reuse_reference))}
-                print(json.dumps({**base, "mode": "replicas", "fault": "none", "reused": args.reuse_reference, **ref}),
+                kept = Path(args.reuse_reference)
+                recs = read_records(kept / "metrics.jsonl")
+                wall = max(r["time"] for r in recs if "time" in r) - min(r["t0"] for r in recs if r.get("kind") == "start")
+                got = measure(kept, wall, [], None)
+                ref = got, {"step_s": got["step_s"], "weights": final(kept)}
+                print(json.dumps({**base, "mode": "replicas", "fault": "none", "reused": args.reuse_reference, **got}),
                       flush=True)
-            else:
-                wall, _ = replicas_job(args, tmp / "replicas-none", None)
-                ref = measure(tmp / "replicas-none", wall, [], None)
-                ref_state = {"step_s": ref["step_s"], "weights": final(tmp / "replicas-none")}
-                print(json.dumps({**base, "mode": "replicas", "fault": "none", **ref}), flush=True)
-            for every in args.kill_every:
-                d = tmp / f"replicas-kill{every:g}"
-                wall, faults = replicas_job(args, d, killer(every, groups=True, run_dir=d, max_kills=args.max_kills))
-                print(json.dumps({**base, "mode": "replicas", "fault": f"SIGKILL every {every:g} s",
-                                  **measure(d, wall, faults, ref_state)}), flush=True)
+            ref = rows("replicas", "replicas", args.kill_every, ref)
             if args.cut_s:
                 try:
                     with bridged_nodes(GROUPS) as bridge:
                         d = tmp / "replicas-partition"
-                        at = max(10.0, 0.4 * ref["wall_s"])  # in steady training, after the start-up
+                        at = max(10.0, 0.4 * ref[0]["wall_s"])  # in steady training, after the start-up
                         wall, faults = replicas_job(args, d, partition(bridge, bridge.nodes[2], args.cut_s, at),
                                                     nodes=bridge.nodes)
                         print(json.dumps({**base, "mode": "replicas", "fault": f"group 2's link cut for {args.cut_s:g} s",
-                                          **measure(d, wall, faults, ref_state)}), flush=True)
+                                          **measure(d, wall, faults, ref[1])}), flush=True)
                 except NoNamespaces as e:
                     print(json.dumps({**base, "mode": "replicas", "fault": "partition", "skipped": str(e)}), flush=True)
         if not args.no_torchft:
@@ -298,32 +310,17 @@ def main(argv: list[str] | None = None) -> None:
             except ImportError as e:
                 print(json.dumps({**base, "mode": "torchft", "fault": "none", "skipped": str(e)}), flush=True)
             else:
-                wall, _ = torchft_job(args, tmp / "torchft-none", None)
-                tref = measure(tmp / "torchft-none", wall, [], None)
-                tref_state = {"step_s": tref["step_s"], "weights": final(tmp / "torchft-none")}
-                print(json.dumps({**base, "mode": "torchft", "fault": "none", **tref}), flush=True)
-                for every in args.kill_every:
-                    d = tmp / f"torchft-kill{every:g}"
-                    wall, faults = torchft_job(args, d, killer(every, groups=True, run_dir=d, max_kills=args.max_kills))
-                    print(json.dumps({**base, "mode": "torchft", "fault": f"SIGKILL every {every:g} s",
-                                      **measure(d, wall, faults, tref_state)}), flush=True)
+                rows("torchft", "torchft", args.kill_every)
         if not args.no_restart_baseline:
-            wall, _ = restart_job(args, tmp / "restart-none", None)
-            rref = measure(tmp / "restart-none", wall, [], None)
-            rref_state = {"step_s": rref["step_s"], "weights": final(tmp / "restart-none")}
-            print(json.dumps({**base, "mode": "single torchrun", "fault": "none", **rref}), flush=True)
-            # today's DDP with the same global batch against the replica groups without faults: the sums
-            # differ in order only (gloo's ring, bucket by bucket, against share order)
-            if ref_state is not None:
-                diff = max((rref_state["weights"][k].float() - ref_state["weights"][k].float()).abs().max().item()
-                           for k in ref_state["weights"])
+            single = rows("single torchrun", "restart", [])
+            if ref is not None:
+                # today's DDP with the same global batch against the replica groups without faults: the sums
+                # differ in order only (gloo's ring, bucket by bucket, against share order)
+                diff = max((single[1]["weights"][k].float() - ref[1]["weights"][k].float()).abs().max().item()
+                           for k in ref[1]["weights"])
                 print(json.dumps({**base, "mode": "replicas against single torchrun (DDP)", "fault": "none",
                                   "final_max_abs_diff": diff}), flush=True)
-            for every in args.restart_kill_every or args.kill_every:
-                d = tmp / f"restart-kill{every:g}"
-                wall, faults = restart_job(args, d, killer(every, groups=False, run_dir=d, max_kills=args.max_kills))
-                print(json.dumps({**base, "mode": "single torchrun", "fault": f"SIGKILL every {every:g} s",
-                                  **measure(d, wall, faults, rref_state)}), flush=True)
+            rows("single torchrun", "restart", args.restart_kill_every or args.kill_every, single)
 
 
 if __name__ == "__main__":
