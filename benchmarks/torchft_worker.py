@@ -3,7 +3,8 @@ torchrun of one process: the same model, optimizer, schedule and global batch as
 trained through torchft 0.2.0's `Manager` (a quorum from its lighthouse every step, the gradients
 averaged with `Manager.allreduce`, the optimizer stepped only if `should_commit`; a restarted group
 heals from a live one through torchft's own checkpoint transport). torchft is a benchmark-only extra,
-never a dependency of the package.
+never a dependency of the package. Run it on a machine of your own: torchft's checkpoint server listens
+on every interface and unpickles what it receives.
 
 Each group trains its third of the global batch, drawn from the step and the group's number (torchft
 keeps each replica's batch: the global batch shrinks while a group is away, its issue #186). Each
