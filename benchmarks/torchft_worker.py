@@ -30,6 +30,7 @@ from torchft import Manager, ProcessGroupGloo
 
 from mingpt.compose import compose
 from mingpt.model import GPT
+from mingpt.tokenizer import CharTokenizer
 from mingpt.training.optim import build_optimizer, init_state, lr_at
 
 
@@ -47,12 +48,11 @@ def main() -> None:
     torch.set_num_threads(1)
     cfg = compose([f"model={args.model}"])
     text = Path(args.corpus).read_text()
-    chars = sorted(set(text))  # the char tokenizer's vocabulary: sorted characters
-    ids = {c: i for i, c in enumerate(chars)}
-    tokens = torch.tensor([ids[c] for c in text], dtype=torch.long)
+    tokenizer = CharTokenizer("".join(sorted(set(text))))  # the char tokenizer of a stream run
+    tokens = torch.from_numpy(tokenizer.encode_ids(text))
     block, batch = cfg.data.block_size, cfg.trainer.batch_size // args.groups
     torch.manual_seed(cfg.trainer.seed)
-    gpt = GPT(replace(cfg.model, vocab_size=len(chars), block_size=block))
+    gpt = GPT(replace(cfg.model, vocab_size=tokenizer.vocab_size, block_size=block))
     gpt.init_weights(cfg.trainer.seed)
     o = cfg.optim
     optimizer = build_optimizer(gpt, o.lr, o.betas, o.weight_decay)
