@@ -31,11 +31,12 @@ from torchft import Manager, ProcessGroupGloo
 from mingpt.compose import compose
 from mingpt.model import GPT
 from mingpt.tokenizer import CharTokenizer
+from mingpt.training.ledger import process_start_epoch
 from mingpt.training.optim import build_optimizer, init_state, lr_at
 
 
 def main() -> None:
-    t0 = time.time()
+    t0 = process_start_epoch()  # as mingpt's start record: the process's start, its imports included
     ap = argparse.ArgumentParser()
     ap.add_argument("--group", type=int, required=True)
     ap.add_argument("--groups", type=int, required=True)
