@@ -14,7 +14,7 @@ goodput: steps x the fault-free run's median step time / wall time (launch to ex
 the same with each step counted by the share of the global batch it trained (torchft's steps while a
 group is away train the survivors' shares only; mingpt's are always whole);
 survivor_gap_s: a fault to the next step committed (median, max; that step is the one in flight,
-trained again, with the lost group's share on a survivor); new_epoch_s: a fault to the survivors'
+trained again, with the lost group's shares split among the survivors); new_epoch_s: a fault to the survivors'
 new epoch (detection and forming); steps_lost_per_fault: steps whose
 compute was thrown away (the step in flight, and for a restart the steps since the snapshot);
 rejoin_s: the restarted process's start to the first step it committed in; final_max_abs_diff:

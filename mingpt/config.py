@@ -287,6 +287,10 @@ class ReplicasConfig:
     """A group silent this long is lost (a killed process is noticed at once: its connection breaks)."""
     timeout_s: float = 30.0
     """How long forming an epoch's process group, or one collective, may take at most."""
+    shares_per_group: int = 0
+    """Every global step is cut into len(peers) x this many shares, each group training its own;
+    a lost group's shares are dealt out among the survivors. 0: one fewer than the groups, so a lost
+    group's shares go one to each survivor (each holds that many gradients for a moment)."""
 
     def __post_init__(self) -> None:
         n = len(self.peers)
@@ -296,6 +300,7 @@ class ReplicasConfig:
         _check(0 <= self.min_groups <= n, f"replicas.min_groups={self.min_groups} must be 0 (a majority) to {n}")
         _check(0 < self.heartbeat_s < self.lost_after_s,
                f"replicas.heartbeat_s ({self.heartbeat_s}) must be positive and below lost_after_s ({self.lost_after_s})")
+        _check(self.shares_per_group >= 0, f"replicas.shares_per_group={self.shares_per_group} must be 0 (groups - 1) or more")
         _check(len(set(self.peers)) == n, "replicas.peers lists an address twice: give each group its own HOST:PORT")
 
     @property

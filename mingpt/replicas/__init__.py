@@ -1,10 +1,11 @@
 """Replica groups: data parallelism across groups that survive each other's loss.
 
 A job of R groups, each its own torchrun (or one process), trains one model. The global batch is
-always cut into R *shares* (the split a world of R ranks would make); each share is trained by its
-own group, or, while that group is lost, by a survivor that adopts it. A step's gradient is the sum
-of the R shares' gradients **in share order**, whoever computed them, so a run with faults ends with
-the same weights, bit for bit, as one without.
+always cut into R x k *shares* (the split a world of R x k ranks would make; k = R - 1 by default);
+each group trains its own k, and while a group is lost its shares are dealt out among the survivors
+(one to each, by default). A step's gradient is the sum of every share's gradient **in share
+order**, whoever computed them, so a run with faults ends with the same weights, bit for bit, as one
+without.
 
 Who is alive is told by heartbeats of our own (`Beacon`): every group's process listens on its
 `replicas.peers` address and sends a heartbeat to every other group every `heartbeat_s`; a peer is

@@ -22,6 +22,8 @@ from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged, ReplicaErro
 
 log = logging.getLogger(__name__)
 
+EXCHANGE_ELEMENTS = 64 << 20  # the exchange gathers at most this many gradient values at once (256 MiB)
+
 
 def one_launch(info: DistInfo) -> DistInfo:
     """Every group of a job is one launch: its id derived from the job secret (a restart keeps it)."""
@@ -33,8 +35,10 @@ class Replicas:
     """This group's side of a replica-group job, as the Trainer uses it: which shares of the step it
     trains, the exchange of the shares' gradients, forming the next epoch, and healing."""
 
-    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float):
-        self.beacon, self.shares_total, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
+    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float, per_group: int = 1):
+        self.beacon, self.groups, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
+        self.per_group = per_group  # shares of every global step per group: group g owns g*k .. g*k+k-1
+        self.shares_total = groups * per_group
         self.epoch: Epoch | None = None
         # Every epoch's process group is kept until the process exits: freeing one whose collective a
         # lost member left unfinished would wait in its destructor (joining gloo's threads) until
@@ -57,7 +61,9 @@ class Replicas:
                                "same MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
                                "`python -c 'import secrets; print(secrets.token_hex(32))'`")
         beacon = Beacon(rc.peers, rc.group, secret, rc.heartbeat_s, rc.lost_after_s)
-        return cls(beacon, len(rc.peers), rc.min_groups or default_min_groups(len(rc.peers)), rc.timeout_s)
+        groups = len(rc.peers)
+        return cls(beacon, groups, rc.min_groups or default_min_groups(groups), rc.timeout_s,
+                   rc.shares_per_group or max(1, groups - 1))
 
     @property
     def leads(self) -> bool:
@@ -65,11 +71,12 @@ class Replicas:
         return self.epoch is not None and self.epoch.rank == 0
 
     def shares(self) -> list[int]:
-        """The shares this member trains: its own group's, and those of lost groups dealt out in turn."""
-        groups = self.epoch.groups()
-        orphans = [s for s in range(self.shares_total) if s not in groups]
-        mine = [self.beacon.group] + orphans[self.epoch.rank::self.epoch.world]
-        return sorted(mine)
+        """The shares this member trains: its own group's, and those of lost groups dealt out in turn
+        (with k = groups - 1 shares per group, a lost group's go one to each survivor)."""
+        k, groups = self.per_group, self.epoch.groups()
+        orphans = [s for s in range(self.shares_total) if s // k not in groups]
+        own = range(self.beacon.group * k, (self.beacon.group + 1) * k)
+        return sorted([*own, *orphans[self.epoch.rank::self.epoch.world]])
 
     def form(self, step: int, should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
         t0 = time.monotonic()
@@ -83,12 +90,16 @@ class Replicas:
                  self.epoch.groups(), self.beacon.group, self.epoch.rank, time.monotonic() - t0)
         return self.epoch
 
+    def check(self) -> None:
+        """MembershipChanged if a member of the epoch is lost."""
+        if (why := self.beacon.lost(self.epoch)) is not None:
+            raise MembershipChanged(why)
+
     def wait(self, work) -> None:
         """Wait for a collective of the epoch, giving up when a member is lost (a silent peer would
         otherwise hold it until the process group's timeout)."""
         while not work.is_completed():
-            if (why := self.beacon.lost(self.epoch)) is not None:
-                raise MembershipChanged(why)
+            self.check()
             time.sleep(0.0002)
         try:
             work.wait()
@@ -110,8 +121,6 @@ class Replicas:
             buf[i] = row
         all_heads = torch.empty(epoch.world * per, heads.shape[1], dtype=torch.float64)
         self.wait(epoch.pg.allgather([list(all_heads.chunk(epoch.world))], [heads]))
-        all_rows = torch.empty(epoch.world * per, n)
-        self.wait(epoch.pg.allgather([list(all_rows.chunk(epoch.world))], [buf]))
         by_share: dict[int, int] = {}
         for i, h in enumerate(all_heads.tolist()):
             if h[0] < 0:
@@ -121,9 +130,15 @@ class Replicas:
             by_share[int(h[0])] = i
         if sorted(by_share) != list(range(self.shares_total)):
             raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(by_share)}")
-        total = all_rows[by_share[0]].clone()
-        for share in range(1, self.shares_total):
-            total += all_rows[by_share[share]]
+        total = torch.empty(n)
+        cols = max(1, EXCHANGE_ELEMENTS // (epoch.world * per))  # every member's rows, a slice of columns at a time
+        for lo in range(0, n, cols):
+            part = torch.empty(epoch.world * per, min(n, lo + cols) - lo)
+            self.wait(epoch.pg.allgather([list(part.chunk(epoch.world))], [buf[:, lo:lo + cols].contiguous()]))
+            out = total[lo:lo + cols]
+            out.copy_(part[by_share[0]])
+            for share in range(1, self.shares_total):  # share order, whoever trained which
+                out += part[by_share[share]]
         return total, [all_heads[by_share[s]].tolist()[3:] for s in range(self.shares_total)]
 
     def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> tuple[int, list[int]]:

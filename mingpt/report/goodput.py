@@ -150,14 +150,14 @@ def account_replicas(records: list[dict], attempts: list[Attempt]) -> Account:
     step the final weights descend from (the last train record of a step wins; a record covers the
     steps since the one before), at most the median step time. Regroup: the epochs' forming and healing. Start-up: the first start
     to the first epoch. Lost: the rest (steps dropped at faults, steps slowed while a group was away
-    and a survivor trained its share, snapshots, evaluation and logging)."""
+    and the survivors trained its shares, snapshots, evaluation and logging)."""
     starts = [r["t0"] for r in records if r.get("kind") == "start" and "t0" in r]
     epochs = [r for r in records if r.get("kind") == "epoch"]
     train = {r["step"]: r for r in records if r.get("kind") == "train"}
     t0 = min(starts) if starts else min(r["time"] for r in epochs)
     wall = max(r["time"] for r in records if "time" in r) - t0
     seconds = dict.fromkeys(CATEGORIES, 0.0)
-    # a step slowed by a fault (a survivor trains a lost group's share too) counts at the median step time
+    # a step slowed by a fault (the survivors train a lost group's shares too) counts at the median step time
     usual, previous = sorted(r["step_ms"] for r in train.values())[len(train) // 2] if train else 0.0, 0
     for step in sorted(train):
         seconds["training"] += min(train[step]["step_ms"], usual) / 1000 * (step - previous)

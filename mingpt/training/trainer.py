@@ -48,8 +48,9 @@ class Trainer:
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
         self.pin = self.device.type == "cuda"  # pinned host memory: the copy to the GPU overlaps compute
         self.replicas = replicas  # replica groups (mingpt.replicas): the step's shares and its exchange
-        self.resume = None  # replica groups: loads the snapshot to continue, when no member is live
-        self.finished_elsewhere, self._store_checked = False, 0.0  # replica groups: the run ended while away
+        # replica groups: the snapshot's loader while no member is live; the run ended while away; the
+        # (step, shares' gradients) computed when that step's epoch broke
+        self.resume, self.finished_elsewhere, self._store_checked, self._redo = None, False, 0.0, None
         if replicas is not None:
             policy.agreed = lambda: replicas.flags
 
@@ -64,7 +65,7 @@ class Trainer:
         if p.step >= cfg.max_steps:
             log.info("already at step %d of %d; nothing to train", p.step, cfg.max_steps)
             return True
-        where = (f"replica group {self.replicas.beacon.group} of {self.replicas.shares_total}" if self.replicas else
+        where = (f"replica group {self.replicas.beacon.group} of {self.replicas.groups}" if self.replicas else
                  f"{self.info.world_size} rank{'' if self.info.world_size == 1 else 's'}")
         log.info("training from step %d to %d on %s (%s), precision %s%s", p.step, cfg.max_steps, where,
                  self.parallel, self.amp_dtype or "fp32", ", deterministic kernels" if cfg.deterministic else "")
@@ -153,6 +154,7 @@ class Trainer:
                 except MembershipChanged as e:  # lost while healing: form the next epoch
                     why = str(e)
         if self.replicas.beacon.group in healed:
+            self._redo = None  # other weights now: nothing computed before holds
             log.info("healed from replica group %d: at step %d", source, p.step)
         if self.leads:
             self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "groups": epoch.groups(),
@@ -219,41 +221,50 @@ class Trainer:
         micro_batches = self.data.sampler.next_step()  # the global step's, the same for any world size
         # every rank knows the global token count from the plan: no collective normalises the loss
         global_tokens = self.data.train.tokens_in(np.concatenate(micro_batches))
-        # replica groups: the split of a world of one rank per group, whichever groups are alive
-        split = self.data.sampler.split(micro_batches, self.replicas.shares_total if self.replicas else
-                                        self.parallel.data_world)
+        # replica groups: the split of a world of one rank per share, whichever groups are alive
+        split = self.data.sampler.split(micro_batches, self.replicas.shares_total if self.replicas else self.parallel.data_world)
         lr = lr_at(step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.parallel.model.train()
-        rows, loss_sum = {}, torch.zeros((), device=self.device, dtype=torch.float32)
-        for share in self.replicas.shares() if self.replicas else [self.parallel.data_rank]:
-            self.optimizer.zero_grad(set_to_none=True)
-            # a rank with no samples here still runs one (weight 0): every rank joins every reduction
-            share_sum = self._accumulate([(mb, 1.0) if len(mb) else (micro_batches[0][:1], 0.0) for mb in split[share]],
-                                         global_tokens, step)
-            loss_sum += share_sum
-            if self.replicas:
-                rows[share] = (flat_grads(self.parallel.gpt), share_sum, split[share])
-        compute_s = self.parallel.grads_ready_t - t0
         if self.replicas:
-            self.ledger.switch("step_compute")
-            timed = 0 < self.policy.every_s <= time.monotonic() - self.policy.last_save_t
-            try:
-                loss_sum = torch.tensor(self.replicas.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested,
-                                                             timed), device=self.device)
-            except MembershipChanged:
-                self.data.sampler.load_state_dict(before)  # the step is trained again, by the next epoch
-                raise
+            loss_sum = self._replica_shares(step, split, micro_batches, global_tokens, before)
+        else:
+            loss_sum = self._accumulate(_weighted(split[self.parallel.data_rank], micro_batches), global_tokens, step)
+        compute_s = max(0.0, self.parallel.grads_ready_t - t0)
         self.scaler.unscale_(self.optimizer)  # nanoGPT's order: clip the true gradients
         grad_norm = self.parallel.clip_grad_norm(self.optim_cfg.grad_clip)
         self.scaler.step(self.optimizer)  # fp16 only: a sync (the scaler reads whether a gradient overflowed)
         self.scaler.update()
         return StepStats(loss_sum, global_tokens, grad_norm, lr, compute_s, split)
 
+    def _replica_shares(self, step: int, split: list, micro_batches: list, global_tokens: int, before: dict) -> torch.Tensor:
+        """This member's shares of the step, exchanged (`Replicas.reduce`); their summed token loss. Shares
+        done when an epoch broke are kept for the step's redo (the same weights and samples, the same gradients)."""
+        mine = self.replicas.shares()
+        rows = {s: row for s, row in self._redo[1].items() if s in mine} if self._redo and self._redo[0] == step else {}
+        if rows:
+            log.info("step %d trained again: %d of this group's shares done before the fault kept", step, len(rows))
+        try:
+            for share in mine:
+                if share not in rows:
+                    loss = self._accumulate(_weighted(split[share], micro_batches), global_tokens, step)
+                    rows[share] = (flat_grads(self.parallel.gpt), loss, split[share])
+                    self.replicas.check()  # a member lost: on to the redo now, not after the other shares
+            self.ledger.switch("step_compute")
+            timed = 0 < self.policy.every_s <= time.monotonic() - self.policy.last_save_t
+            total = self.replicas.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested, timed)
+        except MembershipChanged:
+            self.data.sampler.load_state_dict(before)  # the step is trained again, by the next epoch
+            self._redo = (step, rows)
+            raise
+        self._redo = None
+        return torch.tensor(total, device=self.device)
+
     def _accumulate(self, micro_here: list[tuple[np.ndarray, float]], global_tokens: int, step: int) -> torch.Tensor:
-        """Forward and backward over one rank's micro-batches (weight 0: run, not counted); their summed
-        token loss, on the device."""
+        """Forward and backward over one rank's micro-batches (weight 0: run, not counted) into zeroed
+        gradients; their summed token loss, on the device."""
+        self.optimizer.zero_grad(set_to_none=True)
         model, world = self.parallel.model, 1 if self.replicas else self.parallel.data_world
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         x, y = self._fetch(micro_here[0][0])
@@ -296,8 +307,7 @@ class Trainer:
         return val_loss
 
     def close(self, wait: bool = True) -> None:
-        """Stop the watchdog, finish (or abandon, after an error) the last save, close the metrics and
-        the corpus."""
+        """Stop the watchdog, finish (or abandon, after an error) the last save, close the rest."""
         self.watchdog.stop()
         self.snapshotter.close(wait=wait)
         self.metrics.close()
@@ -337,8 +347,8 @@ class Trainer:
                 record = train_record(step, loss, step_s, compute, self.hosts,
                                       self.parallel.gpt.flops_per_token(self.data.train.block_size),
                                       peak_flops(self.cfg, self.info, self.device))
-                world = self.replicas.epoch.world if self.replicas else self.info.world_size
-                shares = {"groups": self.replicas.epoch.groups(), "shares": self.replicas.shares_record} if self.replicas else {}
+                world, shares = ((self.replicas.epoch.world, {"groups": self.replicas.epoch.groups(),
+                                  "shares": self.replicas.shares_record}) if self.replicas else (self.info.world_size, {}))
                 self.metrics.write({**record, "epoch": self.data.sampler.epoch, "world_size": world,
                                     **self.data.train.batch_stats(stats.split), **shares})
 
@@ -368,9 +378,7 @@ def _amp_dtype(precision: str, device_type: str) -> torch.dtype | None:
 
 
 def _autocast(device_type: str, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device_type, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -385,3 +393,8 @@ def _progress(enabled: bool, start: int, total: int):
 
     with logging_redirect_tqdm(), tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) as bar:
         yield bar
+
+
+def _weighted(mbs: list[np.ndarray], micro_batches: list[np.ndarray]) -> list[tuple[np.ndarray, float]]:
+    """Micro-batches with weights; an empty one still runs (weight 0): every rank joins every reduction."""
+    return [(mb, 1.0) if len(mb) else (micro_batches[0][:1], 0.0) for mb in mbs]

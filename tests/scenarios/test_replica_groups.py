@@ -19,6 +19,7 @@ from mingpt.snapshot import SnapshotStore
 
 pytestmark = pytest.mark.slow
 
+GROUPS = 3
 STEPS = 200  # a killed group's restart (a new interpreter, about 5 s here) ends well before the last step
 SECRET = "replica-test-secret-0123456789abcdef0123"
 CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=64",
@@ -39,9 +40,9 @@ def launch(g: int, peers: list[str], corpus: Path, run_dir: Path, log: Path) -> 
 def run_job(tmp: Path, corpus: Path, fault=None) -> tuple[Path, list[Path], object]:
     """Three groups to the end; `fault(run_dir, agents)` runs meanwhile and returns what it saw."""
     run_dir = tmp / "run"
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    logs = [tmp / f"group{g}.log" for g in range(3)]
-    agents = [launch(g, peers, corpus, run_dir, logs[g]) for g in range(3)]
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(GROUPS)]
+    logs = [tmp / f"group{g}.log" for g in range(GROUPS)]
+    agents = [launch(g, peers, corpus, run_dir, logs[g]) for g in range(GROUPS)]
     seen = None
     try:
         seen = fault(run_dir, agents) if fault else None
@@ -116,7 +117,7 @@ def freeze_group_2(run_dir: Path, agents) -> int:
     return step, t
 
 
-def check_survived(reference, run_dir: Path, lost: int, fault: tuple[int, float]) -> list[dict]:
+def check_survived(reference, run_dir: Path, logs: list[Path], lost: int, fault: tuple[int, float]) -> list[dict]:
     """The survivors' epoch after the fault lacks the lost group and starts at the step in flight (no
     snapshot read, at most that step lost); the lost group comes back, healed from a peer."""
     recs = records(run_dir / "metrics.jsonl")
@@ -129,6 +130,17 @@ def check_survived(reference, run_dir: Path, lost: int, fault: tuple[int, float]
     back = [e for e in epochs if e["time"] > without[0]["time"] and lost in e["groups"] and lost in e["healed"]]
     assert back and back[0]["healed_from"] != lost, epochs
     assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
+    if not without[0]["healed"]:  # no survivor had completed the step in flight: each trained it again,
+        # computing only what it had not done before it noticed the fault
+        for g in without[0]["groups"]:
+            assert "shares done before the fault kept" in logs[g].read_text(), logs[g].read_text()[-3000:]
+    # while it was away, the lost group's shares were split: one to each survivor, none idle
+    away = [r for r in recs if r.get("kind") == "train" and lost not in r["groups"]]
+    assert away, "no step was trained without the lost group"
+    for r in away:
+        per = len(r["shares"]) // GROUPS
+        assert per == GROUPS - 1, r["shares"]
+        assert sorted(share[0] for share in r["shares"][lost * per:(lost + 1) * per]) == sorted(r["groups"]), r
     assert len({r["run_id"] for r in recs if r.get("kind") == "start"}) == 1  # one run, whichever group started it
     # exactly the fault-free run's samples in every global step, and the same weights, bit for bit
     assert shares_by_step(run_dir) == reference["shares"]
@@ -139,13 +151,13 @@ def check_survived(reference, run_dir: Path, lost: int, fault: tuple[int, float]
 
 def test_a_killed_group_costs_a_step_and_heals_from_a_peer(reference, tmp_path):
     run_dir, logs, fault = run_job(tmp_path, reference["corpus"], kill_group_0)
-    check_survived(reference, run_dir, lost=0, fault=fault)
+    check_survived(reference, run_dir, logs, lost=0, fault=fault)
     assert "healed from replica group" in logs[0].read_text()
 
 
 def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
     run_dir, logs, fault = run_job(tmp_path, reference["corpus"], freeze_group_2)
-    epochs = check_survived(reference, run_dir, lost=2, fault=fault)
+    epochs = check_survived(reference, run_dir, logs, lost=2, fault=fault)
     assert "group 2 lost" in [e for e in epochs if 2 not in e["groups"] and e["time"] >= fault[1]][0]["why"]
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from conftest import free_port
 
+import mingpt.replicas.group as group_module
 from mingpt.config import ConfigError, ReplicasConfig
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, Replicas, default_min_groups
 
@@ -45,6 +46,37 @@ def test_shares(total, groups, me, shares):
     assert r.shares() == shares
 
 
+@pytest.mark.parametrize(("total", "per", "groups", "me", "shares"), [
+    (3, 2, [0, 1, 2], 1, [2, 3]),        # 3 groups of 2 shares: group 1 owns shares 2 and 3
+    (3, 2, [0, 2], 0, [0, 1, 2]),        # group 1 lost: its two shares go one to each survivor...
+    (3, 2, [0, 2], 2, [3, 4, 5]),        # ...so both train three shares, none four
+    (3, 2, [1, 2], 2, [1, 4, 5]),        # the coordinator's group lost: the same rule
+    (4, 3, [0, 1, 3], 3, [8, 9, 10, 11]),  # 4 groups of 3: one lost, one share to each of the three
+    (5, 4, [0, 1, 2], 1, [4, 5, 6, 7, 13, 16, 19]),  # two of five lost: 8 orphans dealt out in turn, 3/3/2
+])
+def test_a_lost_groups_shares_are_split_among_the_survivors(total, per, groups, me, shares):
+    r = Replicas(StubBeacon(me), groups=total, min_groups=1, timeout_s=5, per_group=per)
+    r.epoch = epoch_of(groups, me)
+    assert r.shares() == shares
+    everyone = []
+    for g in groups:  # every share trained once in the epoch
+        other = Replicas(StubBeacon(g), groups=total, min_groups=1, timeout_s=5, per_group=per)
+        other.epoch = epoch_of(groups, g)
+        everyone += other.shares()
+    assert sorted(everyone) == list(range(total * per))
+
+
+def test_the_default_splits_a_lost_groups_share_one_per_survivor():
+    rc = ReplicasConfig(peers=[f"127.0.0.1:{p}" for p in (1, 2, 3, 4)], group=0)
+    r = Replicas.build(rc, 1, SECRET)
+    try:
+        assert (r.per_group, r.shares_total) == (3, 12)
+    finally:
+        r.close()
+    with pytest.raises(ConfigError, match="shares_per_group"):
+        ReplicasConfig(peers=["a:1", "b:2"], group=0, shares_per_group=-1)
+
+
 @pytest.fixture
 def one_member():
     """A Replicas whose epoch is this process alone, over a real gloo process group of one."""
@@ -65,6 +97,16 @@ def test_the_exchange_sums_the_shares_in_share_order(one_member):
     expected += rows[2]
     assert torch.equal(total, expected)
     assert every == [[0.0, 7.0], [1.0, 7.0], [2.0, 7.0]]
+
+
+def test_the_exchange_in_slices_of_columns_sums_as_in_one(one_member, monkeypatch):
+    torch.manual_seed(1)
+    rows = {s: torch.randn(1001) * 10 ** s for s in range(3)}
+    heads = {s: [0.0] for s in range(3)}
+    whole, _ = one_member.exchange(2, rows, heads)
+    monkeypatch.setattr(group_module, "EXCHANGE_ELEMENTS", 3 * 100)  # 100 columns at a time, the last 1
+    sliced, _ = one_member.exchange(3, rows, heads)
+    assert torch.equal(whole, sliced)
 
 
 def test_an_exchange_without_every_share_is_refused(one_member):
