@@ -8,7 +8,7 @@ is not installed), and the same job under today's single torchrun (3 workers, DD
 snapshot every 5 steps). One JSON line per setting:
 
     python -m benchmarks survivors [--kill-every 60 30 15] [--steps 600] [--model gpt-mini] [--keep DIR]
-        [--no-replicas] [--no-torchft] [--no-restart-baseline] [--cut-s 0]
+        [--no-replicas] [--no-torchft] [--no-restart-baseline] [--cut-s 0] [--shares-per-group K]
 
 goodput: steps x the fault-free run's median step time / wall time (launch to exit); batch_goodput:
 the same with each step counted by the share of the global batch it trained (torchft's steps while a
@@ -183,7 +183,7 @@ def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list]:
             env["GLOO_SOCKET_IFNAME"] = nodes[g].veth
         cmd = [*torchrun(1, nodes[g].prefix() if nodes else []),
                *job_args(args.model, args.steps, run_dir, args.corpus, args.snapshot_every),
-               f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}"]
+               f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}", f"replicas.shares_per_group={args.shares_per_group}"]
         cmds.append((cmd, env))
     return run(cmds, run_dir, faults, args.limit_s)
 
@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--restart-kill-every", nargs="+", type=float, help="its fault intervals (default: --kill-every)")
     ap.add_argument("--reuse-reference", help="the run directory of a kept fault-free replica run of the same "
                                               "settings (its step time and weights), instead of running it again")
+    ap.add_argument("--shares-per-group", type=int, default=0, help="replica groups: replicas.shares_per_group "
+                                                                     "(default 0: groups - 1)")
     ap.add_argument("--max-kills", type=int, default=0, help="SIGKILLs per job at most (default: no limit)")
     ap.add_argument("--limit-s", type=float, default=3600)
     ap.add_argument("--keep", help="keep every job's run directory here")

@@ -22,8 +22,6 @@ from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged, ReplicaErro
 
 log = logging.getLogger(__name__)
 
-EXCHANGE_ELEMENTS = 64 << 20  # the exchange gathers at most this many gradient values at once (256 MiB)
-
 
 def one_launch(info: DistInfo) -> DistInfo:
     """Every group of a job is one launch: its id derived from the job secret (a restart keeps it)."""
@@ -109,18 +107,24 @@ class Replicas:
     def exchange(self, step: int, rows: dict[int, torch.Tensor],
                  headers: dict[int, list[float]]) -> tuple[torch.Tensor, list]:
         """The sum of every share's gradient row, in share order (the same sum whoever trained which),
-        and every share's header (numbers its trainer sent with it), in share order."""
-        epoch = self.epoch
-        per = math.ceil(self.shares_total / epoch.world)
+        and every share's header (numbers its trainer sent with it), in share order.
+
+        As a reduce-scatter then an all-gather, with the order kept: each member receives every
+        share's values of its own slice of columns (an all-to-all), sums them in share order, and the
+        summed slices are gathered by all (each member receives about 2 gradients' worth instead of
+        every other member's shares)."""
+        epoch, world = self.epoch, self.epoch.world
+        per = math.ceil(self.shares_total / world)
         n = next(iter(rows.values())).numel()
+        cols = math.ceil(n / world)  # each member's slice of the columns, the last one padded
         width = 3 + len(next(iter(headers.values())))
         heads = torch.full((per, width), -1.0, dtype=torch.float64)
-        buf = torch.zeros(per, n)
+        buf = torch.zeros(per, world * cols)
         for i, (share, row) in enumerate(sorted(rows.items())):
             heads[i] = torch.tensor([share, step, epoch.number, *headers[share]], dtype=torch.float64)
-            buf[i] = row
-        all_heads = torch.empty(epoch.world * per, heads.shape[1], dtype=torch.float64)
-        self.wait(epoch.pg.allgather([list(all_heads.chunk(epoch.world))], [heads]))
+            buf[i, :n] = row
+        all_heads = torch.empty(world * per, heads.shape[1], dtype=torch.float64)
+        self.wait(epoch.pg.allgather([list(all_heads.chunk(world))], [heads]))
         by_share: dict[int, int] = {}
         for i, h in enumerate(all_heads.tolist()):
             if h[0] < 0:
@@ -130,16 +134,16 @@ class Replicas:
             by_share[int(h[0])] = i
         if sorted(by_share) != list(range(self.shares_total)):
             raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(by_share)}")
-        total = torch.empty(n)
-        cols = max(1, EXCHANGE_ELEMENTS // (epoch.world * per))  # every member's rows, a slice of columns at a time
-        for lo in range(0, n, cols):
-            part = torch.empty(epoch.world * per, min(n, lo + cols) - lo)
-            self.wait(epoch.pg.allgather([list(part.chunk(epoch.world))], [buf[:, lo:lo + cols].contiguous()]))
-            out = total[lo:lo + cols]
-            out.copy_(part[by_share[0]])
-            for share in range(1, self.shares_total):  # share order, whoever trained which
-                out += part[by_share[share]]
-        return total, [all_heads[by_share[s]].tolist()[3:] for s in range(self.shares_total)]
+        # rows [to member x row] of the columns of its slice; received: [from member x row] of this one's
+        send = buf.view(per, world, cols).transpose(0, 1).reshape(world * per, cols)
+        got = torch.empty(world * per, cols)
+        self.wait(epoch.pg.alltoall_base(got, send, [per] * world, [per] * world))
+        mine = got[by_share[0]].clone()
+        for share in range(1, self.shares_total):  # share order, whoever trained which
+            mine += got[by_share[share]]
+        total = torch.empty(world, cols)
+        self.wait(epoch.pg.allgather([list(total.unbind(0))], [mine]))
+        return total.view(-1)[:n], [all_heads[by_share[s]].tolist()[3:] for s in range(self.shares_total)]
 
     def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> tuple[int, list[int]]:
         """Bring every member to the newest state among them: the first member holding it broadcasts

@@ -3,6 +3,7 @@
 import datetime
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -10,7 +11,6 @@ import torch
 import torch.distributed as dist
 from conftest import free_port
 
-import mingpt.replicas.group as group_module
 from mingpt.config import ConfigError, ReplicasConfig
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, Replicas, default_min_groups
 
@@ -99,14 +99,33 @@ def test_the_exchange_sums_the_shares_in_share_order(one_member):
     assert every == [[0.0, 7.0], [1.0, 7.0], [2.0, 7.0]]
 
 
-def test_the_exchange_in_slices_of_columns_sums_as_in_one(one_member, monkeypatch):
-    torch.manual_seed(1)
-    rows = {s: torch.randn(1001) * 10 ** s for s in range(3)}
-    heads = {s: [0.0] for s in range(3)}
-    whole, _ = one_member.exchange(2, rows, heads)
-    monkeypatch.setattr(group_module, "EXCHANGE_ELEMENTS", 3 * 100)  # 100 columns at a time, the last 1
-    sliced, _ = one_member.exchange(3, rows, heads)
-    assert torch.equal(whole, sliced)
+@pytest.mark.parametrize("groups", [[0, 1, 2], [0, 2]])
+def test_members_sum_every_share_in_share_order_whoever_trained_it(groups):
+    """3 groups of 2 shares over a real gloo process group (one thread per member), all alive or group
+    1 lost (its shares on the others): every member ends with the same sum, bit for bit the sum in
+    share order, also for a row length the members' slices do not divide."""
+    torch.manual_seed(2)
+    rows = {s: torch.randn(1001) * 10 ** (s % 4) for s in range(6)}  # magnitudes where the order shows
+    expected = rows[0].clone()
+    for s in range(1, 6):
+        expected += rows[s]
+    store, results = dist.HashStore(), {}
+
+    def member(g):
+        r = Replicas(StubBeacon(g), groups=3, min_groups=1, timeout_s=5, per_group=2)
+        r.epoch = epoch_of(groups, g)
+        r.epoch.pg = dist.ProcessGroupGloo(store, r.epoch.rank, len(groups), datetime.timedelta(seconds=10))
+        results[g] = r.exchange(7, {s: rows[s] for s in r.shares()}, {s: [float(g)] for s in r.shares()})
+
+    threads = [threading.Thread(target=member, args=(g,)) for g in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(results) == groups
+    for total, every in results.values():
+        assert torch.equal(total, expected)
+        assert [h[0] for h in every] == [float(s // 2) if s // 2 in groups else float(groups[s % 2]) for s in range(6)]
 
 
 def test_an_exchange_without_every_share_is_refused(one_member):
