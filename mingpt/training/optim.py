@@ -31,8 +31,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, lr: float, betas: tuple[float, float], weight_decay: float,
                     ) -> torch.optim.AdamW:
-    # The fused kernel updates all parameters in one pass; on CPU it is also ~2x faster than
-    # foreach (1.3 vs 3.5 ms per step for the 0.8M-parameter reference model).
+    # The fused kernel updates all parameters in one pass; on CPU it is also ~5x faster than
+    # foreach (0.40 vs 1.95-2.04 ms per step for the 0.82M-parameter reference model, 2026-11-26).
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=True)
 
 
