@@ -136,10 +136,13 @@ def where_to_start(cfg: RunConfig, info: DistInfo) -> tuple[RunConfig, Start]:
 
 def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
     """Rank 0 holds the store's lease while the job runs (one live job per store), taken before the
-    store is read; a store that another live job holds is refused on every rank."""
+    store is read; a store that another live job holds is refused on every rank. A world that another
+    world of this launch superseded (a split brain of torchrun's rendezvous) ends at once, without
+    saving: its peers lose contact and torchrun restarts them, to rejoin."""
     sc, held = cfg.snapshot, []
     distributed.on_rank0(lambda: held.append(
-        Lease(open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader), info.launch_id, sc.lease_s).take()))
+        Lease(open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader), info.launch_id, sc.lease_s,
+              shared=cfg.replicas.enabled, on_superseded=lambda why: distributed.exit_process(1, True)).take()))
     return held[0] if held else None
 
 

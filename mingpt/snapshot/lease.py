@@ -6,6 +6,12 @@ Another launch is refused while the lease is live. The same launch (a torchrun r
 other replica groups of one job, which hold it together) takes it over at once; a lease that was
 not renewed in time, or whose process is known to be gone (same
 host and pid namespace), is taken over with a warning: a dead job cannot hold a store forever.
+
+A holder that finds, when it renews, that another process of its own launch took the lease over
+while it still runs is a world that torchrun's rendezvous has left behind: a node whose heartbeats
+were missed formed a world of its own while the others went on (a split brain), and both would write
+into one store. It calls `on_superseded` (the trainer: stop, so that torchrun restarts its workers
+and its node rejoins the others). Replica groups share the lease (`shared`): no such check.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from mingpt.snapshot.store import SnapshotError, SnapshotStore
 from mingpt.snapshot.transport import join
@@ -34,8 +41,10 @@ class LeaseError(SnapshotError):
 
 
 class Lease:
-    def __init__(self, store: SnapshotStore, launch_id: str, ttl_s: float):
+    def __init__(self, store: SnapshotStore, launch_id: str, ttl_s: float, shared: bool = False,
+                 on_superseded: Callable[[str], None] | None = None):
         self.store, self.launch_id, self.ttl_s = store, launch_id, ttl_s
+        self.shared, self.on_superseded = shared, on_superseded
         self.path = join(store.root, LEASE_FILE)
         self.record = {"launch_id": launch_id, "host": socket.gethostname(), "pid": os.getpid(), "pidns": _pidns(),
                        "since": time.time(), "token": uuid.uuid4().hex, "ttl_s": ttl_s}
@@ -83,6 +92,14 @@ class Lease:
                     log.error("the lease of snapshot store %s was taken over by job %s on host %s (pid %s): two "
                               "jobs now write there", self.store.url, held.get("launch_id"), held.get("host"),
                               held.get("pid"))
+                    return
+                if held and not self.shared and held.get("token") != self.record["token"]:
+                    why = (f"another world of this job (launch {self.launch_id}) took over snapshot store "
+                           f"{self.store.url} while this one runs (host {held.get('host')}, pid {held.get('pid')}): "
+                           "torchrun's rendezvous went on without this node")
+                    log.error("%s; stopping this world so that its node rejoins the other", why)
+                    if self.on_superseded is not None:
+                        self.on_superseded(why)
                     return
                 self._write()
             except Exception as e:  # noqa: BLE001 - a transient store error: the next try may pass

@@ -73,6 +73,33 @@ def test_a_killed_holders_lease_is_taken_over_and_a_stopped_ones_expires(store_u
         stopped.wait()
 
 
+def test_a_holder_whose_launch_took_the_lease_over_while_it_runs_is_told_and_a_shared_lease_is_not(store_url):
+    """Two worlds of one launch (a node that torchrun's rendezvous left behind formed its own): the
+    one whose lease was taken over learns it at its next renewal and stops renewing; replica groups,
+    which share the lease, are not told."""
+    store = SnapshotStore(store_url)
+    told, told_shared = [], []
+    behind = Lease(store, "launch-a", 0.4, on_superseded=told.append).take()  # renews every 0.1 s
+    ahead = Lease(store, "launch-a", 30).take()
+    deadline = time.time() + 10
+    while not told and time.time() < deadline:
+        time.sleep(0.05)
+    assert len(told) == 1 and told[0].startswith(
+        f"another world of this job (launch launch-a) took over snapshot store {store.url} while this one runs "
+        f"(host {socket.gethostname()}, pid {os.getpid()})"), told
+    time.sleep(0.3)
+    assert len(told) == 1  # told once; it renews no more, so the lease stays the other world's
+    assert json.loads(store.files.get(f"{store.root}/{LEASE_FILE}"))["token"] == ahead.record["token"]
+    behind.release()
+    ahead.release()
+    one = Lease(store, "launch-s", 0.4, shared=True, on_superseded=told_shared.append).take()
+    other = Lease(store, "launch-s", 0.4, shared=True, on_superseded=told_shared.append).take()
+    time.sleep(0.6)  # both renew, each over the other's record
+    one.release()
+    other.release()
+    assert told_shared == []
+
+
 TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
         "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "trainer.log_every=1",
         "trainer.progress=false", "snapshot.every_steps=5"]
@@ -103,3 +130,43 @@ def test_a_second_job_in_the_same_run_directory_is_refused_in_one_line(corpus_fi
     assert not (run_dir / "snapshots" / LEASE_FILE).exists()
     done = subprocess.run([*args, "trainer.max_steps=10"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_world_that_another_world_of_its_launch_superseded_ends_and_the_other_trains_on(corpus_file, tmp_path):
+    """A split brain of torchrun's rendezvous, played by two processes of one launch id in one run
+    directory: the one started second takes the store over (as a restart does) and the first, still
+    training, ends within a renewal with one line and exit 1 (torchrun restarts it to rejoin), instead
+    of both writing snapshots into one store."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "mingpt.main", *TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'c'}",
+            f"trainer.run_dir={run_dir}", "snapshot.lease_s=1"]
+    env = {**os.environ, "MINGPT_LAUNCH_ID": "one-launch"}
+    log = tmp_path / "first.log"
+    with open(log, "w") as fh:
+        first = subprocess.Popen([*args, "trainer.max_steps=1000000"], cwd=REPO, env=env, stderr=fh, text=True)
+    try:
+        while not any(r.get("kind") == "train" and r["step"] >= 5 for r in records(run_dir / "metrics.jsonl")):
+            assert first.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        with open(tmp_path / "second.log", "w") as fh:
+            second = subprocess.Popen([*args, "trainer.max_steps=1000000"], cwd=REPO, env=env, stderr=fh, text=True)
+        assert first.wait(timeout=120) == 1, log.read_text()[-3000:]
+        time.sleep(2)  # the second trains on, alone
+        assert second.poll() is None, (tmp_path / "second.log").read_text()[-3000:]
+        second.send_signal(signal.SIGTERM)
+        assert second.wait(timeout=120) == 75, (tmp_path / "second.log").read_text()[-3000:]
+    finally:
+        for p in (first, *([second] if "second" in locals() else [])):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errors = [line for line in log.read_text().splitlines() if "ERROR" in line or "Traceback" in line]
+    assert len(errors) == 1, errors
+    assert ("another world of this job (launch one-launch) took over snapshot store " f"{run_dir / 'snapshots'}"
+            in errors[0]) and errors[0].endswith("stopping this world so that its node rejoins the other"), errors
+    second_log = (tmp_path / "second.log").read_text()
+    assert "ERROR" not in second_log and "Traceback" not in second_log, second_log[-3000:]
+    # after the first ended, only the second wrote: its steps go on from where it resumed, one run
+    resumed = [r["step"] for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "resume"]
+    assert len(resumed) == 1
+    assert not (run_dir / "snapshots" / LEASE_FILE).exists()
