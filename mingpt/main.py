@@ -142,7 +142,7 @@ def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
     sc, held = cfg.snapshot, []
     distributed.on_rank0(lambda: held.append(
         Lease(open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader), info.launch_id, sc.lease_s,
-              shared=cfg.replicas.enabled, on_superseded=lambda _why: distributed.exit_process(1, True)).take()))
+              shared=cfg.replicas.enabled, on_superseded=lambda: distributed.exit_process(1, True)).take()))
     return held[0] if held else None
 
 

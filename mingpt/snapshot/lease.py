@@ -42,7 +42,7 @@ class LeaseError(SnapshotError):
 
 class Lease:
     def __init__(self, store: SnapshotStore, launch_id: str, ttl_s: float, shared: bool = False,
-                 on_superseded: Callable[[str], None] | None = None):
+                 on_superseded: Callable[[], None] | None = None):
         self.store, self.launch_id, self.ttl_s = store, launch_id, ttl_s
         self.shared, self.on_superseded = shared, on_superseded
         self.path = join(store.root, LEASE_FILE)
@@ -94,12 +94,12 @@ class Lease:
                               held.get("pid"))
                     return
                 if held and not self.shared and held.get("token") != self.record["token"]:
-                    why = (f"another world of this job (launch {self.launch_id}) took over snapshot store "
-                           f"{self.store.url} while this one runs (host {held.get('host')}, pid {held.get('pid')}): "
-                           "torchrun's rendezvous went on without this node")
-                    log.error("%s; stopping this world so that its node rejoins the other", why)
+                    log.error("another world of this job (launch %s) took over snapshot store %s while this one runs "
+                              "(host %s, pid %s): torchrun's rendezvous went on without this node; stopping this "
+                              "world so that its node rejoins the other", self.launch_id, self.store.url,
+                              held.get("host"), held.get("pid"))
                     if self.on_superseded is not None:
-                        self.on_superseded(why)
+                        self.on_superseded()
                     return
                 self._write()
             except Exception as e:  # noqa: BLE001 - a transient store error: the next try may pass
