@@ -170,8 +170,11 @@ def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_r
         return proc, log
 
     first, log = launch("launch-1")
-    # 400 steps of a few ms: the SIGKILL lands while the first attempt trains (at 40 it had once finished)
-    while not any(r.get("kind") == "train" and r["step"] >= 6 for r in records(run_dir / "metrics.jsonl")):
+    # the SIGKILL lands once a snapshot has committed (steps are a few ms and the commit is in the
+    # background: a kill at step 6 once came before step 5's commit, and the restart began anew) and
+    # while the first attempt trains (400 steps: at 40 it had once finished)
+    while not any(r.get("kind") == "snapshot" and r.get("status") == "committed"
+                  for r in records(run_dir / "metrics.jsonl")):
         assert first.poll() is None, log.read_text()[-3000:]
         time.sleep(0.05)
     worker = int(Path(f"/proc/{first.pid}/task/{first.pid}/children").read_text().split()[0])

@@ -104,10 +104,16 @@ def test_training_from_s3_equals_training_from_local_disk(inputs, tmp_path, s3, 
     a = train_weights(f"s3://{bucket}/prepared", tmp_path, "s3", f"data.kind={kind}", *batching)
     b = train_weights(str(tmp_path / "prepared"), tmp_path, "local", f"data.kind={kind}", *batching)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    deadline = time.monotonic() + 60  # the background copy brings every shard into the node's cache
-    while len(list((tmp_path / "cache-s3" / "shards").rglob("*.bin"))) < len(remote["shards"]):
-        assert time.monotonic() < deadline, "the shards never all reached the cache"
-        time.sleep(0.1)
+    # the background copy brings every shard into the node's cache; a job stops it when it ends (the two
+    # steps above can end before it is done), so a dataset opened on the same cache finishes it
+    ds = PreparedData(f"s3://{bucket}/prepared", str(tmp_path / "cache-s3"), 1)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list((tmp_path / "cache-s3" / "shards").rglob("*.bin"))) < len(remote["shards"]):
+            assert time.monotonic() < deadline and ds.error is None, ds.error or "the shards never all reached the cache"
+            time.sleep(0.1)
+    finally:
+        ds.close()
 
 
 def test_a_damaged_shard_on_s3_is_named(inputs, tmp_path, s3):
