@@ -1,6 +1,8 @@
 """Benchmarks, one module each: `python -m benchmarks NAME [options]` from the root of a checkout."""
 
+import contextlib
 import ctypes
+import random
 import signal
 import socket
 from pathlib import Path
@@ -37,3 +39,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_runs(n: int, length: int = 1) -> list[int]:
+    """`n` first ports of `length` consecutive TCP ports each, all free on loopback now and apart, below
+    the kernel's ephemeral range (replica groups of `length` processes: process i listens on its group's
+    port + i; a port an outgoing connection may take would refuse a restarted group its own)."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng, firsts = random.Random(), []
+    while len(firsts) < n:
+        first = rng.randrange(max(1024, low - 12000), low - length)
+        if any(abs(first - q) < length for q in firsts):
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for p in range(first, first + length):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", p))
+            except OSError:
+                continue
+        firsts.append(first)
+    return firsts

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import children, die_with_bench, free_port
+from benchmarks import children, die_with_bench, free_port, free_port_runs
 from benchmarks.netns import NoNamespaces, bridged_nodes
 from mingpt.snapshot import SnapshotStore
 from mingpt.training.metrics import read_records
@@ -174,7 +174,8 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
 def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list]:
     """3 replica groups on loopback (or one per network namespace node)."""
     addrs = [n.addr for n in nodes] if nodes else ["127.0.0.1"] * GROUPS
-    peers = [f"{a}:{free_port() if not nodes else 29500 + i}" for i, a in enumerate(addrs)]
+    ports = free_port_runs(GROUPS) if not nodes else [29500 + i for i in range(GROUPS)]
+    peers = [f"{a}:{p}" for a, p in zip(addrs, ports)]
     cmds = []
     for g in range(GROUPS):
         env = {**os.environ, "MINGPT_JOB_SECRET": SECRET, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",

@@ -32,7 +32,7 @@ from mingpt.model import GPT
 from mingpt.parallel import Parallel, ParallelError, parallelize
 from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
-from mingpt.replicas import ReplicaError, Replicas, one_launch
+from mingpt.replicas import GroupRestart, ReplicaError, Replicas, member_view, one_launch
 from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.lease import Lease
 from mingpt.snapshot.nodecache import NodeCache
@@ -152,7 +152,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     optimizer and training; it continues the snapshot it starts from."""
     ledger = ledger or Ledger()
     ledger.switch("data_load")
-    replicas = build_replicas(cfg, info)  # listening first: the other groups see this one starting
+    replicas = build_replicas(cfg)  # listening first: the other groups see this one starting
     cfg, start = where_to_start(cfg, info)
     cfg, corpus = build_data(cfg, start, info)
     ledger.switch("model")
@@ -185,9 +185,12 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     return trainer
 
 
-def build_replicas(cfg: RunConfig, info: DistInfo) -> Replicas | None:
-    """This group's side of a replica-group job (replicas.peers set), or None."""
-    return Replicas.build(cfg.replicas, info.world_size, distributed.job_secret()) if cfg.replicas.enabled else None
+def build_replicas(cfg: RunConfig) -> Replicas | None:
+    """This process's side of a replica-group job (replicas.peers set), or None. (The run sees the process
+    as one of its own; the replicas read its place in its group's torchrun from the environment.)"""
+    if not cfg.replicas.enabled:
+        return None
+    return Replicas.build(cfg.replicas, DistInfo.from_env(cuda=False), distributed.job_secret())
 
 
 def build_data(cfg: RunConfig, start: Start, info: DistInfo) -> tuple[RunConfig, Corpus]:
@@ -335,13 +338,18 @@ def report_failure(e: Exception, info: DistInfo, trainer: Trainer | None) -> int
 def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     """The whole job of one process; returns its exit code. Every error ends here, as one line."""
     ledger = ledger or Ledger()
-    info = DistInfo.from_env()
+    info = env = DistInfo.from_env()  # env: its place in its torchrun (errors are reported by that)
     setup_logging(info)
+    if cfg.replicas.enabled:  # each process of a replica group reports its own errors (one may be its own: a port)
+        env = replace(env, rank=0, world_size=1)
     preempt = PreemptionFlag(announce=info.is_rank0).install()
     trainer, lease = None, None
     try:
         ledger.switch("process_group")
-        info = distributed.init(info, cfg.dist.timeout_s, cfg.trainer.threads, cfg.trainer.deterministic)
+        threads = cfg.trainer.threads or distributed.default_threads(info.local_world_size)
+        if cfg.replicas.enabled:  # each process of a replica group is a member: no process group of its torchrun
+            info = member_view(info)
+        info = distributed.init(info, cfg.dist.timeout_s, threads, cfg.trainer.deterministic)
         info = one_launch(info) if cfg.replicas.enabled else info
         ledger.switch("preflight")
         logging.getLogger("mingpt.node").info(
@@ -360,11 +368,13 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
             cache.clear() if info.local_rank == 0 else cache.close()
         return 0
     except SaveFailedError as e:
-        return distributed.report_error(info, str(e), code=distributed.EXIT_SAVE_FAILED)
+        return distributed.report_error(env, str(e), code=distributed.EXIT_SAVE_FAILED)
     except USER_ERRORS as e:
-        return distributed.report_error(info, str(e), code=2, let_rank0_report=True)
+        return distributed.report_error(env, str(e), code=2, let_rank0_report=True)
+    except GroupRestart as e:  # a process of this replica group died: its torchrun restarts them all
+        return distributed.report_error(env, str(e), code=1, each_node=True, level=logging.WARNING)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit
-        return report_failure(e, info, trainer)
+        return report_failure(e, env, trainer)
     finally:
         if trainer is not None:  # an error: a save in flight cannot gather every rank's record now
             trainer.close(wait=False)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks import free_port  # noqa: F401 - the tests' and the benchmarks' one port picker
+from benchmarks import free_port, free_port_runs  # noqa: F401 - the tests' and the benchmarks' port pickers
 from benchmarks.seaweed import SeaweedFS  # beside the benchmarks, which use it too
 from mingpt.config import DataConfig, DocumentsConfig
 from mingpt.data import load_corpus

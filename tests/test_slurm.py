@@ -122,7 +122,7 @@ def test_shellcheck_passes():
 
 
 def test_replica_groups_one_per_node(fake_slurm, tmp_path):
-    """slurm/replicas.sbatch: every node runs its own torchrun of one process, the same peers (the
+    """slurm/replicas.sbatch: every node runs its own torchrun of a process per GPU, the same peers (the
     allocation's nodes, in order), its group from SLURM_NODEID on that node, and the secret in the
     environment only."""
     nodes = ["gpu-a1", "gpu-a2", "gpu-a3"]
@@ -132,7 +132,8 @@ def test_replica_groups_one_per_node(fake_slurm, tmp_path):
     args = (tmp_path / "srun.args").read_text().split("\n")
     assert args[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill"]
     command = args[args.index("-c") + 1]
-    assert "mingpt-torchrun --standalone --nproc_per_node=1" in command and '"replicas.group=${SLURM_NODEID}"' in command
+    assert 'mingpt-torchrun --standalone --nproc_per_node="${SLURM_GPUS_ON_NODE:-1}"' in command  # a process per GPU
+    assert '"replicas.group=${SLURM_NODEID}"' in command
     assert "replicas.peers=[gpu-a1:29400,gpu-a2:29400,gpu-a3:29400]" in args
     assert "trainer.run_dir=/shared/home/me/runs/mingpt-4242" in args and args[-2] == "model=gpt2"
     # what each node runs: the wrapper, given SLURM_NODEID, names its group first

@@ -25,7 +25,7 @@ unpickled.
 """
 
 from mingpt.replicas.beacon import Beacon, Epoch, Member, MembershipChanged, ReplicaError
-from mingpt.replicas.group import Replicas, default_min_groups, flat_grads, one_launch, set_grads
+from mingpt.replicas.group import GroupRestart, Replicas, default_min_groups, flat_grads, member_view, one_launch, set_grads
 
-__all__ = ["Beacon", "Epoch", "Member", "MembershipChanged", "ReplicaError", "Replicas", "default_min_groups",
-           "flat_grads", "one_launch", "set_grads"]
+__all__ = ["Beacon", "Epoch", "GroupRestart", "Member", "MembershipChanged", "ReplicaError", "Replicas",
+           "default_min_groups", "flat_grads", "member_view", "one_launch", "set_grads"]

@@ -68,8 +68,11 @@ class Beacon:
     """This group's endpoint: a server on its own peers address (heartbeats and join requests from
     the other groups) and a sender to every other group (heartbeats, join requests, their replies)."""
 
-    def __init__(self, peers: list[str], group: int, secret: bytes, heartbeat_s: float, lost_after_s: float):
-        self.peers, self.group, self.secret = [host_port(p) for p in peers], group, secret
+    def __init__(self, peers: list[str], group: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
+                 procs: int = 1):
+        # with several processes per group (`procs`), each process is a member: `peers` lists every
+        # member's address and `group` is this member's place in it (group * procs + process)
+        self.peers, self.group, self.secret, self.procs = [host_port(p) for p in peers], group, secret, procs
         self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
         self.incarnation = secrets.token_hex(6)
         self.status = {"state": "starting", "epoch": -1, "step": 0, "taking": -1}  # then forming, training
@@ -89,8 +92,9 @@ class Beacon:
         try:
             self._server.bind(address)  # this address only: nothing listens wider than it must
         except OSError as e:
-            raise ReplicaError(f"replica group {group} cannot listen on {host}:{port} ({e.strerror}): give "
-                               "replicas.peers an address of this host with a free port") from None
+            raise ReplicaError(f"replica {self.name(group)} cannot listen on {host}:{port} ({e.strerror}): give "
+                               "replicas.peers an address of this host with a free port"
+                               + (f" (and the {procs - 1} after it)" if procs > 1 else "")) from None
         self._server.listen(64)
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads += [threading.Thread(target=self._send, args=(g,), daemon=True)
@@ -99,6 +103,16 @@ class Beacon:
             t.start()
 
     # --- what the trainer asks -------------------------------------------------------------------
+    def name(self, member: int) -> str:
+        """A member as the logs name it: "group 2", or "group 2 process 1" with several per group."""
+        return f"group {member}" if self.procs == 1 else f"group {member // self.procs} process {member % self.procs}"
+
+    def was_lost(self, member: int) -> bool:
+        """Whether `member` was heard from and is lost now (its connection broke, or it went silent)."""
+        with self._lock:
+            s = self._seen.get(member)
+            return s is not None and (s["eof"] or time.monotonic() - s["t"] >= self.lost_after_s)
+
     def alive(self) -> dict[int, str]:
         """{group: incarnation} of every group heard from within lost_after_s, this one included."""
         now = time.monotonic()
@@ -115,12 +129,12 @@ class Beacon:
         others = [m for m in epoch.members if m.group != self.group]
         for m in others:  # a lost member first: it is the cause, the others leaving only follow it
             if alive.get(m.group) != m.incarnation:
-                return f"group {m.group} lost"
+                return f"{self.name(m.group)} lost"
         for m in others:
             s = seen[m.group]
             if (s.get("epoch") != epoch.number or s.get("state") != "training") and s.get("epoch", -1) >= epoch.number:
                 # (a heartbeat of the previous epoch may be late); it left for the cause it saw first
-                return f"group {m.group} left epoch {epoch.number}" + (f" ({s['why']})" if s.get("why") else "")
+                return f"{self.name(m.group)} left epoch {epoch.number}" + (f" ({s['why']})" if s.get("why") else "")
         return None
 
     def joiners(self, epoch: Epoch) -> list[int]:
@@ -159,7 +173,8 @@ class Beacon:
         """Join the next epoch: ask the coordinator (the lowest group alive) until it forms one that
         holds at least `min_groups` groups; then make the epoch's process group. None: `should_stop`.
         `why` the last epoch ended, told to the others in the heartbeats (its root cause only)."""
-        self.set_status(state="forming", step=step, why=re.sub(r"^group \d+ left epoch \d+ \((.*)\)$", r"\1", why))
+        self.set_status(state="forming", step=step,
+                        why=re.sub(r"^group \d+( process \d+)? left epoch \d+ \((.*)\)$", r"\2", why))
         waited = time.monotonic()
         while True:
             if should_stop():
@@ -183,8 +198,8 @@ class Beacon:
                 self.set_status(state="training", epoch=epoch.number)
                 return epoch
             if time.monotonic() - waited > 10:
-                log.warning("replica group %d waits for a quorum of %d groups (alive: %s)", self.group, min_groups,
-                            sorted(self.alive()))
+                log.warning("replica %s waits for a quorum of %d groups (alive: %s)", self.name(self.group), min_groups,
+                            sorted({g // self.procs for g in self.alive()}))
                 waited = time.monotonic()
             time.sleep(self.heartbeat_s)
 
@@ -225,7 +240,7 @@ class Beacon:
         members = sorted([Member(self.group, self.incarnation, step, live)]
                          + [Member(g, r[0]["inc"], r[0]["step"], r[0]["live"]) for g, r in asked.items()],
                          key=lambda m: m.group)
-        if len(members) < min_groups:
+        if len({m.group // self.procs for m in members}) < min_groups:
             for msg, conn in asked.values():
                 self._write(conn, {"t": "wait", "id": msg["id"]})
             return None
@@ -266,7 +281,7 @@ class Beacon:
             if (why := self.lost(epoch)) is not None:
                 raise MembershipChanged(why)
             if time.monotonic() - started > 2 * self.lost_after_s and (late := self._not_taking(epoch)):
-                raise MembershipChanged(f"group {late} did not take epoch {epoch.number}")
+                raise MembershipChanged(f"{self.name(late)} did not take epoch {epoch.number}")
             thread.join(0.005)
         if "error" in out:
             raise MembershipChanged(str(out["error"]).splitlines()[0][:200])

@@ -18,9 +18,13 @@ import torch.distributed as dist
 
 from mingpt import distributed
 from mingpt.distributed import DistInfo
-from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged, ReplicaError
+from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged, ReplicaError, host_port
 
 log = logging.getLogger(__name__)
+
+
+class GroupRestart(Exception):
+    """A process of this replica group was lost: its torchrun restarts them all; this one leaves now."""
 
 
 def one_launch(info: DistInfo) -> DistInfo:
@@ -29,13 +33,39 @@ def one_launch(info: DistInfo) -> DistInfo:
     return replace(info, launch_id=distributed.derive(secret, "launch")[:16]) if secret else info
 
 
-class Replicas:
-    """This group's side of a replica-group job, as the Trainer uses it: which shares of the step it
-    trains, the exchange of the shares' gradients, forming the next epoch, and healing."""
+def member_view(info: DistInfo) -> DistInfo:
+    """A process of a replica group as the rest of the program sees it: a process of its own, on its
+    GPU (it trains with the group's other processes over the replicas' exchange, as a member like any
+    other, not over its torchrun's process group)."""
+    if info.world_size != info.local_world_size:
+        raise ReplicaError(f"a replica group is one node's torchrun, and this one spans {info.world_size} processes "
+                           f"on several nodes: run one group per node (torchrun --nnodes=1), each in replicas.peers")
+    return replace(info, rank=0, local_rank=0, world_size=1, local_world_size=1, node=0)
 
-    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float, per_group: int = 1):
+
+def member_addresses(peers: list[str], procs: int) -> list[str]:
+    """Every member's beacon address: process i of a group listens on its peers entry's port + i."""
+    out = []
+    for peer in peers:
+        host, port = host_port(peer)
+        out += [f"[{host}]:{port + i}" if ":" in host else f"{host}:{port + i}" for i in range(procs)]
+    if len(set(out)) != len(out):
+        raise ReplicaError(f"with {procs} processes per group, group g's processes listen on its replicas.peers "
+                           f"port and the {procs - 1} after it: these overlap in {peers}; space the ports at "
+                           f"least {procs} apart")
+    return out
+
+
+class Replicas:
+    """This process's side of a replica-group job, as the Trainer uses it: which shares of the step it
+    trains, the exchange of the shares' gradients, forming the next epoch, and healing. Every process of
+    every group is a member (group g's process i is member g * procs + i)."""
+
+    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float, per_group: int = 1,
+                 procs: int = 1):
         self.beacon, self.groups, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
-        self.per_group = per_group  # shares of every global step per group: group g owns g*k .. g*k+k-1
+        self.procs = procs  # processes per group; `groups` counts the members (every group's processes)
+        self.per_group = per_group  # shares of every global step per member: member m owns m*k .. m*k+k-1
         self.shares_total = groups * per_group
         self.epoch: Epoch | None = None
         # Every epoch's process group is kept until the process exits: freeing one whose collective a
@@ -48,20 +78,29 @@ class Replicas:
         self.shares_record: list = []  # the last step's (group, samples, sum of sample ids) of each share
 
     @classmethod
-    def build(cls, rc, world_size: int, secret: bytes | None) -> Replicas:
-        """From the `replicas` config (mingpt.config.ReplicasConfig) of a group of `world_size`
-        processes; refused, in one line, where it cannot work."""
-        if world_size > 1:
-            raise ReplicaError(f"replica groups of {world_size} processes are not supported yet: run each group as "
-                               "one process (torchrun --nproc_per_node=1), one group per node or per GPU")
+    def build(cls, rc, info: DistInfo, secret: bytes | None) -> Replicas:
+        """From the `replicas` config (mingpt.config.ReplicasConfig) of this process of a group (`info`:
+        its place in its torchrun); refused, in one line, where it cannot work."""
+        member_view(info)  # one node per group
+        procs = info.local_world_size
         if secret is None:
             raise ReplicaError("replica groups authenticate each other with the job secret: give every group the "
                                "same MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
                                "`python -c 'import secrets; print(secrets.token_hex(32))'`")
-        beacon = Beacon(rc.peers, rc.group, secret, rc.heartbeat_s, rc.lost_after_s)
         groups = len(rc.peers)
-        return cls(beacon, groups, rc.min_groups or default_min_groups(groups), rc.timeout_s,
-                   rc.shares_per_group or max(1, groups - 1))
+        shares = rc.shares_per_group or procs * max(1, groups - 1)
+        if shares % procs:
+            raise ReplicaError(f"replicas.shares_per_group={shares} does not divide among a group's {procs} processes: "
+                               f"make it a multiple of {procs} (or 0, for {procs * max(1, groups - 1)})")
+        beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
+                        rc.lost_after_s, procs)
+        return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s,
+                   shares // procs, procs)
+
+    @property
+    def me(self) -> str:
+        """This member, as the logs name it ("group 1", or "group 1 process 0")."""
+        return self.beacon.name(self.beacon.group)
 
     @property
     def leads(self) -> bool:
@@ -80,18 +119,37 @@ class Replicas:
         t0 = time.monotonic()
         if self.epoch is not None:
             self._retired.append(self.epoch)
-        self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s, should_stop, why)
+        # (a process of this group lost meanwhile: GroupRestart, out of the wait)
+        self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s,
+                                      lambda: self.check_group() or should_stop(), why)
         self.rejoin_pending = False
         if self.epoch is None:
             return None
-        log.info("replica epoch %d: groups %s (this is group %d, rank %d), formed in %.2f s", self.epoch.number,
-                 self.epoch.groups(), self.beacon.group, self.epoch.rank, time.monotonic() - t0)
+        members = self.epoch.groups() if self.procs == 1 else [f"{m // self.procs}.{m % self.procs}"
+                                                                for m in self.epoch.groups()]
+        log.info("replica epoch %d: %s %s (this is %s, rank %d), formed in %.2f s", self.epoch.number,
+                 "groups" if self.procs == 1 else "group.process", members, self.me, self.epoch.rank,
+                 time.monotonic() - t0)
         return self.epoch
 
     def check(self) -> None:
-        """MembershipChanged if a member of the epoch is lost."""
+        """MembershipChanged if a member of the epoch is lost; GroupRestart if it is a process of this
+        group (its torchrun restarts them all)."""
         if (why := self.beacon.lost(self.epoch)) is not None:
+            self.check_group()
             raise MembershipChanged(why)
+
+    def check_group(self) -> None:
+        """GroupRestart if a process of this group that was alive is lost: this process leaves at once
+        (its torchrun stops it anyway; it must not train on, nor pass the agent's SIGTERM on to the
+        others as a preemption)."""
+        if self.procs == 1:
+            return
+        first = self.beacon.group - self.beacon.group % self.procs
+        lost = [m for m in range(first, first + self.procs) if m != self.beacon.group and self.beacon.was_lost(m)]
+        if lost:
+            raise GroupRestart(f"{self.beacon.name(lost[0])} was lost: its torchrun restarts the group's processes, "
+                               "which rejoin and heal from a live group")
 
     def wait(self, work) -> None:
         """Wait for a collective of the epoch, giving up when a member is lost (a silent peer would
@@ -195,6 +253,9 @@ class Replicas:
         token loss, micro-batches)), summed in share order; this member's flags (a preemption signal,
         the save interval elapsed, a group waiting to join) are agreed by the same exchange. Returns
         the step's summed token loss. A sync: the exchange runs on the host."""
+        if preempted and self.procs > 1:  # the agent's SIGTERM after a process of this group died is no preemption
+            time.sleep(2 * self.beacon.heartbeat_s)  # (the dead process's connection closed first: give it time)
+            self.check_group()
         joiners = float(bool(self.beacon.joiners(self.epoch)))
         heads = {share: [float(preempted), float(timed), joiners, float(loss.item()),
                          float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),

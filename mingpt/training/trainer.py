@@ -65,7 +65,8 @@ class Trainer:
         if p.step >= cfg.max_steps:
             log.info("already at step %d of %d; nothing to train", p.step, cfg.max_steps)
             return True
-        where = (f"replica group {self.replicas.beacon.group} of {self.replicas.groups}" if self.replicas else
+        where = (f"replica {self.replicas.me} ({self.replicas.groups // self.replicas.procs} groups)"
+                 if self.replicas else
                  f"{self.info.world_size} rank{'' if self.info.world_size == 1 else 's'}")
         log.info("training from step %d to %d on %s (%s), precision %s%s", p.step, cfg.max_steps, where,
                  self.parallel, self.amp_dtype or "fp32", ", deterministic kernels" if cfg.deterministic else "")
@@ -155,7 +156,7 @@ class Trainer:
                     why = str(e)
         if self.replicas.beacon.group in healed:
             self._redo = None  # other weights now: nothing computed before holds
-            log.info("healed from replica group %d: at step %d", source, p.step)
+            log.info("healed from replica %s: at step %d", self.replicas.beacon.name(source), p.step)
         if self.leads:
             self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "groups": epoch.groups(),
                                 "why": why, "regroup_s": round(time.monotonic() - t0, 4), "healed": healed,

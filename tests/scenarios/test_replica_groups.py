@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, make_corpus, records, torchrun_cmd, torchrun_env
+from conftest import REPO, free_port, free_port_runs, make_corpus, records, torchrun_cmd, torchrun_env
 
 from mingpt.snapshot import SnapshotStore
 
@@ -28,21 +28,23 @@ CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "
        "snapshot.every_steps=50"]
 
 
-def launch(g: int, peers: list[str], corpus: Path, run_dir: Path, log: Path) -> subprocess.Popen:
-    """Group g: its own torchrun (one process; restarted by its agent when it dies)."""
-    cmd = torchrun_cmd(1, "mingpt/main.py", *CFG, f"data.path={corpus}", f"data.cache_dir={run_dir.parent / 'cache'}",
+def launch(g: int, peers: list[str], corpus: Path, run_dir: Path, log: Path, procs: int = 1,
+           extra: tuple = ()) -> subprocess.Popen:
+    """Group g: its own torchrun (of `procs` processes; restarted by its agent when one dies)."""
+    cmd = torchrun_cmd(procs, "mingpt/main.py", *CFG, f"data.path={corpus}", f"data.cache_dir={run_dir.parent / 'cache'}",
                        f"trainer.run_dir={run_dir}", f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}",
-                       max_restarts=2)
+                       *extra, max_restarts=2)
     return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_JOB_SECRET=SECRET), stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
 
 
-def run_job(tmp: Path, corpus: Path, fault=None) -> tuple[Path, list[Path], object]:
+def run_job(tmp: Path, corpus: Path, fault=None, procs: int = 1, extra: tuple = ()) -> tuple[Path, list[Path], object]:
     """Three groups to the end; `fault(run_dir, agents)` runs meanwhile and returns what it saw."""
     run_dir = tmp / "run"
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(GROUPS)]
+    tmp.mkdir(exist_ok=True)
+    peers = [f"127.0.0.1:{port}" for port in free_port_runs(GROUPS, procs)]
     logs = [tmp / f"group{g}.log" for g in range(GROUPS)]
-    agents = [launch(g, peers, corpus, run_dir, logs[g]) for g in range(GROUPS)]
+    agents = [launch(g, peers, corpus, run_dir, logs[g], procs, extra) for g in range(GROUPS)]
     seen = None
     try:
         seen = fault(run_dir, agents) if fault else None
@@ -72,9 +74,9 @@ def wait_for_step(run_dir: Path, step: int, agents, timeout: float = 120) -> int
     raise AssertionError(f"step {step} not reached")
 
 
-def final(run_dir: Path) -> dict:
+def final(run_dir: Path, steps: int = STEPS) -> dict:
     state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
-    assert manifest["step"] == STEPS
+    assert manifest["step"] == steps
     return state["model"]
 
 
@@ -159,6 +161,49 @@ def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
     run_dir, logs, fault = run_job(tmp_path, reference["corpus"], freeze_group_2)
     epochs = check_survived(reference, run_dir, logs, lost=2, fault=fault)
     assert "group 2 lost" in [e for e in epochs if 2 not in e["groups"] and e["time"] >= fault[1]][0]["why"]
+
+
+LONG = 800
+
+
+def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tmp_path):
+    """Three groups of two processes (one torchrun each, every process a member, half of its group's
+    two shares each: the split of the groups of one process). A process of group 1 is SIGKILLed: its
+    torchrun restarts both, the other groups go on without them, and they come back healed. Every
+    step's samples and the final weights are those of the groups of one process, bit for bit."""
+    def kill_one_process_of_group_1(run_dir, agents):
+        deadline = time.time() + 120  # every process a member first (a slow start joins a later epoch)
+        while not [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch" and len(e["groups"]) == 6]:
+            assert time.time() < deadline and all(a.poll() is None for a in agents), "the six never trained together"
+            time.sleep(0.01)
+        whole = [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch"][-1]
+        step = wait_for_step(run_dir, whole["step"] + 5, agents)
+        workers = Path(f"/proc/{agents[1].pid}/task/{agents[1].pid}/children").read_text().split()
+        assert len(workers) == 2, workers
+        os.kill(int(workers[-1]), signal.SIGKILL)
+        return step, time.time()
+
+    # 800 steps: the restarted group (two new interpreters beside four busy ones: 10-12 s on 2 cores)
+    # comes back well before the end
+    longer = (f"trainer.max_steps={LONG}",)
+    ref_dir, _, _ = run_job(tmp_path / "ref", reference["corpus"], extra=longer)
+    run_dir, logs, (fault_step, fault_t) = run_job(tmp_path, reference["corpus"], kill_one_process_of_group_1,
+                                                   procs=2, extra=(*longer, "replicas.shares_per_group=2"))
+    recs = records(run_dir / "metrics.jsonl")
+    epochs = [r for r in recs if r.get("kind") == "epoch"]
+    assert [0, 1, 2, 3, 4, 5] in [e["groups"] for e in epochs]  # member 2g + i: group g's process i
+    without = [e for e in epochs if not {2, 3} & set(e["groups"]) and e["time"] >= fault_t]
+    assert without and without[0]["groups"] == [0, 1, 4, 5], epochs
+    assert fault_step <= without[0]["step"], (fault_step, without[0])
+    after = [e for e in epochs if e["time"] > without[0]["time"]]  # the two come back (one epoch each, or one)
+    assert {2, 3} <= set(after[-1]["groups"]) and {2, 3} <= set(sum((e["healed"] for e in after), [])), epochs
+    assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
+    assert shares_by_step(run_dir) == shares_by_step(ref_dir)
+    weights, expected = final(run_dir, LONG), final(ref_dir, LONG)
+    assert all(torch.equal(weights[k], expected[k]) for k in weights)
+    out = logs[1].read_text()
+    assert f"training from step 0 to {LONG} on replica group 1 process 0 (3 groups)" in out, out[-3000:]
+    assert "group 1 process 1 was lost: its torchrun restarts the group's processes" in out, out[-3000:]
 
 
 def test_a_group_that_waits_while_the_others_finish_ends_with_the_run(reference, tmp_path):

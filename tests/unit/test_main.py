@@ -37,23 +37,26 @@ def test_a_run_on_s3_logs_our_lines_with_full_urls_and_a_missing_bucket_is_named
 
 
 def test_replica_groups_are_refused_where_they_cannot_work(monkeypatch):
-    """A group of several processes, or a job without the secret the groups prove themselves with:
+    """A group over several nodes, or a job without the secret the groups prove themselves with:
     one line that says what to do, before anything listens."""
     import pytest
 
     from mingpt.compose import compose
-    from mingpt.distributed import DistInfo
     from mingpt.main import build_replicas
     from mingpt.replicas import ReplicaError
 
     cfg = compose(["replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"])
     monkeypatch.delenv("MINGPT_JOB_SECRET", raising=False)
     monkeypatch.delenv("MINGPT_JOB_SECRET_FILE", raising=False)
-    with pytest.raises(ReplicaError, match="not supported yet: run each group as one process"):
-        build_replicas(cfg, DistInfo(world_size=2))
+    monkeypatch.setenv("WORLD_SIZE", "4")  # a group's torchrun of two nodes with two processes each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ReplicaError, match="a replica group is one node's torchrun.*run one group per node"):
+        build_replicas(cfg)
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ReplicaError, match="give every group the same MINGPT_JOB_SECRET"):
-        build_replicas(cfg, DistInfo())
-    assert build_replicas(compose([]), DistInfo()) is None  # off by default
+        build_replicas(cfg)
+    assert build_replicas(compose([])) is None  # off by default
 
 
 def test_the_start_line_says_when_the_kernels_are_deterministic(corpus_file, tmp_path):

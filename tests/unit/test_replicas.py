@@ -5,14 +5,16 @@ import json
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
+from conftest import free_port, free_port_runs
 
 from mingpt.config import ConfigError, ReplicasConfig
-from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, Replicas, default_min_groups
+from mingpt.distributed import DistInfo
+from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas, default_min_groups
 
 SECRET = b"unit-test-secret-0123456789abcdef0123"
 
@@ -68,11 +70,33 @@ def test_a_lost_groups_shares_are_split_among_the_survivors(total, per, groups, 
 
 def test_the_default_splits_a_lost_groups_share_one_per_survivor():
     rc = ReplicasConfig(peers=[f"127.0.0.1:{p}" for p in (1, 2, 3, 4)], group=0)
-    r = Replicas.build(rc, 1, SECRET)
+    r = Replicas.build(rc, DistInfo(), SECRET)
     try:
         assert (r.per_group, r.shares_total) == (3, 12)
     finally:
         r.close()
+
+
+def test_each_process_of_a_group_is_a_member_with_its_own_shares_and_port():
+    """Three groups of two processes: group g's process i is member 2g + i, listens on the group's port
+    + i, and trains its half of the group's shares; a lost group counts once in the quorum."""
+    ports = free_port_runs(3, 2)
+    rc = ReplicasConfig(peers=[f"127.0.0.1:{p}" for p in ports], group=1, shares_per_group=2)
+    r = Replicas.build(rc, DistInfo(world_size=2, local_world_size=2, local_rank=1), SECRET)
+    try:
+        assert (r.beacon.group, r.groups, r.procs, r.per_group, r.shares_total, r.min_groups) == (3, 6, 2, 1, 6, 2)
+        assert r.beacon.peers[3] == ("127.0.0.1", ports[1] + 1) and r.me == "group 1 process 1"
+        r.epoch = epoch_of([2, 3, 4, 5], 3)  # group 0 lost (members 0 and 1): one of its shares to each of
+        assert r.shares() == [1, 3]  # members 2 and 3; the quorum counts groups: 2 of 3
+        assert r.beacon.name(4) == "group 2 process 0"
+    finally:
+        r.close()
+    default = ReplicasConfig(peers=[f"127.0.0.1:{p}" for p in ports], group=0)
+    with pytest.raises(ReplicaError, match="shares_per_group=3 does not divide among a group's 2 processes"):
+        Replicas.build(replace(default, shares_per_group=3), DistInfo(world_size=2, local_world_size=2), SECRET)
+    with pytest.raises(ReplicaError, match="overlap.*space the ports at least 2 apart"):
+        Replicas.build(replace(default, peers=["127.0.0.1:7000", "127.0.0.1:7001"]),
+                       DistInfo(world_size=2, local_world_size=2), SECRET)
     with pytest.raises(ConfigError, match="shares_per_group"):
         ReplicasConfig(peers=["a:1", "b:2"], group=0, shares_per_group=-1)
 
