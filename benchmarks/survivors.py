@@ -9,6 +9,7 @@ snapshot every 5 steps). One JSON line per setting:
 
     python -m benchmarks survivors [--kill-every 60 30 15] [--steps 600] [--model gpt-mini] [--keep DIR]
         [--no-replicas] [--no-torchft] [--no-restart-baseline] [--cut-s 0] [--shares-per-group K]
+        [--procs-per-group N]
 
 goodput: steps x the fault-free run's median step time / wall time (launch to exit); batch_goodput:
 the same with each step counted by the share of the global batch it trained (torchft's steps while a
@@ -126,7 +127,7 @@ def final(run_dir: Path) -> dict:
     return state["model"]
 
 
-def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
+def measure(run_dir: Path, wall: float, faults: list, ref: dict | None, procs: int = 1) -> dict:
     recs = read_records(run_dir / "metrics.jsonl")
     train = sorted((r["time"], r["step"]) for r in recs if r.get("kind") == "train")
     step_s = statistics.median(r["step_ms"] for r in recs if r.get("kind") == "train" and r["step"] > 1) / 1000
@@ -146,7 +147,8 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
         resumed_at = after[0][1] - 1  # the step the survivors (or the restart) went on from
         lost.append(max(before) - resumed_at + 1)
         born = [s for s in starts if f.get("group") is not None and s.get("group") == f["group"] and s["t0"] > f["t"]]
-        back = [e for e in epochs if born and e["time"] > f["t"] and f["group"] in e.get("healed", [])]
+        back = [e for e in epochs if born and e["time"] > f["t"]  # (healed members: group x procs + process)
+                and f["group"] in {m // procs for m in e.get("healed", [])}]
         first = [t for t, _ in train if back and t > back[0]["time"]] or [  # torchft: the group's own first commit
             r["time"] for r in recs if born and r.get("kind") == "group_train" and r["group"] == f["group"]
             and r["time"] > born[0]["t0"]]
@@ -174,7 +176,8 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None) -> dict:
 def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list]:
     """3 replica groups on loopback (or one per network namespace node)."""
     addrs = [n.addr for n in nodes] if nodes else ["127.0.0.1"] * GROUPS
-    ports = free_port_runs(GROUPS) if not nodes else [29500 + i for i in range(GROUPS)]
+    procs = args.procs_per_group
+    ports = free_port_runs(GROUPS, procs) if not nodes else [29500 + i for i in range(GROUPS)]
     peers = [f"{a}:{p}" for a, p in zip(addrs, ports)]
     cmds = []
     for g in range(GROUPS):
@@ -182,7 +185,7 @@ def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list]:
                "OMP_NUM_THREADS": "1"}
         if nodes:
             env["GLOO_SOCKET_IFNAME"] = nodes[g].veth
-        cmd = [*torchrun(1, nodes[g].prefix() if nodes else []),
+        cmd = [*torchrun(procs, nodes[g].prefix() if nodes else []),
                *job_args(args.model, args.steps, run_dir, args.corpus, args.snapshot_every),
                f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}", f"replicas.shares_per_group={args.shares_per_group}"]
         cmds.append((cmd, env))
@@ -259,22 +262,28 @@ def main(argv: list[str] | None = None) -> None:
                                               "settings (its step time and weights), instead of running it again")
     ap.add_argument("--shares-per-group", type=int, default=0, help="replica groups: replicas.shares_per_group "
                                                                      "(default 0: groups - 1)")
+    ap.add_argument("--procs-per-group", type=int, default=1, help="replica groups: processes per group's "
+                                                                   "torchrun (each a member; the SIGKILL takes one)")
     ap.add_argument("--max-kills", type=int, default=0, help="SIGKILLs per job at most (default: no limit)")
     ap.add_argument("--limit-s", type=float, default=3600)
     ap.add_argument("--keep", help="keep every job's run directory here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="mingpt-survivors-") as scratch:
         tmp = Path(args.keep or scratch)
-        base = {"model": args.model, "groups": GROUPS, "steps": args.steps, "cpus": os.cpu_count()}
+        base = {"model": args.model, "groups": GROUPS, "steps": args.steps, "cpus": os.cpu_count(),
+                **({"procs_per_group": args.procs_per_group} if args.procs_per_group > 1 else {})}
         job = {"replicas": lambda d, f: replicas_job(args, d, f), "torchft": lambda d, f: torchft_job(args, d, f),
                "single torchrun": lambda d, f: restart_job(args, d, f)}
+
+        def procs(mode: str) -> int:
+            return args.procs_per_group if mode == "replicas" else 1
 
         def rows(mode: str, name: str, intervals, ref: tuple | None = None) -> tuple:
             """The fault-free run (unless `ref`, its figures and final state, is given), then one run
             SIGKILLed every T s for each T; returns `ref`."""
             if ref is None:
                 wall, _ = job[mode](tmp / f"{name}-none", None)
-                got = measure(tmp / f"{name}-none", wall, [], None)
+                got = measure(tmp / f"{name}-none", wall, [], None, procs(mode))
                 ref = got, {"step_s": got["step_s"], "weights": final(tmp / f"{name}-none")}
                 print(json.dumps({**base, "mode": mode, "fault": "none", **got}), flush=True)
             for every in intervals:
@@ -282,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                 wall, faults = job[mode](d, killer(every, groups=mode != "single torchrun", run_dir=d,
                                                    max_kills=args.max_kills))
                 print(json.dumps({**base, "mode": mode, "fault": f"SIGKILL every {every:g} s",
-                                  **measure(d, wall, faults, ref[1])}), flush=True)
+                                  **measure(d, wall, faults, ref[1], procs(mode))}), flush=True)
             return ref
 
         ref = None
@@ -291,7 +300,7 @@ def main(argv: list[str] | None = None) -> None:
                 kept = Path(args.reuse_reference)
                 recs = read_records(kept / "metrics.jsonl")
                 wall = max(r["time"] for r in recs if "time" in r) - min(r["t0"] for r in recs if r.get("kind") == "start")
-                got = measure(kept, wall, [], None)
+                got = measure(kept, wall, [], None, args.procs_per_group)
                 ref = got, {"step_s": got["step_s"], "weights": final(kept)}
                 print(json.dumps({**base, "mode": "replicas", "fault": "none", "reused": args.reuse_reference, **got}),
                       flush=True)
@@ -304,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                         wall, faults = replicas_job(args, d, partition(bridge, bridge.nodes[2], args.cut_s, at),
                                                     nodes=bridge.nodes)
                         print(json.dumps({**base, "mode": "replicas", "fault": f"group 2's link cut for {args.cut_s:g} s",
-                                          **measure(d, wall, faults, ref[1])}), flush=True)
+                                          **measure(d, wall, faults, ref[1], args.procs_per_group)}), flush=True)
                 except NoNamespaces as e:
                     print(json.dumps({**base, "mode": "replicas", "fault": "partition", "skipped": str(e)}), flush=True)
         if not args.no_torchft:
