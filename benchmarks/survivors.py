@@ -1,7 +1,8 @@
 """Survivors keep training: a job of 3 replica groups (mingpt.replicas, each group its own torchrun of
-one process) on this machine, one group's worker SIGKILLed every T seconds (the groups in turn, the
-coordinator included; torchrun restarts it and it heals from a live peer), and a network partition
-(each group in its own network namespace on one bridge; one group's link cut for --cut-s seconds).
+one process, or of --procs-per-group) on this machine, one group's worker SIGKILLed every T seconds
+(the groups in turn, the coordinator included; torchrun restarts it and it heals from a live peer),
+and a network partition (each group in its own network namespace on one bridge; one group's link
+cut for --cut-s seconds).
 Beside it, the same 3 groups through torchft 0.2.0's Manager (its lighthouse, `Manager.allreduce`,
 `should_commit`, healing by its own transport; benchmarks/torchft_worker.py; skipped where torchft
 is not installed), and the same job under today's single torchrun (3 workers, DDP, restarted from a

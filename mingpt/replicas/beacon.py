@@ -85,6 +85,7 @@ class Beacon:
         self._announced: dict | None = None  # the epoch this coordinator announced, until its group is made
         self._senders: dict[int, socket.socket] = {}
         self._stop = threading.Event()
+        self._told_size = False  # a peer of another size of job was named once (its sender retries every heartbeat)
         host, port = self.peers[group]
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         self._server = socket.socket(family, kind, proto)
@@ -324,6 +325,13 @@ class Beacon:
                     and hmac.compare_digest(str(hello.get("mac", "")), self._mac(nonce, group, inc))):
                 log.warning("replica beacon: refused a connection that did not prove the job secret")
                 return
+            if hello.get("members") != len(self.peers):  # its member numbers are not ours: it must not join
+                if not self._told_size:
+                    self._told_size = True
+                    log.error("replica beacon: refused a peer of this job that counts %s processes in all, where this "
+                              "one counts %d: start every group with the same --nproc_per_node and replicas.peers",
+                              hello.get("members"), len(self.peers))
+                return
             conn.settimeout(None)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
             for line in reader:
@@ -358,7 +366,7 @@ class Beacon:
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 reader = conn.makefile("rb")
                 nonce = json.loads(reader.readline(4096))["nonce"]
-                conn.sendall(json.dumps({"group": self.group, "inc": self.incarnation,
+                conn.sendall(json.dumps({"group": self.group, "inc": self.incarnation, "members": len(self.peers),
                                          "mac": self._mac(nonce, self.group, self.incarnation)}).encode() + b"\n")
                 conn.settimeout(None)
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))

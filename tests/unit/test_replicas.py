@@ -193,6 +193,22 @@ def test_the_beacon_lets_in_only_the_job_secret(caplog):
         a.close()
 
 
+def test_a_group_of_another_size_is_refused_with_what_to_fix(caplog):
+    """Groups started with different --nproc_per_node number their members differently: a peer whose
+    job counts another number of processes is refused, and the log says what to make equal."""
+    ports = free_port_runs(2)
+    a = Beacon([f"127.0.0.1:{p}" for p in ports], 0, SECRET, 0.05, 1.0)
+    b = Beacon([f"127.0.0.1:{p}" for p in ports] + ["127.0.0.1:1", "127.0.0.1:2"], 1, SECRET, 0.05, 1.0, procs=2)
+    try:
+        time.sleep(1.0)  # 20 heartbeats' time
+        assert set(a.alive()) == {0} and set(b.alive()) == {1}
+        assert "counts 4 processes in all, where this one counts 2: start every group with the same" in caplog.text
+        assert caplog.text.count("counts 4 processes in all") == 1  # once, not at every heartbeat
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_member_that_missed_the_announcement_gets_it_when_it_asks_again():
     """The coordinator answers a request of a member of the epoch it announced with that epoch (its
     first answer may have crossed the member's timeout): else it would wait for it to form the group."""
