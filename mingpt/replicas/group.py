@@ -61,10 +61,9 @@ class Replicas:
     trains, the exchange of the shares' gradients, forming the next epoch, and healing. Every process of
     every group is a member (group g's process i is member g * procs + i)."""
 
-    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float, per_group: int = 1,
-                 procs: int = 1):
+    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float, per_group: int = 1):
+        # `groups` counts the members (every group's processes); the beacon knows the processes per group
         self.beacon, self.groups, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
-        self.procs = procs  # processes per group; `groups` counts the members (every group's processes)
         self.per_group = per_group  # shares of every global step per member: member m owns m*k .. m*k+k-1
         self.shares_total = groups * per_group
         self.epoch: Epoch | None = None
@@ -94,8 +93,12 @@ class Replicas:
                                f"make it a multiple of {procs} (or 0, for {procs * max(1, groups - 1)})")
         beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
                         rc.lost_after_s, procs)
-        return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s,
-                   shares // procs, procs)
+        return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares // procs)
+
+    @property
+    def procs(self) -> int:
+        """Processes per group."""
+        return self.beacon.procs
 
     @property
     def me(self) -> str:

@@ -23,7 +23,7 @@ class StubBeacon:
     """What Replicas asks of its beacon, for the tests of its own logic: nobody is ever lost."""
 
     def __init__(self, group):
-        self.group = group
+        self.group, self.procs = group, 1
 
     def lost(self, epoch):
         return None
