@@ -10,7 +10,7 @@ snapshot every 5 steps). One JSON line per setting:
 
     python -m benchmarks survivors [--kill-every 60 30 15] [--steps 600] [--model gpt-mini] [--keep DIR]
         [--no-replicas] [--no-torchft] [--no-restart-baseline] [--cut-s 0] [--shares-per-group K]
-        [--procs-per-group N]
+        [--procs-per-group N] [--seconds S] [--set KEY=VALUE ...]
 
 goodput: steps x the fault-free run's median step time / wall time (launch to exit); batch_goodput:
 the same with each step counted by the share of the global batch it trained (torchft's steps while a
@@ -49,10 +49,10 @@ SECRET = "survivors-bench-" + "0123456789abcdef" * 2
 GROUPS = 3
 
 
-def job_args(model: str, steps: int, run_dir: Path, corpus: str, snapshot_every: int) -> list[str]:
+def job_args(model: str, steps: int, run_dir: Path, corpus: str, snapshot_every: int, extra=()) -> list[str]:
     return ["-m", "mingpt.main", f"model={model}", f"trainer.max_steps={steps}", "trainer.log_every=1",
             "trainer.eval_every=0", f"snapshot.every_steps={snapshot_every}", f"trainer.run_dir={run_dir}",
-            f"data.path={corpus}", "trainer.progress=false", "trainer.threads=1"]
+            f"data.path={corpus}", "trainer.progress=false", "trainer.threads=1", *extra]
 
 
 def torchrun(nproc: int, prefix: list[str] = ()) -> list[str]:
@@ -187,7 +187,7 @@ def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list]:
         if nodes:
             env["GLOO_SOCKET_IFNAME"] = nodes[g].veth
         cmd = [*torchrun(procs, nodes[g].prefix() if nodes else []),
-               *job_args(args.model, args.steps, run_dir, args.corpus, args.snapshot_every),
+               *job_args(args.model, args.steps, run_dir, args.corpus, args.snapshot_every, args.set),
                f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}", f"replicas.shares_per_group={args.shares_per_group}"]
         cmds.append((cmd, env))
     return run(cmds, run_dir, faults, args.limit_s)
@@ -227,7 +227,7 @@ def torchft_job(args, run_dir: Path, faults) -> tuple[float, list]:
 def restart_job(args, run_dir: Path, faults) -> tuple[float, list]:
     """Today's job: one torchrun of 3 workers (DDP), restarted whole, from the newest snapshot."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [*torchrun(GROUPS), *job_args(args.model, args.steps, run_dir, args.corpus, 5)]
+    cmd = [*torchrun(GROUPS), *job_args(args.model, args.steps, run_dir, args.corpus, 5, args.set)]
     return run([(cmd, env)], run_dir, faults, args.limit_s)
 
 
@@ -268,10 +268,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-kills", type=int, default=0, help="SIGKILLs per job at most (default: no limit)")
     ap.add_argument("--limit-s", type=float, default=3600)
     ap.add_argument("--keep", help="keep every job's run directory here")
+    ap.add_argument("--seconds", type=float, default=0, help="size the jobs to the machine: a short fault-free "
+                    "replica run measures the step, and --steps becomes this many seconds of steps")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="more overrides for mingpt's jobs, e.g. trainer.deterministic=true")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="mingpt-survivors-") as scratch:
         tmp = Path(args.keep or scratch)
         base = {"model": args.model, "groups": GROUPS, "steps": args.steps, "cpus": os.cpu_count(),
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                 **({"procs_per_group": args.procs_per_group} if args.procs_per_group > 1 else {})}
         job = {"replicas": lambda d, f: replicas_job(args, d, f), "torchft": lambda d, f: torchft_job(args, d, f),
                "single torchrun": lambda d, f: restart_job(args, d, f)}
@@ -295,6 +300,13 @@ def main(argv: list[str] | None = None) -> None:
                                   **measure(d, wall, faults, ref[1], procs(mode))}), flush=True)
             return ref
 
+        if args.seconds:
+            probe = argparse.Namespace(**{**vars(args), "steps": 60})
+            wall, _ = replicas_job(probe, tmp / "probe", None)
+            step_s = measure(tmp / "probe", wall, [], None, args.procs_per_group)["step_s"]
+            args.steps = base["steps"] = max(60, round(args.seconds / step_s))
+            print(json.dumps({**base, "mode": "replicas", "probe_step_s": step_s, "probe_wall_s": round(wall, 1)}),
+                  flush=True)
         ref = None
         if not args.no_replicas:
             if args.reuse_reference:

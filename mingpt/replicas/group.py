@@ -229,8 +229,9 @@ class Replicas:
         blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
                   else torch.empty(int(size), dtype=torch.uint8))
         self._broadcast(blob_t, source)
-        received = [slot.local.detach().contiguous() if me == source else torch.empty_like(slot.local).contiguous()
-                    for slot in slots]
+        # on the host (the exchange's gloo group; a GPU's tensors are copied to and from it)
+        received = [slot.local.detach().cpu().contiguous() if me == source
+                    else torch.empty(slot.local.shape, dtype=slot.local.dtype) for slot in slots]
         for t in received:
             self._broadcast(t, source)
         self.live = True
@@ -279,7 +280,7 @@ def state_digest(slots: list, meta: dict, tensors: list | None = None) -> str:
     """sha256 of the JSON state and every tensor's bytes (the slots', or `tensors` in their place)."""
     h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
     for slot, t in zip(slots, tensors or [s.local for s in slots]):
-        t = t.detach().contiguous()
+        t = t.detach().cpu().contiguous()
         h.update(slot.name.encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
