@@ -114,6 +114,15 @@ class Beacon:
             s = self._seen.get(member)
             return s is not None and (s["eof"] or time.monotonic() - s["t"] >= self.lost_after_s)
 
+    def siblings(self, member: int) -> range:
+        """The members of `member`'s group (itself included)."""
+        first = member - member % self.procs
+        return range(first, first + self.procs)
+
+    def broken(self) -> set[int]:
+        """Members whose group lost a process: they leave with it (its torchrun restarts them all)."""
+        return {m for m in range(len(self.peers)) if any(self.was_lost(s) for s in self.siblings(m))}
+
     def alive(self) -> dict[int, str]:
         """{group: incarnation} of every group heard from within lost_after_s, this one included."""
         now = time.monotonic()
@@ -139,11 +148,15 @@ class Beacon:
         return None
 
     def joiners(self, epoch: Epoch) -> list[int]:
-        """Groups alive that are not members of `epoch` (a restarted group, a healed partition)."""
+        """Members alive that are not members of `epoch` (a restarted group, a healed partition), once
+        their whole group is ready: a group's processes join together, in one new epoch."""
         mine = {m.group: m.incarnation for m in epoch.members}
+        alive = self.alive()
         with self._lock:
             starting = {g for g, s in self._seen.items() if s.get("state") == "starting"}
-        return sorted(g for g, inc in self.alive().items() if mine.get(g) != inc and g not in starting)
+        ready = {g for g, inc in alive.items() if mine.get(g) != inc and g not in starting}
+        return sorted(g for g in ready
+                      if all(s in ready or (s in alive and mine.get(s) == alive[s]) for s in self.siblings(g)))
 
     def _not_taking(self, epoch: Epoch) -> int | None:
         """A member whose heartbeats do not say it takes part in forming `epoch` (it missed the news)."""
@@ -229,15 +242,25 @@ class Beacon:
             alive = self.alive()
             if min(alive) != self.group:
                 return None
+            broken = self.broken()  # a group that lost a process leaves whole: not waited for, not let in
+            if self.group in broken:  # this one's too: forming stops (Replicas.form's should_stop says why)
+                return None
             with self._lock:
                 asked = {g: r for g, r in self._requests.items() if alive.get(g) == r[0]["inc"]}
                 starting = {g for g, s in self._seen.items() if s.get("state") == "starting"}
-            if set(alive) - {self.group} - starting <= set(asked) or time.monotonic() - started > 5 * self.lost_after_s + 5:
+            if (set(alive) - {self.group} - starting - broken <= set(asked)
+                    or time.monotonic() - started > 5 * self.lost_after_s + 5):
                 break
             time.sleep(0.002)
         with self._lock:
             for g in asked:
                 del self._requests[g]
+        for g in [g for g in asked if g in broken]:
+            msg, conn = asked.pop(g)
+            try:
+                self._write(conn, {"t": "wait", "id": msg["id"]})
+            except OSError:
+                pass
         members = sorted([Member(self.group, self.incarnation, step, live)]
                          + [Member(g, r[0]["inc"], r[0]["step"], r[0]["live"]) for g, r in asked.items()],
                          key=lambda m: m.group)

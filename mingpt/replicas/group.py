@@ -148,8 +148,7 @@ class Replicas:
         others as a preemption)."""
         if self.procs == 1:
             return
-        first = self.beacon.group - self.beacon.group % self.procs
-        lost = [m for m in range(first, first + self.procs) if m != self.beacon.group and self.beacon.was_lost(m)]
+        lost = [m for m in self.beacon.siblings(self.beacon.group) if m != self.beacon.group and self.beacon.was_lost(m)]
         if lost:
             raise GroupRestart(f"{self.beacon.name(lost[0])} was lost: its torchrun restarts the group's processes, "
                                "which rejoin and heal from a live group")

@@ -169,7 +169,8 @@ LONG = 800
 def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tmp_path):
     """Three groups of two processes (one torchrun each, every process a member, half of its group's
     two shares each: the split of the groups of one process). A process of group 1 is SIGKILLed: its
-    torchrun restarts both, the other groups go on without them, and they come back healed. Every
+    torchrun restarts both, the other groups go on without them (one new epoch), and they come back
+    healed (one more: a group leaves and returns whole). Every
     step's samples and the final weights are those of the groups of one process, bit for bit."""
     def kill_one_process_of_group_1(run_dir, agents):
         deadline = time.time() + 120  # every process a member first (a slow start joins a later epoch)
@@ -195,8 +196,13 @@ def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tm
     without = [e for e in epochs if not {2, 3} & set(e["groups"]) and e["time"] >= fault_t]
     assert without and without[0]["groups"] == [0, 1, 4, 5], epochs
     assert fault_step <= without[0]["step"], (fault_step, without[0])
-    after = [e for e in epochs if e["time"] > without[0]["time"]]  # the two come back (one epoch each, or one)
+    after = [e for e in epochs if e["time"] > without[0]["time"]]  # the two come back together, in one epoch
     assert {2, 3} <= set(after[-1]["groups"]) and {2, 3} <= set(sum((e["healed"] for e in after), [])), epochs
+    # a group leaves and returns whole: no epoch after the six first trained together holds half a group
+    since = next(i for i, e in enumerate(epochs) if len(e["groups"]) == 6)
+    assert all({2 * g, 2 * g + 1} <= set(e["groups"]) or not {2 * g, 2 * g + 1} & set(e["groups"])
+               for e in epochs[since:] for g in range(3)), epochs
+    assert len(epochs[since:]) == 3, epochs  # the six; without group 1; the six again
     assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
     assert shares_by_step(run_dir) == shares_by_step(ref_dir)
     weights, expected = final(run_dir, LONG), final(ref_dir, LONG)

@@ -268,3 +268,46 @@ def test_a_member_that_left_is_reported_with_the_cause_it_saw():
         assert a.lost(epoch) == "group 2 lost"
     finally:
         a.close()
+
+
+def test_a_group_of_several_processes_leaves_and_joins_whole():
+    """Groups of two processes (members 2g + i). When one process of group 1 is lost, its sibling
+    leaves with it (its torchrun restarts both): the coordinator neither waits for it nor lets it in.
+    When group 1 comes back, the members invite it only once both of its processes are ready, so it
+    joins in one epoch, not one per process."""
+    peers = [f"127.0.0.1:{p}" for p in free_port_runs(3, 2)]
+    members = [f"127.0.0.1:{int(p.rsplit(':', 1)[1]) + i}" for p in peers for i in range(2)]
+    a = Beacon(members, 0, SECRET, 0.05, 60.0, procs=2)
+    try:
+        now = time.monotonic()
+        with a._lock:
+            for m in (1, 2, 3, 4, 5):
+                a._seen[m] = {"inc": f"i{m}", "t": now, "eof": False, "epoch": 4, "state": "training"}
+        assert a.broken() == set()
+        with a._lock:
+            a._seen[2]["eof"] = True  # group 1 process 0 SIGKILLed
+        assert a.broken() == {2, 3}
+        # the survivors' next epoch: 3 asks too (it has not left yet), and is told to wait
+        asked, pairs = {}, []
+        for m in (1, 3, 4, 5):
+            ours, theirs = socket.socketpair()
+            asked[m] = theirs
+            pairs += [ours, theirs]
+            a._requests[m] = ({"id": f"r{m}", "inc": f"i{m}", "step": 9, "live": True, "epoch_seen": 4}, ours)
+        epoch = a._coordinate(9, True, 2, 5.0)
+        assert epoch is not None and epoch.groups() == [0, 1, 4, 5]
+        assert json.loads(asked[3].recv(4096))["t"] == "wait"
+        assert json.loads(asked[1].recv(4096))["t"] == "epoch"
+        epoch.store = None
+        # group 1 restarted: its process 0 ready, its process 1 still starting; then both ready
+        with a._lock:
+            a._seen[2] = {"inc": "new2", "t": now, "eof": False, "epoch": -1, "state": "forming"}
+            a._seen[3] = {"inc": "new3", "t": now, "eof": False, "epoch": -1, "state": "starting"}
+        assert a.broken() == set() and a.joiners(epoch) == []
+        with a._lock:
+            a._seen[3]["state"] = "forming"
+        assert a.joiners(epoch) == [2, 3]
+        for sock in pairs:
+            sock.close()
+    finally:
+        a.close()
