@@ -289,8 +289,9 @@ class ReplicasConfig:
     """How long forming an epoch's process group, or one collective, may take at most."""
     shares_per_group: int = 0
     """Every global step is cut into len(peers) x this many shares, each group training its own;
-    a lost group's shares are dealt out among the survivors. 0: one fewer than the groups, so a lost
-    group's shares go one to each survivor (each holds that many gradients for a moment)."""
+    a lost group's shares are dealt out among the survivors. 0: a lost group's shares go one to each
+    surviving process (N x (groups - 1) for groups of N processes; with trainer.parallel=fsdp, whose
+    processes train each share together, a part each: groups - 1)."""
 
     def __post_init__(self) -> None:
         n = len(self.peers)
@@ -337,6 +338,10 @@ class RunConfig:
         _check(tp == 1 or not self.replicas.enabled,
                f"trainer.tensor_parallel={tp} inside replica groups (replicas.peers) is not supported yet: "
                "use one of the two")
+        _check(self.trainer.parallel != "hsdp" or not self.replicas.enabled,
+               "trainer.parallel=hsdp inside replica groups (replicas.peers) is not supported: a group is one node; "
+               "use trainer.parallel=fsdp (sharded inside each group, replicated across the groups: a "
+               "fault-tolerant HSDP)")
         fixed = (TrainerConfig.batch_size, TrainerConfig.micro_batch_size)  # the defaults: not set
         _check(self.data.kind == "stream" or (self.trainer.batch_size, self.trainer.micro_batch_size) == fixed,
                "trainer.batch_size and trainer.micro_batch_size size batches of fixed blocks; documents are "

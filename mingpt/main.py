@@ -190,7 +190,8 @@ def build_replicas(cfg: RunConfig) -> Replicas | None:
     as one of its own; the replicas read its place in its group's torchrun from the environment.)"""
     if not cfg.replicas.enabled:
         return None
-    return Replicas.build(cfg.replicas, DistInfo.from_env(cuda=False), distributed.job_secret())
+    return Replicas.build(cfg.replicas, DistInfo.from_env(cuda=False), distributed.job_secret(),
+                          sharded=cfg.trainer.parallel == "fsdp")
 
 
 def build_data(cfg: RunConfig, start: Start, info: DistInfo) -> tuple[RunConfig, Corpus]:
@@ -321,8 +322,9 @@ def preflight(cfg: RunConfig, info: DistInfo) -> None:
              "" if info.world_size == 1 else "s", seconds)
 
 
-def report_failure(e: Exception, info: DistInfo, trainer: Trainer | None) -> int:
-    """A lost peer (torchrun restarts the workers) or any other failure: one report, an error file."""
+def report_failure(e: Exception, info: DistInfo, trainer: Trainer | None, replicas: bool = False) -> int:
+    """A lost peer (torchrun restarts the workers; `replicas`: the group's, which heal from a live
+    group) or any other failure: one report, an error file."""
     if not distributed.is_peer_failure(e):
         return distributed.report_error(info, f"{e.__class__.__name__}: {e}", code=1, detail=traceback.format_exc(),
                                         each_node=True)
@@ -330,9 +332,11 @@ def report_failure(e: Exception, info: DistInfo, trainer: Trainer | None) -> int
         # rank 0 is the one lost); no collective can run now
         trainer.ledger.record(lambda rec: MetricsWriter.append(trainer.cfg.run_dir, rec), trainer.progress.step,
                               kind="fault", rank=info.rank, error=distributed.first_line(e)[:200])
+    after = ("its torchrun restarts the group's processes, which rejoin and heal from a live group" if replicas
+             else "torchrun restarts the workers from the latest snapshot")
     return distributed.report_error(
-        info, f"lost contact with a peer ({distributed.first_line(e)[:300]}); exiting so that torchrun restarts "
-        "the workers from the latest snapshot", code=1, each_node=True, level=logging.WARNING)
+        info, f"lost contact with a peer ({distributed.first_line(e)[:300]}); exiting so that {after}", code=1,
+        each_node=True, level=logging.WARNING)
 
 
 def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
@@ -347,8 +351,9 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     try:
         ledger.switch("process_group")
         threads = cfg.trainer.threads or distributed.default_threads(info.local_world_size)
-        if cfg.replicas.enabled:  # each process of a replica group is a member: no process group of its torchrun
-            info = member_view(info)
+        if cfg.replicas.enabled:  # each process of a replica group is a member, with no process group of its
+            # torchrun; with trainer.parallel=fsdp its torchrun's processes shard the model between them
+            info = member_view(info, sharded=cfg.trainer.parallel == "fsdp")
         info = distributed.init(info, cfg.dist.timeout_s, threads, cfg.trainer.deterministic)
         info = one_launch(info) if cfg.replicas.enabled else info
         ledger.switch("preflight")
@@ -374,7 +379,7 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     except GroupRestart as e:  # a process of this replica group died: its torchrun restarts them all
         return distributed.report_error(env, str(e), code=1, each_node=True, level=logging.WARNING)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit
-        return report_failure(e, env, trainer)
+        return report_failure(e, env, trainer, cfg.replicas.enabled)
     finally:
         if trainer is not None:  # an error: a save in flight cannot gather every rank's record now
             trainer.close(wait=False)

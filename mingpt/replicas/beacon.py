@@ -48,6 +48,7 @@ class Epoch:
     rank: int
     pg: object = None  # the epoch's gloo process group
     store: object = None  # kept alive with the group (the coordinator hosts it)
+    peers: object = None  # sharded groups: the process group of the members holding this one's shard
 
     @property
     def world(self) -> int:
@@ -69,10 +70,13 @@ class Beacon:
     the other groups) and a sender to every other group (heartbeats, join requests, their replies)."""
 
     def __init__(self, peers: list[str], group: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
-                 procs: int = 1):
+                 procs: int = 1, sharded: bool = False):
         # with several processes per group (`procs`), each process is a member: `peers` lists every
-        # member's address and `group` is this member's place in it (group * procs + process)
+        # member's address and `group` is this member's place in it (group * procs + process);
+        # `sharded`: the group's processes shard the model (FSDP), and each epoch also gets a process
+        # group per process index (the members that hold the same shard)
         self.peers, self.group, self.secret, self.procs = [host_port(p) for p in peers], group, secret, procs
+        self.sharded = sharded and procs > 1
         self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
         self.incarnation = secrets.token_hex(6)
         self.status = {"state": "starting", "epoch": -1, "step": 0, "taking": -1}  # then forming, training
@@ -255,12 +259,18 @@ class Beacon:
         with self._lock:
             for g in asked:
                 del self._requests[g]
-        for g in [g for g in asked if g in broken]:
+        # whole groups only: a group's processes train together (sharded, they cannot train apart)
+        here = set(asked) | {self.group}
+        partial = {g for g in here if g in broken or not set(self.siblings(g)) <= here}
+        waiting = list(asked) if self.group in partial else [g for g in asked if g in partial]
+        for g in waiting:
             msg, conn = asked.pop(g)
             try:
                 self._write(conn, {"t": "wait", "id": msg["id"]})
             except OSError:
                 pass
+        if self.group in partial:  # this one's own group is not all here yet: no epoch now, ask again
+            return None
         members = sorted([Member(self.group, self.incarnation, step, live)]
                          + [Member(g, r[0]["inc"], r[0]["step"], r[0]["live"]) for g, r in asked.items()],
                          key=lambda m: m.group)
@@ -295,6 +305,11 @@ class Beacon:
                     out["store"] = store
                 prefixed = dist.PrefixStore(derive(self.secret, f"replicas-epoch-{epoch.number}"), store)
                 out["pg"] = dist.ProcessGroupGloo(prefixed, epoch.rank, epoch.world, timeout)
+                if self.sharded:
+                    i = self.group % self.procs
+                    holders = [m.group for m in epoch.members if m.group % self.procs == i]
+                    prefixed = dist.PrefixStore(derive(self.secret, f"replicas-epoch-{epoch.number}-shard-{i}"), store)
+                    out["peers"] = dist.ProcessGroupGloo(prefixed, holders.index(self.group), len(holders), timeout)
             except Exception as e:  # noqa: BLE001 - reported to the waiting thread
                 out["error"] = e
 
@@ -309,7 +324,7 @@ class Beacon:
             thread.join(0.005)
         if "error" in out:
             raise MembershipChanged(str(out["error"]).splitlines()[0][:200])
-        epoch.pg = out["pg"]
+        epoch.pg, epoch.peers = out["pg"], out.get("peers")
         if "store" in out:
             epoch.store = out["store"]
 

@@ -33,13 +33,16 @@ def one_launch(info: DistInfo) -> DistInfo:
     return replace(info, launch_id=distributed.derive(secret, "launch")[:16]) if secret else info
 
 
-def member_view(info: DistInfo) -> DistInfo:
+def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:
     """A process of a replica group as the rest of the program sees it: a process of its own, on its
     GPU (it trains with the group's other processes over the replicas' exchange, as a member like any
-    other, not over its torchrun's process group)."""
+    other, not over its torchrun's process group); `sharded` (FSDP inside the group): a rank of its
+    group's torchrun, whose processes shard the model between them."""
     if info.world_size != info.local_world_size:
         raise ReplicaError(f"a replica group is one node's torchrun, and this one spans {info.world_size} processes "
                            f"on several nodes: run one group per node (torchrun --nnodes=1), each in replicas.peers")
+    if sharded:
+        return info
     return replace(info, rank=0, local_rank=0, world_size=1, local_world_size=1, node=0)
 
 
@@ -64,8 +67,10 @@ class Replicas:
     def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float, per_group: int = 1):
         # `groups` counts the members (every group's processes); the beacon knows the processes per group
         self.beacon, self.groups, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
-        self.per_group = per_group  # shares of every global step per member: member m owns m*k .. m*k+k-1
-        self.shares_total = groups * per_group
+        # shares of every global step per member (member m owns m*k .. m*k+k-1); sharded, per group:
+        # a group's processes train each of its shares together, process i its part i
+        self.per_group = per_group
+        self.shares_total = (groups // self.parts) * per_group
         self.epoch: Epoch | None = None
         # Every epoch's process group is kept until the process exits: freeing one whose collective a
         # lost member left unfinished would wait in its destructor (joining gloo's threads) until
@@ -77,9 +82,10 @@ class Replicas:
         self.shares_record: list = []  # the last step's (group, samples, sum of sample ids) of each share
 
     @classmethod
-    def build(cls, rc, info: DistInfo, secret: bytes | None) -> Replicas:
+    def build(cls, rc, info: DistInfo, secret: bytes | None, sharded: bool = False) -> Replicas:
         """From the `replicas` config (mingpt.config.ReplicasConfig) of this process of a group (`info`:
-        its place in its torchrun); refused, in one line, where it cannot work."""
+        its place in its torchrun; `sharded`: its processes shard the model, trainer.parallel=fsdp);
+        refused, in one line, where it cannot work."""
         member_view(info)  # one node per group
         procs = info.local_world_size
         if secret is None:
@@ -87,18 +93,53 @@ class Replicas:
                                "same MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
                                "`python -c 'import secrets; print(secrets.token_hex(32))'`")
         groups = len(rc.peers)
-        shares = rc.shares_per_group or procs * max(1, groups - 1)
-        if shares % procs:
-            raise ReplicaError(f"replicas.shares_per_group={shares} does not divide among a group's {procs} processes: "
-                               f"make it a multiple of {procs} (or 0, for {procs * max(1, groups - 1)})")
+        if sharded:  # each share trained by the whole group
+            shares = rc.shares_per_group or max(1, groups - 1)
+        else:
+            shares = rc.shares_per_group or procs * max(1, groups - 1)
+            if shares % procs:
+                raise ReplicaError(f"replicas.shares_per_group={shares} does not divide among a group's {procs} "
+                                   f"processes: make it a multiple of {procs} (or 0, for {procs * max(1, groups - 1)})")
+            shares //= procs
         beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
-                        rc.lost_after_s, procs)
-        return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares // procs)
+                        rc.lost_after_s, procs, sharded)
+        return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares)
 
     @property
     def procs(self) -> int:
         """Processes per group."""
         return self.beacon.procs
+
+    @property
+    def sharded(self) -> bool:
+        """The group's processes shard the model (FSDP inside the group): they train each of the group's
+        shares together, and exchange and heal their shard with the processes holding the same rows."""
+        return self.beacon.sharded
+
+    @property
+    def parts(self) -> int:
+        """Into how many parts a share is cut: one per process of a sharded group, else 1."""
+        return self.procs if self.sharded else 1
+
+    @property
+    def part(self) -> int:
+        """This process's part of each share it trains."""
+        return self.beacon.group % self.procs if self.sharded else 0
+
+    @property
+    def saves(self) -> bool:
+        """This process writes snapshots: the epoch's first member, or (sharded) every process of its group."""
+        if not self.sharded:
+            return self.leads
+        return self.epoch is not None and self.epoch.members[0].group // self.procs == self.beacon.group // self.procs
+
+    def peers(self) -> tuple[object, list, int]:
+        """The process group of the exchange and the healing, its members and this one's rank there: the
+        epoch's, or (sharded) the members holding this process's shard."""
+        if not self.sharded:
+            return self.epoch.pg, self.epoch.members, self.epoch.rank
+        holders = [m for m in self.epoch.members if m.group % self.procs == self.part]
+        return self.epoch.peers, holders, [m.group for m in holders].index(self.beacon.group)
 
     @property
     def me(self) -> str:
@@ -113,10 +154,12 @@ class Replicas:
     def shares(self) -> list[int]:
         """The shares this member trains: its own group's, and those of lost groups dealt out in turn
         (with k = groups - 1 shares per group, a lost group's go one to each survivor)."""
-        k, groups = self.per_group, self.epoch.groups()
+        k, unit = self.per_group, self.beacon.procs if self.sharded else 1  # sharded: a group owns shares
+        groups = sorted({m // unit for m in self.epoch.groups()})
+        me = self.beacon.group // unit
         orphans = [s for s in range(self.shares_total) if s // k not in groups]
-        own = range(self.beacon.group * k, (self.beacon.group + 1) * k)
-        return sorted([*own, *orphans[self.epoch.rank::self.epoch.world]])
+        own = range(me * k, (me + 1) * k)
+        return sorted([*own, *orphans[groups.index(me)::len(groups)]])
 
     def form(self, step: int, should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
         t0 = time.monotonic()
@@ -173,7 +216,8 @@ class Replicas:
         share's values of its own slice of columns (an all-to-all), sums them in share order, and the
         summed slices are gathered by all (each member receives about 2 gradients' worth instead of
         every other member's shares)."""
-        epoch, world = self.epoch, self.epoch.world
+        epoch, (pg, _, _) = self.epoch, self.peers()
+        world = pg.size()
         per = math.ceil(self.shares_total / world)
         n = next(iter(rows.values())).numel()
         cols = math.ceil(n / world)  # each member's slice of the columns, the last one padded
@@ -184,7 +228,7 @@ class Replicas:
             heads[i] = torch.tensor([share, step, epoch.number, *headers[share]], dtype=torch.float64)
             buf[i, :n] = row
         all_heads = torch.empty(world * per, heads.shape[1], dtype=torch.float64)
-        self.wait(epoch.pg.allgather([list(all_heads.chunk(world))], [heads]))
+        self.wait(pg.allgather([list(all_heads.chunk(world))], [heads]))
         by_share: dict[int, int] = {}
         for i, h in enumerate(all_heads.tolist()):
             if h[0] < 0:
@@ -197,12 +241,12 @@ class Replicas:
         # rows [to member x row] of the columns of its slice; received: [from member x row] of this one's
         send = buf.view(per, world, cols).transpose(0, 1).reshape(world * per, cols)
         got = torch.empty(world * per, cols)
-        self.wait(epoch.pg.alltoall_base(got, send, [per] * world, [per] * world))
+        self.wait(pg.alltoall_base(got, send, [per] * world, [per] * world))
         mine = got[by_share[0]].clone()
         for share in range(1, self.shares_total):  # share order, whoever trained which
             mine += got[by_share[share]]
         total = torch.empty(world, cols)
-        self.wait(epoch.pg.allgather([list(total.unbind(0))], [mine]))
+        self.wait(pg.allgather([list(total.unbind(0))], [mine]))
         return total.view(-1)[:n], [all_heads[by_share[s]].tolist()[3:] for s in range(self.shares_total)]
 
     def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> tuple[int, list[int]]:
@@ -210,12 +254,14 @@ class Replicas:
         its tensors and JSON state (a broadcast reaches every member behind in one collective); a
         receiver keeps what it received only if it matches the sender's digest. Returns (the group
         that sent, the groups healed), or (-1, []) when every member held the same state."""
-        members = self.epoch.members
+        pg, members, me = self.peers()  # sharded: each shard from the process of another group holding it
         best = max(members, key=lambda m: (m.live, m.step))
         source = members.index(best)
         behind = [i for i, m in enumerate(members)
                   if i != source and ((m.step, m.live) != (best.step, best.live) or (best.live and not m.live))]
-        me, healed = self.epoch.rank, (best.group, [members[i].group for i in behind])
+        healed = (best.group, [members[i].group for i in behind])
+        if self.sharded:  # a group heals whole (a shard each): name every process of it
+            healed = (best.group, [s for i in behind for s in self.beacon.siblings(members[i].group)])
         if not behind:
             self.live = True
             return -1, []
@@ -224,15 +270,15 @@ class Replicas:
             meta["digest"] = state_digest(slots, meta)
         blob = json.dumps(meta).encode() if me == source else b""
         size = torch.tensor([len(blob)], dtype=torch.int64)
-        self._broadcast(size, source)
+        self._broadcast(pg, size, source)
         blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
                   else torch.empty(int(size), dtype=torch.uint8))
-        self._broadcast(blob_t, source)
+        self._broadcast(pg, blob_t, source)
         # on the host (the exchange's gloo group; a GPU's tensors are copied to and from it)
         received = [slot.local.detach().cpu().contiguous() if me == source
                     else torch.empty(slot.local.shape, dtype=slot.local.dtype) for slot in slots]
         for t in received:
-            self._broadcast(t, source)
+            self._broadcast(pg, t, source)
         self.live = True
         if me == source or me not in behind:  # up to date: what it received is what it holds
             return healed
@@ -246,10 +292,10 @@ class Replicas:
         load(meta)
         return healed
 
-    def _broadcast(self, t: torch.Tensor, source: int) -> None:
+    def _broadcast(self, pg, t: torch.Tensor, source: int) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = source, 0
-        self.wait(self.epoch.pg.broadcast([t], opts))
+        self.wait(pg.broadcast([t], opts))
 
     def reduce(self, model: torch.nn.Module, rows: dict, step: int, preempted: bool, timed: bool) -> float:
         """The step's gradient into `model`: every share's (`rows`: share -> (flat gradient, summed
@@ -264,12 +310,42 @@ class Replicas:
                          float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),
                          float(self.beacon.group)]
                  for share, (_, loss, mbs) in rows.items()}
-        total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+        if self.sharded:
+            total, every = self._sharded_exchange(step, rows, heads)
+        else:
+            total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
         set_grads(model, total)
         self.flags = (any(h[0] for h in every), any(h[1] for h in every))
         self.rejoin_pending = any(h[2] for h in every)
         self.shares_record = [[int(h[6]), int(h[4]), int(h[5])] for h in every]  # (group, samples, sum of ids)
         return sum(h[3] for h in every)
+
+    def _sharded_exchange(self, step: int, rows: dict, heads: dict) -> tuple[torch.Tensor, list]:
+        """The exchange of this process's shard, then a vote of the group's processes over their own
+        process group: the group applies the step only if every one of them completed its exchange (so
+        its shards stay one state), and agrees on the flags and on each share's samples (summed over
+        the parts). The headers returned are the group's: flags and samples of every part; the loss
+        and the trainer are this part's and group's (the trainer's log sums the parts' losses)."""
+        failed, total, every = None, None, []
+        try:
+            total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+        except MembershipChanged as e:
+            failed = e
+        n = self.shares_total
+        vote = torch.zeros(4 + 2 * n, dtype=torch.float64)
+        vote[0] = float(failed is not None)
+        if every:
+            vote[1:4] = torch.tensor([float(any(h[i] for h in every)) for i in range(3)], dtype=torch.float64)
+            vote[4:] = torch.tensor([[h[4], h[5]] for h in every], dtype=torch.float64).reshape(-1)
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+        agreed = vote.to(device)
+        dist.all_reduce(agreed)  # the group's own process group (its torchrun's)
+        agreed = agreed.cpu()
+        if agreed[0] > 0:
+            raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
+        flags, parts = (agreed[1:4] > 0).tolist(), agreed[4:].view(n, 2).tolist()
+        return total, [[*map(float, flags), h[3], samples, ids, float(int(h[6]) // self.procs)]
+                       for h, (samples, ids) in zip(every, parts)]
 
     def close(self) -> None:
         self.beacon.close()
@@ -290,9 +366,15 @@ def default_min_groups(groups: int) -> int:
     return groups // 2 + 1
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's rows of a tensor (an FSDP shard's), or the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def flat_grads(model: torch.nn.Module) -> torch.Tensor:
-    """Every parameter's gradient in one host tensor (parameter order; none: zeros)."""
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+    """Every parameter's gradient (under FSDP: this process's shard of it) in one host tensor (parameter
+    order; none: zeros)."""
+    return torch.cat([_local(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
                       for p in model.parameters()])
 
 
@@ -300,6 +382,11 @@ def flat_grads(model: torch.nn.Module) -> torch.Tensor:
 def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
     offset = 0
     for p in model.parameters():
-        n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype).clone()
+        local = _local(p)
+        n = local.numel()
+        g = flat[offset:offset + n].view_as(local).to(local.device, local.dtype).clone()
+        if local is not p:  # an FSDP shard: the gradient is a DTensor laid out as the parameter
+            from torch.distributed.tensor import DTensor
+            g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+        p.grad = g
         offset += n

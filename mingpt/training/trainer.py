@@ -223,7 +223,9 @@ class Trainer:
         # every rank knows the global token count from the plan: no collective normalises the loss
         global_tokens = self.data.train.tokens_in(np.concatenate(micro_batches))
         # replica groups: the split of a world of one rank per share, whichever groups are alive
-        split = self.data.sampler.split(micro_batches, self.replicas.shares_total if self.replicas else self.parallel.data_world)
+        # (sharded groups: every share cut into a part per process of the group)
+        split = self.data.sampler.split(micro_batches, self.replicas.shares_total * self.replicas.parts
+                                        if self.replicas else self.parallel.data_world)
         lr = lr_at(step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -247,11 +249,14 @@ class Trainer:
         if rows:
             log.info("step %d trained again: %d of this group's shares done before the fault kept", step, len(rows))
         try:
+            r = self.replicas
             for share in mine:
                 if share not in rows:
-                    loss = self._accumulate(_weighted(split[share], micro_batches), global_tokens, step)
-                    rows[share] = (flat_grads(self.parallel.gpt), loss, split[share])
-                    self.replicas.check()  # a member lost: on to the redo now, not after the other shares
+                    part = split[share * r.parts + r.part]
+                    loss = self._accumulate(_weighted(part, micro_batches), global_tokens, step)
+                    rows[share] = (flat_grads(self.parallel.gpt), loss, part)
+                    if not r.sharded:  # a member lost: on to the redo now, not after the other shares
+                        r.check()  # (sharded, the group's processes decide together, in the exchange)
             self.ledger.switch("step_compute")
             timed = 0 < self.policy.every_s <= time.monotonic() - self.policy.last_save_t
             total = self.replicas.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested, timed)
@@ -266,7 +271,7 @@ class Trainer:
         """Forward and backward over one rank's micro-batches (weight 0: run, not counted) into zeroed
         gradients; their summed token loss, on the device."""
         self.optimizer.zero_grad(set_to_none=True)
-        model, world = self.parallel.model, 1 if self.replicas else self.parallel.data_world
+        model, world = self.parallel.model, self.replicas.parts if self.replicas else self.parallel.data_world
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         x, y = self._fetch(micro_here[0][0])
         for i, (mb, weight) in enumerate(micro_here):
@@ -280,7 +285,7 @@ class Trainer:
                     x, y = self._fetch(micro_here[i + 1][0])
                 # gradients are averaged over data ranks: their count / global tokens makes them those of the
                 # mean token loss of the whole global batch, however unevenly the samples were split
-                # (replica groups sum the shares' gradients instead: a world of 1 here)
+                # (replica groups sum the shares' gradients instead: a world of 1, or of a sharded group's parts)
                 self.scaler.scale(loss * (weight * world / global_tokens)).backward()
             loss_sum += loss.detach().float() * weight
         return loss_sum
@@ -325,7 +330,7 @@ class Trainer:
         extra = self._state_json()
         with self.ledger.during("snapshot"):
             self.policy.saved()
-            if self.replicas and not self.leads:  # one member saves for the job (each holds the whole state)
+            if self.replicas and not self.replicas.saves:  # one member (sharded: one group) saves for the job
                 return
             self.snapshotter.save(p.step, self.parallel.slots(self.optimizer), extra, manifest)
 

@@ -5,6 +5,7 @@ with no snapshot read; every global step is trained on exactly its samples; and 
 the weights of the run without faults, bit for bit."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -164,32 +165,26 @@ def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
 
 
 LONG = 800
+SHARDED = 200  # steps of the sharded groups (their restart is back within 60 here)
 
 
-def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tmp_path):
-    """Three groups of two processes (one torchrun each, every process a member, half of its group's
-    two shares each: the split of the groups of one process). A process of group 1 is SIGKILLed: its
-    torchrun restarts both, the other groups go on without them (one new epoch), and they come back
-    healed (one more: a group leaves and returns whole). Every
-    step's samples and the final weights are those of the groups of one process, bit for bit."""
-    def kill_one_process_of_group_1(run_dir, agents):
-        deadline = time.time() + 120  # every process a member first (a slow start joins a later epoch)
-        while not [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch" and len(e["groups"]) == 6]:
-            assert time.time() < deadline and all(a.poll() is None for a in agents), "the six never trained together"
-            time.sleep(0.01)
-        whole = [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch"][-1]
-        step = wait_for_step(run_dir, whole["step"] + 5, agents)
-        workers = Path(f"/proc/{agents[1].pid}/task/{agents[1].pid}/children").read_text().split()
-        assert len(workers) == 2, workers
-        os.kill(int(workers[-1]), signal.SIGKILL)
-        return step, time.time()
+def kill_one_process_of_group_1(run_dir, agents):
+    """Once the six processes trained together, and 5 steps more: SIGKILL group 1's process 1."""
+    deadline = time.time() + 120  # every process a member first (a slow start joins a later epoch)
+    while not [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch" and len(e["groups"]) == 6]:
+        assert time.time() < deadline and all(a.poll() is None for a in agents), "the six never trained together"
+        time.sleep(0.01)
+    whole = [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch"][-1]
+    step = wait_for_step(run_dir, whole["step"] + 5, agents)
+    workers = Path(f"/proc/{agents[1].pid}/task/{agents[1].pid}/children").read_text().split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[-1]), signal.SIGKILL)
+    return step, time.time()
 
-    # 800 steps: the restarted group (two new interpreters beside four busy ones: 10-12 s on 2 cores)
-    # comes back well before the end
-    longer = (f"trainer.max_steps={LONG}",)
-    ref_dir, _, _ = run_job(tmp_path / "ref", reference["corpus"], extra=longer)
-    run_dir, logs, (fault_step, fault_t) = run_job(tmp_path, reference["corpus"], kill_one_process_of_group_1,
-                                                   procs=2, extra=(*longer, "replicas.shares_per_group=2"))
+
+def check_group_1_left_and_returned_whole(run_dir: Path, fault_t: float, fault_step: int) -> list:
+    """Group 1 (members 2 and 3) left in one new epoch and came back healed in one more; no snapshot
+    was read. Returns the run's records."""
     recs = records(run_dir / "metrics.jsonl")
     epochs = [r for r in recs if r.get("kind") == "epoch"]
     assert [0, 1, 2, 3, 4, 5] in [e["groups"] for e in epochs]  # member 2g + i: group g's process i
@@ -204,12 +199,54 @@ def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tm
                for e in epochs[since:] for g in range(3)), epochs
     assert len(epochs[since:]) == 3, epochs  # the six; without group 1; the six again
     assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
+    return recs
+
+
+def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tmp_path):
+    """Three groups of two processes (one torchrun each, every process a member, half of its group's
+    two shares each: the split of the groups of one process). A process of group 1 is SIGKILLed: its
+    torchrun restarts both, the other groups go on without them (one new epoch), and they come back
+    healed (one more: a group leaves and returns whole). Every
+    step's samples and the final weights are those of the groups of one process, bit for bit."""
+    # 800 steps: the restarted group (two new interpreters beside four busy ones: 10-12 s on 2 cores)
+    # comes back well before the end
+    longer = (f"trainer.max_steps={LONG}",)
+    ref_dir, _, _ = run_job(tmp_path / "ref", reference["corpus"], extra=longer)
+    run_dir, logs, (fault_step, fault_t) = run_job(tmp_path, reference["corpus"], kill_one_process_of_group_1,
+                                                   procs=2, extra=(*longer, "replicas.shares_per_group=2"))
+    check_group_1_left_and_returned_whole(run_dir, fault_t, fault_step)
     assert shares_by_step(run_dir) == shares_by_step(ref_dir)
     weights, expected = final(run_dir, LONG), final(ref_dir, LONG)
     assert all(torch.equal(weights[k], expected[k]) for k in weights)
     out = logs[1].read_text()
     assert f"training from step 0 to {LONG} on replica group 1 process 0 (3 groups)" in out, out[-3000:]
     assert "group 1 process 1 was lost: its torchrun restarts the group's processes" in out, out[-3000:]
+
+
+def test_groups_sharding_the_model_heal_each_shard_from_the_process_holding_it(reference, tmp_path):
+    """FSDP inside each group, replicas across them (a fault-tolerant HSDP): three groups of two
+    processes, each group's two processes shard the model and train each of its shares together (a
+    part each). A process of group 1 is SIGKILLed: the others go on without the group, and when its
+    torchrun has restarted both, each heals its own shard from the process of a live group that holds
+    the same rows (checked by its digest). Every step's samples and the final weights are those of the
+    same job without the fault, bit for bit."""
+    sharded = (f"trainer.max_steps={SHARDED}", "trainer.parallel=fsdp")
+    ref_dir, _, _ = run_job(tmp_path / "ref", reference["corpus"], procs=2, extra=sharded)
+    run_dir, logs, (fault_step, fault_t) = run_job(tmp_path, reference["corpus"], kill_one_process_of_group_1,
+                                                   procs=2, extra=sharded)
+    recs = check_group_1_left_and_returned_whole(run_dir, fault_t, fault_step)
+    assert shares_by_step(run_dir) == shares_by_step(ref_dir)
+    # (each shard healed right: a wrong one would change the sum of every later step, on every group)
+    weights, expected = final(run_dir, SHARDED), final(ref_dir, SHARDED)
+    assert all(torch.equal(weights[k], expected[k]) for k in weights)
+    _, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    assert (manifest["parallel"], manifest["world_size"]) == ("fsdp", 2)  # saved by one group, a shard per process
+    back = [e for e in recs if e.get("kind") == "epoch" and e["time"] > fault_t and e["healed"]]
+    assert back and back[0]["healed"] == [2, 3], back  # both processes of group 1, each its own shard
+    out = logs[1].read_text()
+    assert f"training from step 0 to {SHARDED} on replica group 1 process 0 (3 groups) (fsdp)" in out, out[-3000:]
+    assert "its torchrun restarts the group's processes, which rejoin and heal from a live group" in out, out[-3000:]
+    assert re.search(r"healed from replica group [02] process 0: at step", out), out[-3000:]
 
 
 def test_a_group_that_waits_while_the_others_finish_ends_with_the_run(reference, tmp_path):

@@ -23,7 +23,7 @@ class StubBeacon:
     """What Replicas asks of its beacon, for the tests of its own logic: nobody is ever lost."""
 
     def __init__(self, group):
-        self.group, self.procs = group, 1
+        self.group, self.procs, self.sharded = group, 1, False
 
     def lost(self, epoch):
         return None
@@ -75,6 +75,23 @@ def test_the_default_splits_a_lost_groups_share_one_per_survivor():
         assert (r.per_group, r.shares_total) == (3, 12)
     finally:
         r.close()
+
+
+@pytest.mark.parametrize(("groups", "shares"), [
+    ([0, 1, 2, 3, 4, 5], {0: [0, 1], 1: [2, 3], 2: [4, 5]}),  # all alive: each group its own two
+    ([0, 1, 4, 5], {0: [0, 1, 2], 2: [3, 4, 5]}),             # group 1 lost: one of its shares to each group
+])
+def test_a_sharded_group_trains_its_shares_together(groups, shares):
+    """trainer.parallel=fsdp inside groups of two processes: a share is the group's, cut into a part
+    per process; both processes of a group train the same shares, and a lost group's shares are dealt
+    out among the groups, not the processes."""
+    for me in groups:
+        beacon = StubBeacon(me)
+        beacon.procs, beacon.sharded = 2, True
+        r = Replicas(beacon, groups=6, min_groups=1, timeout_s=5, per_group=2)
+        r.epoch = epoch_of(groups, me)
+        assert (r.shares_total, r.parts, r.part) == (6, 2, me % 2)
+        assert r.shares() == shares[me // 2]
 
 
 def test_each_process_of_a_group_is_a_member_with_its_own_shares_and_port():
@@ -249,6 +266,13 @@ def test_default_min_groups_is_a_majority(groups, majority):
 def test_config_refuses_what_cannot_work(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         ReplicasConfig(**kwargs)
+
+
+def test_hsdp_inside_replica_groups_is_refused_with_what_to_use():
+    from mingpt.config import compose
+
+    with pytest.raises(ConfigError, match=r"trainer\.parallel=hsdp inside replica groups .* use trainer\.parallel=fsdp"):
+        compose(["trainer.parallel=hsdp", "replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"])
 
 
 def test_a_member_that_left_is_reported_with_the_cause_it_saw():
