@@ -269,7 +269,7 @@ def test_config_refuses_what_cannot_work(kwargs, message):
 
 
 def test_hsdp_inside_replica_groups_is_refused_with_what_to_use():
-    from mingpt.config import compose
+    from mingpt.compose import compose
 
     with pytest.raises(ConfigError, match=r"trainer\.parallel=hsdp inside replica groups .* use trainer\.parallel=fsdp"):
         compose(["trainer.parallel=hsdp", "replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"])
