@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, free_port, free_port_runs, make_corpus, records, torchrun_cmd, torchrun_env
+from conftest import REPO, free_port_runs, make_corpus, records, torchrun_cmd, torchrun_env
 
 from mingpt.snapshot import SnapshotStore
 
@@ -252,7 +252,7 @@ def test_groups_sharding_the_model_heal_each_shard_from_the_process_holding_it(r
 def test_a_group_that_waits_while_the_others_finish_ends_with_the_run(reference, tmp_path):
     """A group restarted near the end waits for a quorum that will not come: when the run's last
     snapshot appears it ends (exit 0) instead of waiting for ever."""
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    peers = [f"127.0.0.1:{port}" for port in free_port_runs(3)]  # below the ephemeral range
     run_dir = tmp_path / "run"
     log = tmp_path / "g0.log"
     agent = launch(0, peers, reference["corpus"], run_dir, log)
@@ -274,7 +274,7 @@ def test_a_group_without_the_secret_is_refused(tmp_path):
     """A process that does not hold the job secret is not let in: its beacon is refused, and the
     group it pretends to be never joins an epoch."""
     corpus = make_corpus(tmp_path)
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    peers = [f"127.0.0.1:{port}" for port in free_port_runs(3)]  # below the ephemeral range
     run_dir = tmp_path / "run"
     good = [launch(g, peers, corpus, run_dir, tmp_path / f"g{g}.log") for g in (0, 1)]
     cmd = torchrun_cmd(1, "mingpt/main.py", *CFG, f"data.path={corpus}", f"trainer.run_dir={tmp_path / 'intruder'}",
@@ -298,7 +298,7 @@ def test_two_groups_without_faults_end_bitwise_equal_to_ddp_at_two_ranks(tmp_pat
     bitwise equal. (Three are not: a third is no power of two, and gloo's ring sums each chunk from
     another rank; docs/replicas.md gives the difference.)"""
     corpus = make_corpus(tmp_path)
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    peers = [f"127.0.0.1:{port}" for port in free_port_runs(2)]  # below the ephemeral range
     groups_dir, ddp_dir = tmp_path / "groups", tmp_path / "ddp"
     logs = [tmp_path / f"group{g}.log" for g in range(2)]
     agents = [launch(g, peers, corpus, groups_dir, logs[g]) for g in range(2)]
