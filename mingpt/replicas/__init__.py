@@ -17,6 +17,11 @@ that did not complete), form the next epoch without it and train the step again.
 member: the whole training state sent over the epoch's process group as tensors plus JSON (never a
 pickle), checked by a digest before its first step.
 
+A group of several processes is one unit: it leaves whole when one of its processes is lost, and
+joins only whole. With `trainer.parallel=fsdp` its processes shard the model (a fault-tolerant
+HSDP): the shares are then the group's, each cut into a part per process, and the exchange and the
+healing run per shard, among the processes of every group that hold the same rows.
+
 The epoch is formed by its *coordinator*, the lowest-numbered group alive: there is no fixed
 coordinator to lose. A side of a cut network that holds fewer than `min_groups` groups (by default a
 majority) does not train: it waits to rejoin, so two halves of a job never train apart.
