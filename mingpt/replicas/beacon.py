@@ -57,6 +57,11 @@ class Epoch:
     def groups(self) -> list[int]:
         return [m.group for m in self.members]
 
+    def holders(self, member: int, procs: int) -> list[Member]:
+        """The members that hold `member`'s shard in sharded groups of `procs` processes: the same
+        process of every group."""
+        return [m for m in self.members if m.group % procs == member % procs]
+
 
 def host_port(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
@@ -306,9 +311,9 @@ class Beacon:
                 prefixed = dist.PrefixStore(derive(self.secret, f"replicas-epoch-{epoch.number}"), store)
                 out["pg"] = dist.ProcessGroupGloo(prefixed, epoch.rank, epoch.world, timeout)
                 if self.sharded:
-                    i = self.group % self.procs
-                    holders = [m.group for m in epoch.members if m.group % self.procs == i]
-                    prefixed = dist.PrefixStore(derive(self.secret, f"replicas-epoch-{epoch.number}-shard-{i}"), store)
+                    holders = [m.group for m in epoch.holders(self.group, self.procs)]
+                    shard = f"replicas-epoch-{epoch.number}-shard-{self.group % self.procs}"
+                    prefixed = dist.PrefixStore(derive(self.secret, shard), store)
                     out["peers"] = dist.ProcessGroupGloo(prefixed, holders.index(self.group), len(holders), timeout)
             except Exception as e:  # noqa: BLE001 - reported to the waiting thread
                 out["error"] = e

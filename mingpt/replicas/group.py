@@ -138,7 +138,7 @@ class Replicas:
         epoch's, or (sharded) the members holding this process's shard."""
         if not self.sharded:
             return self.epoch.pg, self.epoch.members, self.epoch.rank
-        holders = [m for m in self.epoch.members if m.group % self.procs == self.part]
+        holders = self.epoch.holders(self.beacon.group, self.procs)
         return self.epoch.peers, holders, [m.group for m in holders].index(self.beacon.group)
 
     @property
@@ -154,7 +154,7 @@ class Replicas:
     def shares(self) -> list[int]:
         """The shares this member trains: its own group's, and those of lost groups dealt out in turn
         (with k = groups - 1 shares per group, a lost group's go one to each survivor)."""
-        k, unit = self.per_group, self.beacon.procs if self.sharded else 1  # sharded: a group owns shares
+        k, unit = self.per_group, self.parts  # sharded: a group owns shares (its processes train parts)
         groups = sorted({m // unit for m in self.epoch.groups()})
         me = self.beacon.group // unit
         orphans = [s for s in range(self.shares_total) if s // k not in groups]
@@ -311,7 +311,7 @@ class Replicas:
                          float(self.beacon.group)]
                  for share, (_, loss, mbs) in rows.items()}
         if self.sharded:
-            total, every = self._sharded_exchange(step, rows, heads)
+            total, every = self._sharded_exchange(step, rows, heads, next(model.parameters()).device)
         else:
             total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
         set_grads(model, total)
@@ -320,7 +320,7 @@ class Replicas:
         self.shares_record = [[int(h[6]), int(h[4]), int(h[5])] for h in every]  # (group, samples, sum of ids)
         return sum(h[3] for h in every)
 
-    def _sharded_exchange(self, step: int, rows: dict, heads: dict) -> tuple[torch.Tensor, list]:
+    def _sharded_exchange(self, step: int, rows: dict, heads: dict, device: torch.device) -> tuple[torch.Tensor, list]:
         """The exchange of this process's shard, then a vote of the group's processes over their own
         process group: the group applies the step only if every one of them completed its exchange (so
         its shards stay one state), and agrees on the flags and on each share's samples (summed over
@@ -337,10 +337,8 @@ class Replicas:
         if every:
             vote[1:4] = torch.tensor([float(any(h[i] for h in every)) for i in range(3)], dtype=torch.float64)
             vote[4:] = torch.tensor([[h[4], h[5]] for h in every], dtype=torch.float64).reshape(-1)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        agreed = vote.to(device)
-        dist.all_reduce(agreed)  # the group's own process group (its torchrun's)
-        agreed = agreed.cpu()
+        # over the group's own process group (its torchrun's), on the model's device (NCCL's on GPUs)
+        agreed = distributed.all_reduce_sum(vote.to(device)).cpu()
         if agreed[0] > 0:
             raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
         flags, parts = (agreed[1:4] > 0).tolist(), agreed[4:].view(n, 2).tolist()
