@@ -335,9 +335,6 @@ class RunConfig:
         _check(tp == 1 or not self.trainer.compile,
                f"trainer.compile with trainer.tensor_parallel={tp} is not supported: torch.compile fails on the split "
                "model (torch 2.13: its split embedding); set trainer.compile=false")
-        _check(tp == 1 or not self.replicas.enabled,
-               f"trainer.tensor_parallel={tp} inside replica groups (replicas.peers) is not supported yet: "
-               "use one of the two")
         _check(self.trainer.parallel != "hsdp" or not self.replicas.enabled,
                "trainer.parallel=hsdp inside replica groups (replicas.peers) is not supported: a group is one node; "
                "use trainer.parallel=fsdp (sharded inside each group, replicated across the groups: a "

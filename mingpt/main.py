@@ -191,7 +191,12 @@ def build_replicas(cfg: RunConfig) -> Replicas | None:
     if not cfg.replicas.enabled:
         return None
     return Replicas.build(cfg.replicas, DistInfo.from_env(cuda=False), distributed.job_secret(),
-                          sharded=cfg.trainer.parallel == "fsdp")
+                          sharded=splits_the_model(cfg), tp=cfg.trainer.tensor_parallel)
+
+
+def splits_the_model(cfg: RunConfig) -> bool:
+    """The processes of a replica group split the model between them: FSDP or tensor parallelism."""
+    return cfg.trainer.parallel == "fsdp" or cfg.trainer.tensor_parallel > 1
 
 
 def build_data(cfg: RunConfig, start: Start, info: DistInfo) -> tuple[RunConfig, Corpus]:
@@ -352,8 +357,8 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
         ledger.switch("process_group")
         threads = cfg.trainer.threads or distributed.default_threads(info.local_world_size)
         if cfg.replicas.enabled:  # each process of a replica group is a member, with no process group of its
-            # torchrun; with trainer.parallel=fsdp its torchrun's processes shard the model between them
-            info = member_view(info, sharded=cfg.trainer.parallel == "fsdp")
+            # torchrun; with FSDP or tensor parallelism its torchrun's processes split the model between them
+            info = member_view(info, sharded=splits_the_model(cfg))
         info = distributed.init(info, cfg.dist.timeout_s, threads, cfg.trainer.deterministic)
         info = one_launch(info) if cfg.replicas.enabled else info
         ledger.switch("preflight")

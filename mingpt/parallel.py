@@ -97,6 +97,15 @@ class Parallel:
     def slots(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
         """Every tensor of the model and the optimizer as this rank holds it, by a name that does not
         depend on the strategy: `model.<parameter>`, `optim.<parameter>.<state>`."""
+        return [(self.tp and self.tp.slot(name, t)) or _slot(name, t) for name, t in self._tensors(optimizer)]
+
+    def held(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
+        """The tensors of `slots`, by the same names, exactly as this process holds them (its FSDP rows,
+        its tensor-parallel part; nothing gathered): for a process that holds the same parts (healing)."""
+        return [Slot(name, local, tuple(local.shape)) for name, t in self._tensors(optimizer)
+                for local in [t.to_local() if hasattr(t, "to_local") else t]]
+
+    def _tensors(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
         names = {}
         out = []
         if self.sharded:  # after a forward without backward (evaluation) the root may still be whole
@@ -106,14 +115,11 @@ class Parallel:
         with torch.no_grad():
             for name, p in self.gpt.named_parameters():
                 names[p] = name
-                out.append(self._slot(f"model.{name}", p))
+                out.append((f"model.{name}", p.detach()))
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    out.extend(self._slot(f"optim.{names[p]}.{k}", v) for k, v in optimizer.state[p].items())
+                    out.extend((f"optim.{names[p]}.{k}", v.detach()) for k, v in optimizer.state[p].items())
         return out
-
-    def _slot(self, name: str, t: torch.Tensor) -> Slot:
-        return (self.tp and self.tp.slot(name, t)) or _slot(name, t)
 
     def aliases(self) -> dict[str, str]:
         """State-dict names that are another parameter (tied weights): {alias: name}."""

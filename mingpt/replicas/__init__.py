@@ -19,8 +19,9 @@ pickle), checked by a digest before its first step.
 
 A group of several processes is one unit: it leaves whole when one of its processes is lost, and
 joins only whole. With `trainer.parallel=fsdp` its processes shard the model (a fault-tolerant
-HSDP): the shares are then the group's, each cut into a part per process, and the exchange and the
-healing run per shard, among the processes of every group that hold the same rows.
+HSDP), with `trainer.tensor_parallel` they split every block: the shares are then the group's, each
+cut into a part per data rank of the group, and the exchange and the healing run per shard, among
+the processes of every group that hold the same part of the model.
 
 The epoch is formed by its *coordinator*, the lowest-numbered group alive: there is no fixed
 coordinator to lose. A side of a cut network that holds fewer than `min_groups` groups (by default a

@@ -36,8 +36,8 @@ def one_launch(info: DistInfo) -> DistInfo:
 def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:
     """A process of a replica group as the rest of the program sees it: a process of its own, on its
     GPU (it trains with the group's other processes over the replicas' exchange, as a member like any
-    other, not over its torchrun's process group); `sharded` (FSDP inside the group): a rank of its
-    group's torchrun, whose processes shard the model between them."""
+    other, not over its torchrun's process group); `sharded` (FSDP or tensor parallelism inside the
+    group): a rank of its group's torchrun, whose processes split the model between them."""
     if info.world_size != info.local_world_size:
         raise ReplicaError(f"a replica group is one node's torchrun, and this one spans {info.world_size} processes "
                            f"on several nodes: run one group per node (torchrun --nnodes=1), each in replicas.peers")
@@ -64,13 +64,14 @@ class Replicas:
     trains, the exchange of the shares' gradients, forming the next epoch, and healing. Every process of
     every group is a member (group g's process i is member g * procs + i)."""
 
-    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float, per_group: int = 1):
+    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float, per_group: int = 1,
+                 tp: int = 1):
         # `groups` counts the members (every group's processes); the beacon knows the processes per group
         self.beacon, self.groups, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
         # shares of every global step per member (member m owns m*k .. m*k+k-1); sharded, per group:
-        # a group's processes train each of its shares together, process i its part i
-        self.per_group = per_group
-        self.shares_total = (groups // self.parts) * per_group
+        # a group's processes train each of its shares together (see `parts`)
+        self.per_group, self.tp = per_group, tp
+        self.shares_total = (groups // self.unit) * per_group
         self.epoch: Epoch | None = None
         # Every epoch's process group is kept until the process exits: freeing one whose collective a
         # lost member left unfinished would wait in its destructor (joining gloo's threads) until
@@ -82,12 +83,15 @@ class Replicas:
         self.shares_record: list = []  # the last step's (group, samples, sum of sample ids) of each share
 
     @classmethod
-    def build(cls, rc, info: DistInfo, secret: bytes | None, sharded: bool = False) -> Replicas:
+    def build(cls, rc, info: DistInfo, secret: bytes | None, sharded: bool = False, tp: int = 1) -> Replicas:
         """From the `replicas` config (mingpt.config.ReplicasConfig) of this process of a group (`info`:
-        its place in its torchrun; `sharded`: its processes shard the model, trainer.parallel=fsdp);
-        refused, in one line, where it cannot work."""
+        its place in its torchrun; `sharded`: its processes split the model, trainer.parallel=fsdp or
+        `tp` > 1, trainer.tensor_parallel); refused, in one line, where it cannot work."""
         member_view(info)  # one node per group
         procs = info.local_world_size
+        if procs % tp:
+            raise ReplicaError(f"trainer.tensor_parallel={tp} does not divide a group's {procs} processes: set "
+                               f"--nproc_per_node to a multiple of it")
         if secret is None:
             raise ReplicaError("replica groups authenticate each other with the job secret: give every group the "
                                "same MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
@@ -103,7 +107,7 @@ class Replicas:
             shares //= procs
         beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
                         rc.lost_after_s, procs, sharded)
-        return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares)
+        return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares, tp)
 
     @property
     def procs(self) -> int:
@@ -112,19 +116,26 @@ class Replicas:
 
     @property
     def sharded(self) -> bool:
-        """The group's processes shard the model (FSDP inside the group): they train each of the group's
-        shares together, and exchange and heal their shard with the processes holding the same rows."""
+        """The group's processes split the model (FSDP or tensor parallelism inside the group): they train
+        each of the group's shares together, and exchange and heal their shard with the processes of the
+        other groups holding the same one (the same place in their group)."""
         return self.beacon.sharded
 
     @property
-    def parts(self) -> int:
-        """Into how many parts a share is cut: one per process of a sharded group, else 1."""
+    def unit(self) -> int:
+        """The members that own shares together: a sharded group's processes, else one."""
         return self.procs if self.sharded else 1
+
+    @property
+    def parts(self) -> int:
+        """Into how many parts a share is cut: one per data rank of a sharded group (its processes over
+        the tensor-parallel degree: the processes of a tensor-parallel group train the same part), else 1."""
+        return self.procs // self.tp if self.sharded else 1
 
     @property
     def part(self) -> int:
         """This process's part of each share it trains."""
-        return self.beacon.group % self.procs if self.sharded else 0
+        return self.beacon.group % self.procs // self.tp if self.sharded else 0
 
     @property
     def saves(self) -> bool:
@@ -154,7 +165,7 @@ class Replicas:
     def shares(self) -> list[int]:
         """The shares this member trains: its own group's, and those of lost groups dealt out in turn
         (with k = groups - 1 shares per group, a lost group's go one to each survivor)."""
-        k, unit = self.per_group, self.parts  # sharded: a group owns shares (its processes train parts)
+        k, unit = self.per_group, self.unit  # sharded: a group owns shares (its processes train parts)
         groups = sorted({m // unit for m in self.epoch.groups()})
         me = self.beacon.group // unit
         orphans = [s for s in range(self.shares_total) if s // k not in groups]
@@ -341,7 +352,8 @@ class Replicas:
         agreed = distributed.all_reduce_sum(vote.to(device)).cpu()
         if agreed[0] > 0:
             raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
-        flags, parts = (agreed[1:4] > 0).tolist(), agreed[4:].view(n, 2).tolist()
+        # (each part's samples counted once: the processes of a tensor-parallel group train the same part)
+        flags, parts = (agreed[1:4] > 0).tolist(), (agreed[4:] / self.tp).view(n, 2).tolist()
         return total, [[*map(float, flags), h[3], samples, ids, float(int(h[6]) // self.procs)]
                        for h, (samples, ids) in zip(every, parts)]
 

@@ -149,7 +149,7 @@ class Trainer:
                     continue  # announce the step loaded
                 self.resume = None  # a live member holds the job's state: heal from it, never load
                 try:
-                    source, healed = self.replicas.heal(self.parallel.slots(self.optimizer), self._state_json,
+                    source, healed = self.replicas.heal(self.parallel.held(self.optimizer), self._state_json,
                                                         self.load_state)
                     break
                 except MembershipChanged as e:  # lost while healing: form the next epoch

@@ -165,7 +165,7 @@ def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
 
 
 LONG = 800
-SHARDED = 200  # steps of the sharded groups (their restart is back within 60 here)
+SHARDED = 200  # steps of the FSDP groups (their restart is back within 60 here; tensor parallel's within 25, of 100)
 
 
 def kill_one_process_of_group_1(run_dir, agents):
@@ -223,28 +223,31 @@ def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tm
     assert "group 1 process 1 was lost: its torchrun restarts the group's processes" in out, out[-3000:]
 
 
-def test_groups_sharding_the_model_heal_each_shard_from_the_process_holding_it(reference, tmp_path):
-    """FSDP inside each group, replicas across them (a fault-tolerant HSDP): three groups of two
-    processes, each group's two processes shard the model and train each of its shares together (a
-    part each). A process of group 1 is SIGKILLed: the others go on without the group, and when its
+@pytest.mark.parametrize("split, shown, steps", [("trainer.parallel=fsdp", "fsdp", SHARDED),
+                                                  ("trainer.tensor_parallel=2", "ddp x tensor parallel 2", 100)])
+def test_groups_sharding_the_model_heal_each_shard_from_the_process_holding_it(reference, tmp_path, split, shown, steps):
+    """FSDP (a fault-tolerant HSDP) or tensor parallelism inside each group, replicas across them:
+    three groups of two processes, each group's two processes split the model and train each of its
+    shares together (FSDP: a part of it each; tensor parallel: the whole share, a half of every block
+    each). A process of group 1 is SIGKILLed: the others go on without the group, and when its
     torchrun has restarted both, each heals its own shard from the process of a live group that holds
-    the same rows (checked by its digest). Every step's samples and the final weights are those of the
-    same job without the fault, bit for bit."""
-    sharded = (f"trainer.max_steps={SHARDED}", "trainer.parallel=fsdp")
+    the same one (checked by its digest). Every step's samples and the final weights are those of
+    the same job without the fault, bit for bit."""
+    sharded = (f"trainer.max_steps={steps}", split)
     ref_dir, _, _ = run_job(tmp_path / "ref", reference["corpus"], procs=2, extra=sharded)
     run_dir, logs, (fault_step, fault_t) = run_job(tmp_path, reference["corpus"], kill_one_process_of_group_1,
                                                    procs=2, extra=sharded)
     recs = check_group_1_left_and_returned_whole(run_dir, fault_t, fault_step)
     assert shares_by_step(run_dir) == shares_by_step(ref_dir)
     # (each shard healed right: a wrong one would change the sum of every later step, on every group)
-    weights, expected = final(run_dir, SHARDED), final(ref_dir, SHARDED)
+    weights, expected = final(run_dir, steps), final(ref_dir, steps)
     assert all(torch.equal(weights[k], expected[k]) for k in weights)
     _, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
-    assert (manifest["parallel"], manifest["world_size"]) == ("fsdp", 2)  # saved by one group, a shard per process
+    assert (manifest["parallel"], manifest["world_size"]) == (shown.split()[0], 2)  # saved by one group, a shard each
     back = [e for e in recs if e.get("kind") == "epoch" and e["time"] > fault_t and e["healed"]]
     assert back and back[0]["healed"] == [2, 3], back  # both processes of group 1, each its own shard
     out = logs[1].read_text()
-    assert f"training from step 0 to {SHARDED} on replica group 1 process 0 (3 groups) (fsdp)" in out, out[-3000:]
+    assert f"training from step 0 to {steps} on replica group 1 process 0 (3 groups) ({shown})" in out, out[-3000:]
     assert "its torchrun restarts the group's processes, which rejoin and heal from a live group" in out, out[-3000:]
     assert re.search(r"healed from replica group [02] process 0: at step", out), out[-3000:]
 

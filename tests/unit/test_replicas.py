@@ -77,21 +77,36 @@ def test_the_default_splits_a_lost_groups_share_one_per_survivor():
         r.close()
 
 
+@pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize(("groups", "shares"), [
     ([0, 1, 2, 3, 4, 5], {0: [0, 1], 1: [2, 3], 2: [4, 5]}),  # all alive: each group its own two
     ([0, 1, 4, 5], {0: [0, 1, 2], 2: [3, 4, 5]}),             # group 1 lost: one of its shares to each group
 ])
-def test_a_sharded_group_trains_its_shares_together(groups, shares):
+def test_a_sharded_group_trains_its_shares_together(groups, shares, tp):
     """trainer.parallel=fsdp inside groups of two processes: a share is the group's, cut into a part
-    per process; both processes of a group train the same shares, and a lost group's shares are dealt
-    out among the groups, not the processes."""
+    per process; trainer.tensor_parallel=2: not cut (both processes train all of it, each its half of
+    every block). Both processes of a group train the same shares, and a lost group's shares are
+    dealt out among the groups, not the processes."""
     for me in groups:
         beacon = StubBeacon(me)
         beacon.procs, beacon.sharded = 2, True
-        r = Replicas(beacon, groups=6, min_groups=1, timeout_s=5, per_group=2)
+        r = Replicas(beacon, groups=6, min_groups=1, timeout_s=5, per_group=2, tp=tp)
         r.epoch = epoch_of(groups, me)
-        assert (r.shares_total, r.parts, r.part) == (6, 2, me % 2)
+        assert (r.shares_total, r.parts, r.part) == (6, 2 // tp, me % 2 // tp)
         assert r.shares() == shares[me // 2]
+
+
+def test_groups_of_four_split_by_fsdp_and_tensor_parallelism_cut_a_share_in_two():
+    """Four processes per group, tensor parallel pairs: two parts per share, one per pair."""
+    beacon = StubBeacon(5)  # group 1's process 1
+    beacon.procs, beacon.sharded = 4, True
+    r = Replicas(beacon, groups=12, min_groups=1, timeout_s=5, per_group=2, tp=2)
+    assert (r.shares_total, r.parts, r.part) == (6, 2, 0)
+    beacon.group = 6  # process 2: the second pair
+    assert r.part == 1
+    with pytest.raises(ReplicaError, match="trainer.tensor_parallel=2 does not divide a group's 3 processes"):
+        Replicas.build(ReplicasConfig(peers=["127.0.0.1:7000", "127.0.0.1:7010"], group=0),
+                       DistInfo(world_size=3, local_world_size=3), SECRET, sharded=True, tp=2)
 
 
 def test_each_process_of_a_group_is_a_member_with_its_own_shares_and_port():

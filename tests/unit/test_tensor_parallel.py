@@ -33,8 +33,6 @@ def test_impossible_shapes_are_named_with_the_fix(n_head, block, vocab, size, pe
      "model.init_from with trainer.tensor_parallel=2 is not supported"),
     (["trainer.tensor_parallel=2", "trainer.compile=true"],
      "trainer.compile with trainer.tensor_parallel=2 is not supported: torch.compile fails on the split model"),
-    (["trainer.tensor_parallel=2", "replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"],
-     "trainer.tensor_parallel=2 inside replica groups (replicas.peers) is not supported yet"),
 ])
 def test_settings_that_cannot_go_with_tensor_parallelism_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
