@@ -230,11 +230,15 @@ def build_data(cfg: RunConfig, start: Start, info: DistInfo) -> tuple[RunConfig,
 
 def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
     """The GPT under its parallel strategy: built on the meta device, placed by the strategy, then
-    initialised (a new run), given GPT-2's weights, or left for the snapshot to fill."""
+    initialised (a new run, or any replica group's process), given GPT-2's weights, or left for the
+    snapshot to fill."""
     with torch.device("meta"):  # no memory and no initialisation until the strategy has placed it
         gpt = GPT(cfg.model)
     fresh = not start.candidates
-    parallel = parallelize(gpt, cfg.trainer.parallel, info, seed=cfg.trainer.seed if fresh else None,
+    # A replica group's process is initialised even when a snapshot waits: it may heal from a peer
+    # instead, and whatever goes wrong there must never spread uninitialised memory.
+    seed = cfg.trainer.seed if fresh or cfg.replicas.enabled else None
+    parallel = parallelize(gpt, cfg.trainer.parallel, info, seed=seed,
                            compile=cfg.trainer.compile,  # HSDP on one node only to carry on an HSDP run
                            one_node_ok=(start.manifest or {}).get("parallel") == "hsdp",
                            tensor_parallel=cfg.trainer.tensor_parallel)

@@ -26,8 +26,12 @@ the processes of every group that hold the same part of the model.
 The epoch is formed by its *coordinator*, the lowest-numbered group alive: there is no fixed
 coordinator to lose. A side of a cut network that holds fewer than `min_groups` groups (by default a
 majority) does not train: it waits to rejoin, so two halves of a job never train apart.
-Every connection is authenticated by the job secret (an HMAC of a fresh nonce); nothing received is
-unpickled.
+Every connection is mutual TLS 1.3 with a certificate derived from the job secret (both ends prove
+it, and each names itself inside the channel, so a relay cannot pass one member for another); every
+message is a typed record checked at the edge (mingpt/replicas/wire.py), nothing received is
+unpickled, and the coordinator takes who trained in the last epoch from its own record, not from a
+member's word. The exchange's and the healing's collectives run over gloo, whose connections are not
+authenticated (see docs/replicas.md, Security).
 """
 
 from mingpt.replicas.beacon import Beacon, Epoch, Member, MembershipChanged, ReplicaError

@@ -3,26 +3,42 @@ the epochs their coordinator (the lowest group alive) forms. See mingpt/replicas
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import hashlib
-import hmac
-import json
+import errno
 import logging
 import re
 import secrets
 import socket
-import struct
 import threading
 import time
-import weakref
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch.distributed as dist
 
 from mingpt.distributed import bound_store, derive
+from mingpt.replicas.wire import (
+    HANDSHAKE_S,
+    PROTOCOL,
+    Channel,
+    EpochNews,
+    Heartbeat,
+    Hello,
+    Join,
+    MemberEntry,
+    Wait,
+    WireError,
+    contexts,
+    encode,
+    parse,
+    read_line,
+)
 
 log = logging.getLogger(__name__)
+
+HANDSHAKES = 16  # connections that have not yet proved the secret, at once: more are closed unread
 
 
 class MembershipChanged(Exception):
@@ -70,12 +86,32 @@ def host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def port_holder(port: int) -> str:
+    """", held by USER (uid N)" for the user whose socket listens on `port` (from /proc/net), or ""."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = [line.split() for line in fh.readlines()[1:]]
+        except OSError:
+            continue
+        for row in rows:
+            if len(row) > 7 and row[3] == "0A" and int(row[1].rsplit(":", 1)[1], 16) == port:
+                uid = int(row[7])
+                try:
+                    import pwd
+                    user = pwd.getpwuid(uid).pw_name
+                except (KeyError, ImportError):
+                    user = "?"
+                return f", held by {user} (uid {uid})"
+    return ""
+
+
 class Beacon:
     """This group's endpoint: a server on its own peers address (heartbeats and join requests from
     the other groups) and a sender to every other group (heartbeats, join requests, their replies)."""
 
     def __init__(self, peers: list[str], group: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
-                 procs: int = 1, sharded: bool = False):
+                 procs: int = 1, sharded: bool = False, bind_wait_s: float = 60.0):
         # with several processes per group (`procs`), each process is a member: `peers` lists every
         # member's address and `group` is this member's place in it (group * procs + process);
         # `sharded`: the group's processes shard the model (FSDP), and each epoch also gets a process
@@ -84,33 +120,53 @@ class Beacon:
         self.sharded = sharded and procs > 1
         self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
         self.incarnation = secrets.token_hex(6)
-        self.status = {"state": "starting", "epoch": -1, "step": 0, "taking": -1}  # then forming, training
+        self.status = {"state": "starting", "epoch": -1, "step": 0, "taking": -1, "why": ""}  # then forming, training
         self.max_epoch = -1
+        self.last: Epoch | None = None  # the last epoch this member trained in: the coordinator's own record
+        self.dropped: Counter = Counter()  # messages and connections dropped, by sender
+        self._tls_server, self._tls_client = contexts(secret)
+        self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
         self._lock = threading.Lock()
-        self._send_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per connection
-        self._seen: dict[int, dict] = {}  # group -> its last heartbeat (with "t" and "eof")
-        self._requests: dict[int, tuple[dict, socket.socket]] = {}  # join requests, to the coordinator
-        self._replies: dict[str, dict] = {}  # replies to our join requests, by request id
-        self._announced: dict | None = None  # the epoch this coordinator announced, until its group is made
-        self._senders: dict[int, socket.socket] = {}
+        self._seen: dict[int, dict] = {}  # member -> its last heartbeat (with "inc", "t" and "eof")
+        self._requests: dict[int, tuple[Join, str, Channel]] = {}  # join requests to the coordinator: (request, inc, channel)
+        self._pending: set[str] = set()  # ids of our join requests not yet answered
+        self._replies: dict[str, EpochNews | Wait] = {}  # their answers, by request id
+        self._announced: EpochNews | None = None  # the epoch this coordinator announced, until its group is made
+        self._senders: dict[int, Channel] = {}
         self._stop = threading.Event()
         self._told_size = False  # a peer of another size of job was named once (its sender retries every heartbeat)
-        host, port = self.peers[group]
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        self._server = socket.socket(family, kind, proto)
-        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            self._server.bind(address)  # this address only: nothing listens wider than it must
-        except OSError as e:
-            raise ReplicaError(f"replica {self.name(group)} cannot listen on {host}:{port} ({e.strerror}): give "
-                               "replicas.peers an address of this host with a free port"
-                               + (f" (and the {procs - 1} after it)" if procs > 1 else "")) from None
-        self._server.listen(64)
+        self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
+        self._server = self._listen(bind_wait_s)
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
         self._threads += [threading.Thread(target=self._send, args=(g,), daemon=True)
                           for g in range(len(self.peers)) if g != group]
         for t in self._threads:
             t.start()
+
+    def _listen(self, wait_s: float) -> socket.socket:
+        """A listener on this member's address only (nothing listens wider than it must). A port held
+        by another process (a previous incarnation's lingering socket, or another user) is tried again
+        with backoff for `wait_s`, the holder named where /proc tells it."""
+        host, port = self.peers[self.group]
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        deadline, pause = time.monotonic() + wait_s, 0.5
+        while True:
+            server = socket.socket(family, kind, proto)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                server.bind(address)
+                server.listen(64)
+                return server
+            except OSError as e:
+                server.close()
+                if e.errno != errno.EADDRINUSE or time.monotonic() + pause > deadline:
+                    raise ReplicaError(f"replica {self.name(self.group)} cannot listen on {host}:{port} ({e.strerror}"
+                                       f"{port_holder(port)}): give replicas.peers an address of this host with a free "
+                                       "port" + (f" (and the {self.procs - 1} after it)" if self.procs > 1 else "")) from None
+                log.warning("replica %s cannot listen on %s:%d yet (%s%s); trying again in %.0f s", self.name(self.group),
+                            host, port, e.strerror, port_holder(port), pause)
+                time.sleep(pause)
+                pause = min(2 * pause, 10.0)
 
     # --- what the trainer asks -------------------------------------------------------------------
     def name(self, member: int) -> str:
@@ -197,7 +253,7 @@ class Beacon:
         holds at least `min_groups` groups; then make the epoch's process group. None: `should_stop`.
         `why` the last epoch ended, told to the others in the heartbeats (its root cause only)."""
         self.set_status(state="forming", step=step,
-                        why=re.sub(r"^group \d+( process \d+)? left epoch \d+ \((.*)\)$", r"\2", why))
+                        why=re.sub(r"^group \d+( process \d+)? left epoch \d+ \((.*)\)$", r"\2", why)[:300])
         waited = time.monotonic()
         while True:
             if should_stop():
@@ -219,6 +275,7 @@ class Beacon:
                     with self._lock:
                         self._announced = None
                 self.set_status(state="training", epoch=epoch.number)
+                self.last = epoch
                 return epoch
             if time.monotonic() - waited > 10:
                 log.warning("replica %s waits for a quorum of %d groups (alive: %s)", self.name(self.group), min_groups,
@@ -228,20 +285,29 @@ class Beacon:
 
     def _ask(self, coordinator: int, step: int, live: bool) -> Epoch | None:
         rid = secrets.token_hex(6)
-        self._write(self._senders.get(coordinator), {"t": "join", "id": rid, "step": step, "live": live,
-                                                     "epoch_seen": self.max_epoch})
-        deadline = time.monotonic() + 5 * self.lost_after_s + 6  # a request the coordinator passed over
-        while min(self.alive()) == coordinator and time.monotonic() < deadline:
-            with self._lock:
-                reply = self._replies.pop(rid, None)
-            if reply is not None:
-                if reply["t"] != "epoch":
+        with self._lock:
+            self._pending.add(rid)
+        try:
+            self._write(self._senders.get(coordinator), Join(rid, step, live, self.max_epoch))
+            deadline = time.monotonic() + 5 * self.lost_after_s + 6  # a request the coordinator passed over
+            while min(self.alive()) == coordinator and time.monotonic() < deadline:
+                with self._lock:
+                    reply = self._replies.pop(rid, None)
+                if isinstance(reply, Wait):
                     return None
-                members = [Member(*m) for m in reply["members"]]
-                rank = [m.group for m in members].index(self.group)
-                return Epoch(reply["number"], members, rank, store=tuple(reply["store"]))
-            time.sleep(0.002)
-        return None
+                if reply is not None:
+                    members = [Member(m.member, m.inc, m.step, m.live) for m in reply.members]
+                    if (self.group, self.incarnation) not in [(m.group, m.incarnation) for m in members]:
+                        self._drop(self.name(coordinator), f"an epoch {reply.number} without this member")
+                        return None
+                    rank = [m.group for m in members].index(self.group)
+                    return Epoch(reply.number, members, rank, store=(reply.host, reply.port))
+                time.sleep(0.002)
+            return None
+        finally:
+            with self._lock:  # an answer that comes later is dropped: nothing waits for it
+                self._pending.discard(rid)
+                self._replies.pop(rid, None)
 
     def _coordinate(self, step: int, live: bool, min_groups: int, timeout_s: float) -> Epoch | None:
         """Wait for a join request from every group alive (a member finishing its step comes within a
@@ -255,7 +321,7 @@ class Beacon:
             if self.group in broken:  # this one's too: forming stops (Replicas.form's should_stop says why)
                 return None
             with self._lock:
-                asked = {g: r for g, r in self._requests.items() if alive.get(g) == r[0]["inc"]}
+                asked = {g: r for g, r in self._requests.items() if alive.get(g) == r[1]}
                 starting = {g for g, s in self._seen.items() if s.get("state") == "starting"}
             if (set(alive) - {self.group} - starting - broken <= set(asked)
                     or time.monotonic() - started > 5 * self.lost_after_s + 5):
@@ -269,33 +335,49 @@ class Beacon:
         partial = {g for g in here if g in broken or not set(self.siblings(g)) <= here}
         waiting = list(asked) if self.group in partial else [g for g in asked if g in partial]
         for g in waiting:
-            msg, conn = asked.pop(g)
-            try:
-                self._write(conn, {"t": "wait", "id": msg["id"]})
-            except OSError:
-                pass
+            request, _, conn = asked.pop(g)
+            with contextlib.suppress(OSError):
+                self._write(conn, Wait(request.id))
         if self.group in partial:  # this one's own group is not all here yet: no epoch now, ask again
             return None
         members = sorted([Member(self.group, self.incarnation, step, live)]
-                         + [Member(g, r[0]["inc"], r[0]["step"], r[0]["live"]) for g, r in asked.items()],
+                         + [self._member(g, request, inc, step, live) for g, (request, inc, _) in asked.items()],
                          key=lambda m: m.group)
         if len({m.group // self.procs for m in members}) < min_groups:
-            for msg, conn in asked.values():
-                self._write(conn, {"t": "wait", "id": msg["id"]})
+            for request, _, conn in asked.values():
+                with contextlib.suppress(OSError):
+                    self._write(conn, Wait(request.id))
             return None
-        number = max([self.max_epoch] + [r[0]["epoch_seen"] for r in asked.values()]) + 1
+        number = max([self.max_epoch] + [r[0].epoch_seen for r in asked.values()]) + 1
         host = self.peers[self.group][0]
         store = bound_store(host, 0, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-        announcement = {"t": "epoch", "number": number, "store": [host, store.port],
-                        "members": [[m.group, m.incarnation, m.step, m.live] for m in members]}
+        news = EpochNews("0", number, host, store.port,
+                         tuple(MemberEntry(m.group, m.incarnation, m.step, m.live) for m in members))
         with self._lock:  # a member that missed its answer (it asked again meanwhile) is answered with it
-            self._announced = announcement
-        for msg, conn in asked.values():
-            try:
-                self._write(conn, {**announcement, "id": msg["id"]})
-            except OSError:
-                pass  # it is lost: forming the group notices
+            self._announced = news
+        for request, _, conn in asked.values():
+            with contextlib.suppress(OSError):  # it is lost: forming the group notices
+                self._write(conn, replace(news, id=request.id))
         return Epoch(number, members, [m.group for m in members].index(self.group), store=store)
+
+    def _member(self, member: int, request: Join, inc: str, step: int, live: bool) -> Member:
+        """A member of the next epoch as this coordinator knows it. Having trained in the last epoch (it
+        may then be a heal source) is what this coordinator's own record says, not the member's claim;
+        its step may differ from this one's by the step in flight only. A coordinator with no record of
+        its own (it restarted) takes the members' claims: they come over the authenticated channel."""
+        if not live or self.last is None:
+            return Member(member, inc, request.step, request.live)
+        was = (member, inc) in [(m.group, m.incarnation) for m in self.last.members]
+        if was and request.live and abs(request.step - step) <= 1:  # (a claim not to be live is taken)
+            return Member(member, inc, request.step, True)
+        if not request.live:  # a claim not to be live is taken: it is healed
+            return Member(member, inc, request.step, False)
+        if member not in self._told_claims:  # a claim the record contradicts: healed, not trusted
+            self._told_claims.add(member)
+            log.warning("replica %s claims to have trained to step %d in an epoch, where this coordinator's record "
+                        "(epoch %d, step %d) says otherwise: it is healed like a new member", self.name(member),
+                        request.step, self.last.number, step)
+        return Member(member, inc, 0, False)
 
     def _make_group(self, epoch: Epoch, timeout_s: float) -> None:
         """The epoch's gloo process group, made in a thread so that a member lost meanwhile is noticed."""
@@ -333,104 +415,147 @@ class Beacon:
         if "store" in out:
             epoch.store = out["store"]
 
-    # --- the wire ---------------------------------------------------------------------------------
-    def _mac(self, nonce: str, group: int, inc: str) -> str:
-        return hmac.new(self.secret, f"{nonce}|{group}|{inc}".encode(), hashlib.sha256).hexdigest()
-
-    def _write(self, conn: socket.socket | None, msg: dict) -> None:
+    # --- the wire (mingpt/replicas/wire.py: mutual TLS keyed by the secret, typed messages) -----------
+    def _write(self, conn: Channel | None, msg) -> None:
         if conn is None:
             raise OSError("not connected")
+        conn.send(msg)
+
+    def _drop(self, who: str, why: str) -> None:
+        """A message that is not one of ours, or a connection that did not prove the secret: dropped,
+        counted, and logged the first time for each sender."""
         with self._lock:
-            lock = self._send_locks.setdefault(conn, threading.Lock())
-        with lock:  # a send blocked by a cut network gives up after SO_SNDTIMEO, and holds up no other peer
-            conn.sendall(json.dumps(msg).encode() + b"\n")
+            self.dropped[who] += 1
+            first = self.dropped[who] == 1
+        if first:
+            log.warning("replica beacon: dropped %s from %s (logged once; `dropped` counts them)", why, who)
 
     def _accept(self) -> None:
         while not self._stop.is_set():
             try:
-                conn, _ = self._server.accept()
-            except OSError:
+                conn, address = self._server.accept()
+            except OSError as e:
+                if self._stop.is_set():
+                    return
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._drop("the accept loop", f"a connection ({e.strerror}: out of descriptors)")
+                    time.sleep(0.05)  # connections close meanwhile; the listener stays
+                    continue
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            if not self._handshakes.acquire(blocking=False):  # unauthenticated connections are capped
+                conn.close()
+                self._drop("the accept loop", f"a connection beyond {HANDSHAKES} unauthenticated ones")
+                continue
+            threading.Thread(target=self._serve, args=(conn, address), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        """One peer's heartbeats and requests; the first line must prove the job secret."""
-        group = inc = None
+    def _serve(self, conn: socket.socket, address) -> None:
+        """One peer's heartbeats and requests, once it completed the handshake and named itself."""
+        member = inc = None
         try:
-            nonce = secrets.token_hex(16)
-            conn.settimeout(5.0)
-            conn.sendall(json.dumps({"nonce": nonce}).encode() + b"\n")
-            reader = conn.makefile("rb")
-            hello = json.loads(reader.readline(4096) or b"{}")
-            group, inc = hello.get("group"), hello.get("inc")
-            if not (isinstance(group, int) and 0 <= group < len(self.peers) and group != self.group
-                    and isinstance(inc, str)
-                    and hmac.compare_digest(str(hello.get("mac", "")), self._mac(nonce, group, inc))):
-                log.warning("replica beacon: refused a connection that did not prove the job secret")
+            try:
+                conn.settimeout(HANDSHAKE_S)
+                tls = self._tls_server.wrap_socket(conn, server_side=True)
+                hello = parse(read_line(tls), len(self.peers))
+            except (OSError, WireError) as e:
+                conn.close()
+                self._drop(str(address[0]), f"a connection that did not prove the job secret ({e})")
                 return
-            if hello.get("members") != len(self.peers):  # its member numbers are not ours: it must not join
-                if not self._told_size:
-                    self._told_size = True
-                    log.error("replica beacon: refused a peer of this job that counts %s processes in all, where this "
-                              "one counts %d: start every group with the same --nproc_per_node and replicas.peers",
-                              hello.get("members"), len(self.peers))
+            finally:
+                self._handshakes.release()
+            if not self._welcome(hello, tls):
+                tls.close()
                 return
-            conn.settimeout(None)
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
-            for line in reader:
-                msg = json.loads(line)
-                with self._lock:
-                    if msg.get("t") == "hb":
-                        self._seen[group] = {**msg, "inc": inc, "t": time.monotonic(), "eof": False}
-                        self.max_epoch = max(self.max_epoch, int(msg.get("epoch", -1)))
-                    elif msg.get("t") == "join":
-                        news = self._announced
-                        if news and [group, inc] in [m[:2] for m in news["members"]]:
-                            self._requests.pop(group, None)
-                        else:
-                            news = None
-                            self._requests[group] = ({**msg, "inc": inc}, conn)
-                if msg.get("t") == "join" and news:  # it missed the answer to an earlier request
-                    self._write(conn, {**news, "id": msg["id"]})
-        except (OSError, ValueError):
-            pass
+            member, inc = hello.member, hello.inc
+            channel = Channel(tls, lambda line: self._heard(member, inc, channel, line))
+            channel.send(Hello(PROTOCOL, self.group, self.incarnation, len(self.peers)))
+            channel.run()
         finally:
             with self._lock:
-                if group is not None and self._seen.get(group, {}).get("inc") == inc:
-                    self._seen[group]["eof"] = True
-            conn.close()
+                if member is not None and self._seen.get(member, {}).get("inc") == inc:
+                    self._seen[member]["eof"] = True
 
-    def _send(self, group: int) -> None:
-        """Keep a connection to `group`'s beacon: heartbeats out, replies to our requests in."""
+    def _welcome(self, hello, tls) -> bool:
+        """Whether a peer's hello (it holds the secret) is of this job's protocol and layout."""
+        if not isinstance(hello, Hello) or hello.v != PROTOCOL:
+            self._drop("a peer", f"a hello of another protocol ({hello})")
+            return False
+        if hello.members != len(self.peers):  # its member numbers are not ours: it must not join
+            if not self._told_size:
+                self._told_size = True
+                log.error("replica beacon: refused a peer of this job that counts %s processes in all, where this "
+                          "one counts %d: start every group with the same --nproc_per_node and replicas.peers",
+                          hello.members, len(self.peers))
+            return False
+        if not 0 <= hello.member < len(self.peers) or hello.member == self.group:
+            self._drop("a peer", f"a hello from member {hello.member}")
+            return False
+        tls.settimeout(None)
+        return True
+
+    def _heard(self, member: int, inc: str, channel: Channel, line: bytes) -> None:
+        """A line from member `member` (incarnation `inc`): its heartbeat, or a join request to this coordinator."""
+        try:
+            msg = parse(line, len(self.peers))
+        except WireError as e:
+            return self._drop(self.name(member), f"a message that is not one of ours ({e})")
+        news = None
+        with self._lock:
+            if isinstance(msg, Heartbeat):
+                self._seen[member] = {**asdict(msg), "inc": inc, "t": time.monotonic(), "eof": False}
+                self.max_epoch = max(self.max_epoch, msg.epoch)
+            elif isinstance(msg, Join):
+                news = self._announced
+                if news and (member, inc) in [(m.member, m.inc) for m in news.members]:
+                    self._requests.pop(member, None)
+                else:
+                    news = None
+                    self._requests[member] = (msg, inc, channel)
+            else:
+                return self._drop(self.name(member), f"a {type(msg).__name__} sent to a server")
+        if news:  # it missed the answer to an earlier request
+            with contextlib.suppress(OSError):
+                channel.send(replace(news, id=msg.id))
+
+    def _send(self, member: int) -> None:
+        """Keep a channel to `member`'s beacon: heartbeats out, replies to our requests in."""
         while not self._stop.is_set():
-            conn = None
+            channel = None
             try:
-                conn = socket.create_connection(self.peers[group], timeout=max(self.lost_after_s, 0.5))
+                conn = socket.create_connection(self.peers[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                reader = conn.makefile("rb")
-                nonce = json.loads(reader.readline(4096))["nonce"]
-                conn.sendall(json.dumps({"group": self.group, "inc": self.incarnation, "members": len(self.peers),
-                                         "mac": self._mac(nonce, self.group, self.incarnation)}).encode() + b"\n")
-                conn.settimeout(None)
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 1, 0))
-                self._senders[group] = conn
-                threading.Thread(target=self._read_replies, args=(reader,), daemon=True).start()
-                while not self._stop.is_set():
+                tls = self._tls_client.wrap_socket(conn)
+                tls.sendall(encode(Hello(PROTOCOL, self.group, self.incarnation, len(self.peers))))
+                hello = parse(read_line(tls), len(self.peers))
+                if not isinstance(hello, Hello) or hello.member != member or hello.v != PROTOCOL:
+                    # a relay: whoever holds the address we dialled passed us on to another member
+                    self._drop(f"{self.name(member)}'s address", f"a server that is not {self.name(member)} ({hello})")
+                    tls.close()
+                    time.sleep(self.heartbeat_s)
+                    continue
+                channel = Channel(tls, self._reply)
+                self._senders[member] = channel
+                threading.Thread(target=channel.run, daemon=True).start()
+                while not self._stop.is_set() and not channel.closed.is_set():
                     with self._lock:
                         status = dict(self.status)
-                    self._write(conn, {"t": "hb", **status})
+                    channel.send(Heartbeat(**status))
                     time.sleep(self.heartbeat_s)
-            except (OSError, ValueError, KeyError):
-                self._senders.pop(group, None)
-                if conn is not None:
-                    conn.close()  # its reader thread ends with it
-                time.sleep(self.heartbeat_s)
+            except (OSError, WireError):
+                pass
+            if self._senders.get(member) is channel:
+                self._senders.pop(member, None)
+            if channel is not None:
+                channel.close()
+            time.sleep(self.heartbeat_s)
 
-    def _read_replies(self, reader) -> None:
+    def _reply(self, line: bytes) -> None:
+        """A coordinator's answer to one of our requests; any other line is dropped."""
         try:
-            for line in reader:
-                msg = json.loads(line)
-                with self._lock:
-                    self._replies[str(msg.get("id"))] = msg
-        except (OSError, ValueError):
-            pass
+            msg = parse(line, len(self.peers))
+        except WireError as e:
+            return self._drop("a coordinator", f"a reply that is not one of ours ({e})")
+        with self._lock:
+            if isinstance(msg, (EpochNews, Wait)) and msg.id in self._pending:
+                self._replies[msg.id] = msg
+                return
+        self._drop("a coordinator", f"a {type(msg).__name__} that answers no request of ours")

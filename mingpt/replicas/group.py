@@ -4,6 +4,7 @@ gradients in share order, and healing from a live peer. See mingpt/replicas/__in
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -81,6 +82,7 @@ class Replicas:
         self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
         self.flags = (False, False)  # (preempted, save interval elapsed) on any member, at the last exchange
         self.shares_record: list = []  # the last step's (group, samples, sum of sample ids) of each share
+        self.failed_heals = 0  # states received that did not match their sender's digest (healed again)
 
     @classmethod
     def build(cls, rc, info: DistInfo, secret: bytes | None, sharded: bool = False, tp: int = 1) -> Replicas:
@@ -106,7 +108,7 @@ class Replicas:
                                    f"processes: make it a multiple of {procs} (or 0, for {procs * max(1, groups - 1)})")
             shares //= procs
         beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
-                        rc.lost_after_s, procs, sharded)
+                        rc.lost_after_s, procs, sharded, bind_wait_s=rc.timeout_s)
         return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares, tp)
 
     @property
@@ -276,12 +278,15 @@ class Replicas:
         if not behind:
             self.live = True
             return -1, []
+        key = distributed.derive(self.beacon.secret, "replicas-heal").encode()  # a digest only the job can make
         meta = state() if me == source else {}
         if me == source:
-            meta["digest"] = state_digest(slots, meta)
+            meta["digest"] = state_digest(key, slots, meta)
         blob = json.dumps(meta).encode() if me == source else b""
         size = torch.tensor([len(blob)], dtype=torch.int64)
         self._broadcast(pg, size, source)
+        if not 0 <= int(size) <= MAX_STATE_JSON:
+            raise MembershipChanged(f"the state from {self.beacon.name(best.group)} announced {int(size)} bytes of JSON")
         blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
                   else torch.empty(int(size), dtype=torch.uint8))
         self._broadcast(pg, blob_t, source)
@@ -290,17 +295,24 @@ class Replicas:
                     else torch.empty(slot.local.shape, dtype=slot.local.dtype) for slot in slots]
         for t in received:
             self._broadcast(pg, t, source)
-        self.live = True
         if me == source or me not in behind:  # up to date: what it received is what it holds
+            self.live = True
             return healed
-        meta = json.loads(bytes(blob_t.numpy()))
-        digest = meta.pop("digest")
-        if state_digest(slots, meta, received) != digest:
-            raise ReplicaError(f"the state received from group {best.group} does not match its digest")
+        try:
+            meta = json.loads(bytes(blob_t.numpy()))
+            digest = meta.pop("digest") if isinstance(meta, dict) else None
+        except ValueError:
+            digest = None
+        if not isinstance(digest, str) or not hmac.compare_digest(state_digest(key, slots, meta, received), digest):
+            # nothing was loaded: this member stays as it was (not live), and heals again in the next epoch
+            self.failed_heals += 1
+            raise MembershipChanged(f"the state received from {self.beacon.name(best.group)} does not match its digest "
+                                    f"(heal failed {self.failed_heals} time(s); healing again)")
         with torch.no_grad():
             for slot, t in zip(slots, received):
                 slot.local.copy_(t)
         load(meta)
+        self.live = True
         return healed
 
     def _broadcast(self, pg, t: torch.Tensor, source: int) -> None:
@@ -361,9 +373,14 @@ class Replicas:
         self.beacon.close()
 
 
-def state_digest(slots: list, meta: dict, tensors: list | None = None) -> str:
-    """sha256 of the JSON state and every tensor's bytes (the slots', or `tensors` in their place)."""
-    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode())
+MAX_STATE_JSON = 64 * 2**20  # the sampler's and counters' state: kilobytes; a size beyond this is no state of ours
+
+
+def state_digest(key: bytes, slots: list, meta: dict, tensors: list | None = None) -> str:
+    """HMAC-SHA256 (keyed by the job secret) of the JSON state and every tensor's bytes (the slots', or
+    `tensors` in their place)."""
+    h = hmac.new(key, json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode(),
+                 hashlib.sha256)
     for slot, t in zip(slots, tensors or [s.local for s in slots]):
         t = t.detach().cpu().contiguous()
         h.update(slot.name.encode())

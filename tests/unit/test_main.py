@@ -65,3 +65,28 @@ def test_the_start_line_says_when_the_kernels_are_deterministic(corpus_file, tmp
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training from step 0 to 2 on 1 rank (single), precision fp32, deterministic kernels" in proc.stderr
+
+
+def test_a_replica_groups_process_initialises_its_model_even_when_a_snapshot_waits():
+    """A restarted process of a replica group may heal from a peer instead of reading the snapshot it
+    found: its weights are filled from the seed first, so a heal that goes wrong can never spread
+    uninitialised memory (the review's NaN rewind). A plain job leaves them for the snapshot."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    import torch
+
+    from mingpt.compose import compose
+    from mingpt.distributed import DistInfo
+    from mingpt.main import build_model
+
+    start = SimpleNamespace(candidates=["step_000000075"], manifest={"step": 75}, pretrained=None)
+
+    def sized(cfg):  # what build_data sets from the tokenizer and the data
+        return replace(cfg, model=replace(cfg.model, vocab_size=65, block_size=cfg.data.block_size))
+
+    fresh = build_model(sized(compose(TINY)), DistInfo(), SimpleNamespace(candidates=[], manifest=None, pretrained=None))
+    replica = build_model(sized(compose([*TINY, "replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=1"])),
+                          DistInfo(), start)
+    for (name, a), b in zip(fresh.gpt.state_dict().items(), replica.gpt.state_dict().values()):
+        assert torch.equal(a, b), name

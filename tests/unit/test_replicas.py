@@ -1,8 +1,6 @@
 """mingpt.replicas: who trains which share, the exchange's order, the beacon's door, the config."""
 
 import datetime
-import json
-import socket
 import threading
 import time
 from dataclasses import replace
@@ -15,6 +13,7 @@ from conftest import free_port, free_port_runs
 from mingpt.config import ConfigError, ReplicasConfig
 from mingpt.distributed import DistInfo
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas, default_min_groups
+from mingpt.replicas.wire import EpochNews, Join, MemberEntry, Wait
 
 SECRET = b"unit-test-secret-0123456789abcdef0123"
 
@@ -27,6 +26,16 @@ class StubBeacon:
 
     def lost(self, epoch):
         return None
+
+
+class Outbox:
+    """A member's channel as the coordinator writes to it: what was sent."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg):
+        self.sent.append(msg)
 
 
 def epoch_of(groups, me):
@@ -199,32 +208,6 @@ def serve(beacons):
     return False
 
 
-def test_the_beacon_lets_in_only_the_job_secret(caplog):
-    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
-    a = Beacon(peers, 0, SECRET, 0.05, 1.0)
-    try:
-        # a stranger who does not know the secret: it is told a nonce, its answer is refused
-        with socket.create_connection(("127.0.0.1", int(peers[0].rsplit(":", 1)[1])), timeout=5) as s:
-            reader = s.makefile("rb")
-            assert "nonce" in json.loads(reader.readline())
-            s.sendall(json.dumps({"group": 1, "inc": "evil", "mac": "0" * 64}).encode() + b"\n")
-            s.sendall(json.dumps({"t": "hb", "epoch": 99, "state": "training", "step": 5}).encode() + b"\n")
-            try:
-                closed = reader.readline() == b""
-            except ConnectionResetError:  # closed with its heartbeat unread
-                closed = True
-            assert closed
-        assert set(a.alive()) == {0} and a.max_epoch == -1
-        assert "did not prove the job secret" in caplog.text
-        b = Beacon(peers, 1, SECRET, 0.05, 1.0)  # the job's own: heard within a heartbeat or two
-        try:
-            assert serve([a, b])
-        finally:
-            b.close()
-    finally:
-        a.close()
-
-
 def test_a_group_of_another_size_is_refused_with_what_to_fix(caplog):
     """Groups started with different --nproc_per_node number their members differently: a peer whose
     job counts another number of processes is refused, and the log says what to make equal."""
@@ -248,8 +231,8 @@ def test_a_member_that_missed_the_announcement_gets_it_when_it_asks_again():
     a, b = Beacon(peers, 0, SECRET, 0.05, 1.0), Beacon(peers, 1, SECRET, 0.05, 1.0)
     try:
         assert serve([a, b])
-        a._announced = {"t": "epoch", "number": 7, "store": ["127.0.0.1", 1],
-                        "members": [[0, a.incarnation, 3, True], [1, b.incarnation, 3, True]]}
+        a._announced = EpochNews("0", 7, "127.0.0.1", 1, (MemberEntry(0, a.incarnation, 3, True),
+                                                          MemberEntry(1, b.incarnation, 3, True)))
         epoch = b._ask(0, step=3, live=True)  # a's main thread is busy: only its server answers
         assert epoch is not None and epoch.number == 7 and epoch.rank == 1 and epoch.groups() == [0, 1]
     finally:
@@ -327,16 +310,13 @@ def test_a_group_of_several_processes_leaves_and_joins_whole():
             a._seen[2]["eof"] = True  # group 1 process 0 SIGKILLed
         assert a.broken() == {2, 3}
         # the survivors' next epoch: 3 asks too (it has not left yet), and is told to wait
-        asked, pairs = {}, []
-        for m in (1, 3, 4, 5):
-            ours, theirs = socket.socketpair()
-            asked[m] = theirs
-            pairs += [ours, theirs]
-            a._requests[m] = ({"id": f"r{m}", "inc": f"i{m}", "step": 9, "live": True, "epoch_seen": 4}, ours)
+        asked = {m: Outbox() for m in (1, 3, 4, 5)}
+        for m, box in asked.items():
+            a._requests[m] = (Join(f"a{m}", 9, True, 4), f"i{m}", box)
         epoch = a._coordinate(9, True, 2, 5.0)
         assert epoch is not None and epoch.groups() == [0, 1, 4, 5]
-        assert json.loads(asked[3].recv(4096))["t"] == "wait"
-        assert json.loads(asked[1].recv(4096))["t"] == "epoch"
+        assert asked[3].sent == [Wait("a3")]
+        assert isinstance(asked[1].sent[0], EpochNews) and asked[1].sent[0].id == "a1"
         epoch.store = None
         # group 1 restarted: its process 0 ready, its process 1 still starting; then both ready
         with a._lock:
@@ -346,7 +326,5 @@ def test_a_group_of_several_processes_leaves_and_joins_whole():
         with a._lock:
             a._seen[3]["state"] = "forming"
         assert a.joiners(epoch) == [2, 3]
-        for sock in pairs:
-            sock.close()
     finally:
         a.close()

@@ -1,0 +1,301 @@
+"""The replica groups' wire: mutual TLS keyed by the job secret, and named, typed messages.
+
+Why TLS and not a framing of our own: both ends must prove the secret, the proof must bind both
+parties and both sides' fresh randomness (a relayed answer must fail), and every later message must
+be authenticated with replay protection. TLS 1.3 with a certificate on each side does all of that,
+from the standard library's `ssl` (OpenSSL). The job's certificate is derived from the secret: an
+Ed25519 key from an HMAC of it, and a self-signed certificate with fixed fields (Ed25519 signs
+deterministically, so every process of the job makes the same bytes). Each side presents it and
+trusts that certificate only, so a peer that completes the handshake holds the secret, and nobody
+else can read, change or replay a byte. Inside the channel the server names itself in its `Hello`:
+a client that dialled group 2's address and reached another member (a relay by whoever bound a
+down group's port) hangs up.
+
+Every line is one JSON object, parsed once here into its record (`Hello`, `Heartbeat`, `Join`,
+`EpochNews`, `Wait`); a line too long, not JSON, or with a field of the wrong type or range is
+dropped (and counted by the caller).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import hashlib
+import hmac
+import json
+import os
+import select
+import ssl
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, fields
+
+PROTOCOL = 2  # checked at hello: groups of another release refuse each other
+MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
+HANDSHAKE_S = 5.0
+
+
+class WireError(ValueError):
+    """A message that is not one of ours: not JSON, an unknown kind, a field of the wrong type or range."""
+
+
+# --- the messages -----------------------------------------------------------------------------------
+STATES = ("starting", "forming", "training")
+
+
+def _text(limit: int):
+    return lambda v: isinstance(v, str) and len(v) <= limit
+
+
+def _int(lo: int, hi: int = 2**62):
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def _bool(v) -> bool:
+    return isinstance(v, bool)
+
+
+def _id(v) -> bool:
+    return isinstance(v, str) and 0 < len(v) <= 32 and all(c in "0123456789abcdef" for c in v)
+
+
+@dataclass(frozen=True)
+class Hello:
+    """The first line each way inside the channel: who is speaking, and which job layout it counts."""
+    v: int
+    member: int  # the sender's member number (group * processes per group + process)
+    inc: str  # the sender's incarnation: a restarted process is a new member
+    members: int  # members in the job (every group's processes): its numbering must be ours
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """A member's state, every heartbeat_s."""
+    state: str  # starting (building), forming (asking to join an epoch), training
+    epoch: int  # the newest epoch it trained in (-1: none)
+    step: int
+    taking: int  # the epoch it is forming (-1: none)
+    why: str = ""  # why its last epoch ended (its root cause)
+
+
+@dataclass(frozen=True)
+class Join:
+    """A request to the coordinator to be in the next epoch."""
+    id: str
+    step: int  # the steps its state holds (its claim: the coordinator checks it against its record)
+    live: bool  # it trained in an epoch (a claim, likewise)
+    epoch_seen: int  # the newest epoch it has heard of
+
+
+@dataclass(frozen=True)
+class MemberEntry:
+    member: int
+    inc: str
+    step: int
+    live: bool
+
+
+@dataclass(frozen=True)
+class EpochNews:
+    """The coordinator's answer: the epoch, its members in rank order, and the store its process group meets at."""
+    id: str
+    number: int
+    host: str
+    port: int
+    members: tuple[MemberEntry, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """The coordinator's answer: no epoch for you now (your group is not whole, or there is no quorum); ask again."""
+    id: str
+
+
+KINDS = {"hello": Hello, "hb": Heartbeat, "join": Join, "epoch": EpochNews, "wait": Wait}
+NAMES = {cls: name for name, cls in KINDS.items()}
+
+
+def checks(members: int) -> dict:
+    """Each field's check, for a job of `members` members."""
+    member = _int(0, members - 1)
+    entry = {"member": member, "inc": _text(32), "step": _int(0), "live": _bool}
+    return {
+        Hello: {"v": _int(0, 2**31), "member": _int(0, 2**31), "inc": _text(32), "members": _int(1, 2**31)},
+        Heartbeat: {"state": lambda v: v in STATES, "epoch": _int(-1), "step": _int(0), "taking": _int(-1),
+                    "why": _text(300)},
+        Join: {"id": _id, "step": _int(0), "live": _bool, "epoch_seen": _int(-1)},
+        EpochNews: {"id": _id, "number": _int(0), "host": _text(255), "port": _int(1, 65535),
+                    "members": lambda v: isinstance(v, list) and 0 < len(v) <= members
+                    and all(isinstance(e, dict) and set(e) == set(entry) and all(entry[k](e[k]) for k in entry) for e in v)},
+        Wait: {"id": _id},
+    }
+
+
+def parse(line: bytes, members: int):
+    """One line into its record; WireError if it is not one of ours."""
+    try:
+        obj = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        raise WireError("not JSON") from None
+    if not isinstance(obj, dict) or obj.get("t") not in KINDS:
+        raise WireError(f"an unknown message {str(obj.get('t') if isinstance(obj, dict) else type(obj).__name__)[:20]!r}")
+    cls = KINDS[obj.pop("t")]
+    spec = checks(members)[cls]
+    required = {f.name for f in fields(cls) if f.default is MISSING}
+    if not set(obj) <= set(spec) or not required <= set(obj):
+        raise WireError(f"a {NAMES[cls]} with fields {sorted(obj)[:10]}")
+    for k, v in obj.items():
+        if not spec[k](v):
+            raise WireError(f"a {NAMES[cls]} whose {k} is {str(v)[:40]!r}")
+    if cls is EpochNews:
+        obj["members"] = tuple(MemberEntry(**e) for e in obj["members"])
+    return cls(**obj)
+
+
+def encode(msg) -> bytes:
+    return json.dumps({"t": NAMES[type(msg)], **asdict(msg)}).encode() + b"\n"
+
+
+# --- the channel ------------------------------------------------------------------------------------
+def credentials(secret: bytes) -> tuple[bytes, bytes]:
+    """The job's certificate and private key (PEM), the same bytes in every process that holds `secret`."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.x509.oid import NameOID
+
+    key = Ed25519PrivateKey.from_private_bytes(hmac.new(secret, b"mingpt replicas tls key", hashlib.sha256).digest())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "mingpt replica job")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(datetime.datetime(2020, 1, 1))
+            .not_valid_after(datetime.datetime(9999, 12, 31))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(key, None))
+    return (cert.public_bytes(serialization.Encoding.PEM),
+            key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+
+
+def contexts(secret: bytes) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) TLS 1.3 contexts that present the job's certificate and trust it alone."""
+    cert, key = credentials(secret)
+    out = []
+    for protocol in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
+        ctx = ssl.SSLContext(protocol)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.check_hostname = False  # every member presents the job's certificate: the Hello names the member
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        with _private_file(cert + key) as path:  # ssl loads a key from a file only
+            ctx.load_cert_chain(path)
+        ctx.load_verify_locations(cadata=cert.decode())
+        out.append(ctx)
+    return out[0], out[1]
+
+
+@contextlib.contextmanager
+def _private_file(data: bytes):
+    """A path to `data` that no other user can open: an anonymous memory file (Linux), else a file in a
+    new 0700 directory, removed at once."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("mingpt-replicas", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, data)
+            yield f"/proc/self/fd/{fd}"
+        finally:
+            os.close(fd)
+        return
+    with tempfile.TemporaryDirectory() as d:  # mkdtemp: mode 0700
+        path = os.path.join(d, "job.pem")
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as fh:
+            fh.write(data)
+        yield path
+
+
+class Channel:
+    """One authenticated connection, owned by the thread that runs `run`: it reads lines and hands
+    each one to `on_line`, and writes what any thread `send`s (an SSL connection must not be read and
+    written by two threads at once). A send blocked by a cut network gives up after `send_timeout_s`."""
+
+    def __init__(self, sock: ssl.SSLSocket, on_line: Callable[[bytes], None], send_timeout_s: float = 1.0):
+        self.sock, self.on_line = sock, on_line
+        self._out: deque[bytes] = deque()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self.closed = threading.Event()
+        sock.settimeout(send_timeout_s)
+
+    def send(self, msg) -> None:
+        if self.closed.is_set():
+            raise OSError("the connection is closed")
+        with self._lock:
+            self._out.append(encode(msg))
+        with contextlib.suppress(OSError):  # (a full pipe: a wake-up is pending anyway)
+            os.write(self._wake_w, b"x")
+
+    def run(self) -> None:
+        """Until the peer hangs up, a send fails, or a line exceeds MAX_LINE (all end the connection)."""
+        buf = b""
+        try:
+            while not self.closed.is_set():
+                self._flush()
+                if not self.sock.pending():
+                    ready, _, _ = select.select([self.sock, self._wake_r], [], [], 1.0)
+                    if self._wake_r in ready:
+                        os.read(self._wake_r, 4096)
+                    if self.sock not in ready:
+                        continue
+                try:
+                    data = self.sock.recv(65536)
+                except (TimeoutError, ssl.SSLWantReadError):
+                    continue
+                if not data:
+                    return
+                buf += data
+                *lines, buf = buf.split(b"\n")
+                if len(buf) > MAX_LINE:
+                    raise WireError(f"a line over {MAX_LINE} bytes")
+                for line in lines:
+                    self.on_line(line)
+        except (OSError, WireError):
+            pass
+        finally:
+            self.close()
+
+    def _flush(self) -> None:
+        while True:
+            with self._lock:
+                if not self._out:
+                    return
+                data = self._out.popleft()
+            self.sock.sendall(data)
+
+    def close(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __del__(self):
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def read_line(sock: ssl.SSLSocket, limit: int = 4096) -> bytes:
+    """One line during the hello (before the channel runs), at most `limit` bytes."""
+    buf = b""
+    while b"\n" not in buf:
+        data = sock.recv(limit + 1 - len(buf))
+        if not data:
+            raise OSError("closed during the hello")
+        buf += data
+        if len(buf) > limit:
+            raise WireError("a hello over its size")
+    line, rest = buf.split(b"\n", 1)
+    if rest:  # the peer speaks only after the other side's hello: nothing may follow it yet
+        raise WireError("data after the hello")
+    return line

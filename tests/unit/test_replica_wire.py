@@ -1,0 +1,357 @@
+"""The replica wire as another user or a broken peer meets it: mutual TLS keyed by the job secret, a
+relay that cannot pass for a group, messages typed at the edge, bounded replies, a capped door, a
+coordinator that trusts its own record, a heal that fails without harm."""
+
+import datetime
+import json
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import free_port
+
+from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, Replicas
+from mingpt.replicas.wire import (
+    MAX_LINE,
+    PROTOCOL,
+    EpochNews,
+    Heartbeat,
+    Hello,
+    Join,
+    MemberEntry,
+    Wait,
+    WireError,
+    contexts,
+    credentials,
+    encode,
+    parse,
+    read_line,
+)
+
+SECRET = b"0f4c2a9d81e3b7c6a5d4e3f2a1b0c9d8"
+OTHER = b"9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d"
+
+
+def wait_for(condition, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def peer(port, member, members, secret=SECRET):
+    """A process that holds `secret` and speaks the protocol by hand: its channel, and the server's hello."""
+    _, client = contexts(secret)
+    tls = client.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5))
+    tls.sendall(encode(Hello(PROTOCOL, member, "feedfeedfeed", members)))
+    return tls, parse(read_line(tls), members)
+
+
+@pytest.mark.parametrize(("line", "record"), [
+    (b'{"t": "hb", "state": "training", "epoch": 3, "step": 9, "taking": -1, "why": ""}', Heartbeat("training", 3, 9, -1)),
+    (b'{"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": 3}', Join("ab12", 9, True, 3)),
+    (b'{"t": "wait", "id": "ab12"}', Wait("ab12")),
+    (b'{"t": "epoch", "id": "ab12", "number": 4, "host": "h", "port": 5, "members": '
+     b'[{"member": 1, "inc": "x", "step": 9, "live": false}]}', EpochNews("ab12", 4, "h", 5, (MemberEntry(1, "x", 9, False),))),
+])
+def test_each_message_is_parsed_into_its_record(line, record):
+    assert parse(line, 3) == record
+    assert parse(encode(record), 3) == record
+
+
+@pytest.mark.parametrize("line", [
+    b'{"t": "hb", "state": "training", "epoch": "999", "step": 9, "taking": -1}',  # the review's crash
+    b'{"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": "3"}',  # reached max() in the coordinator
+    b'{"t": "join", "id": "ab12", "step": 9, "live": "yes", "epoch_seen": 3}',
+    b'{"t": "join", "id": "ab12", "step": -5, "live": true, "epoch_seen": 3}',
+    b'{"t": "join", "id": "../x", "step": 9, "live": true, "epoch_seen": 3}',
+    b'{"t": "hb", "state": "pwned", "epoch": 3, "step": 9, "taking": -1}',
+    b'{"t": "hb", "state": "training", "epoch": 3, "step": 9, "taking": -1, "extra": 1}',
+    b'{"t": "hb", "state": "training", "epoch": 3, "step": 9}',
+    b'{"t": "epoch", "id": "ab12", "number": 4, "host": "h", "port": 5, "members": '
+    b'[{"member": 7, "inc": "x", "step": 9, "live": false}]}',  # a member this job does not have
+    b'{"t": "rm -rf"}', b'[1, 2]', b'"hello"', b'not json', b'\xff\xfe',
+])
+def test_a_message_of_the_wrong_type_or_range_is_refused(line):
+    with pytest.raises(WireError):
+        parse(line, 3)
+
+
+def test_every_process_with_the_secret_makes_the_same_certificate_and_no_other_secret_does():
+    assert credentials(SECRET) == credentials(SECRET)
+    assert credentials(SECRET)[0] != credentials(OTHER)[0]
+
+
+def test_a_stranger_is_refused_before_anything_is_read(caplog):
+    """Plain JSON, as the old protocol spoke it, and TLS with another secret: both refused; the beacon
+    never hears a heartbeat from either."""
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    a = Beacon(peers, 0, SECRET, 0.05, 1.0)
+    port = int(peers[0].rsplit(":", 1)[1])
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(json.dumps({"group": 1, "inc": "evil", "mac": "0" * 64}).encode() + b"\n")
+            s.sendall(json.dumps({"t": "hb", "epoch": 99, "state": "training", "step": 5, "taking": -1}).encode() + b"\n")
+            try:
+                assert s.recv(4096) == b"" or True  # what comes back is a TLS alert at most, then the close
+                closed = s.recv(4096) == b""
+            except ConnectionResetError:
+                closed = True
+            assert closed
+        with pytest.raises((ssl.SSLError, OSError)):
+            peer(port, 1, 2, secret=OTHER)
+        assert set(a.alive()) == {0} and a.max_epoch == -1
+        assert wait_for(lambda: a.dropped["127.0.0.1"] == 2)
+        assert "did not prove the job secret" in caplog.text
+    finally:
+        a.close()
+
+
+def test_a_relay_on_a_down_groups_address_cannot_pass_for_it():
+    """The review's attack: another user binds the address of group 2, which is down, and relays every
+    connection to group 1's beacon. Group 0 dials group 2 and reaches group 1: the server names itself
+    inside the channel, and group 0 hangs up; group 2 is never counted alive."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    ports = [int(p.rsplit(":", 1)[1]) for p in peers]
+    relay = socket.create_server(("127.0.0.1", ports[2]))
+    stop = threading.Event()
+
+    def pipe(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                s.close()
+
+    def relay_all():
+        relay.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = relay.accept()
+            except OSError:
+                continue
+            try:
+                upstream = socket.create_connection(("127.0.0.1", ports[1]))
+            except OSError:  # group 1 not listening yet
+                conn.close()
+                continue
+            threading.Thread(target=pipe, args=(conn, upstream), daemon=True).start()
+            threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
+
+    threading.Thread(target=relay_all, daemon=True).start()
+    b = Beacon(peers, 1, SECRET, 0.05, 1.0)
+    a = Beacon(peers, 0, SECRET, 0.05, 1.0)
+    try:
+        assert wait_for(lambda: a.dropped["group 2's address"] >= 2)  # every try refused, every heartbeat
+        assert set(a.alive()) == {0, 1} and 2 not in a.alive()
+        assert a._senders.get(2) is None
+    finally:
+        stop.set()
+        relay.close()
+        a.close()
+        b.close()
+
+
+def test_a_bad_heartbeat_from_a_peer_is_dropped_and_the_beacon_goes_on(caplog):
+    """A peer holding the secret (a buggy release) sends `{"epoch": "999"}`: before, a TypeError in
+    Beacon.lost inside the training loop; now it is dropped, counted, logged once, and the next good
+    heartbeat is heard."""
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    a = Beacon(peers, 0, SECRET, 0.05, 60.0)
+    try:
+        tls, hello = peer(int(peers[0].rsplit(":", 1)[1]), 1, 2)
+        assert hello == Hello(PROTOCOL, 0, a.incarnation, 2)
+        bad = {"t": "hb", "state": "training", "epoch": "999", "step": 5, "taking": -1}
+        for _ in range(3):
+            tls.sendall(json.dumps(bad).encode() + b"\n")
+        tls.sendall(encode(Heartbeat("training", 4, 9, -1)))
+        assert wait_for(lambda: 1 in a.alive())
+        assert a.dropped["group 1"] == 3 and a.max_epoch == 4
+        assert caplog.text.count("a message that is not one of ours") == 1
+        epoch = Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "feedfeedfeed", 9, True)], 0)
+        assert a.lost(epoch) is None
+        tls.close()
+    finally:
+        a.close()
+
+
+def test_a_reply_is_bounded_and_one_that_answers_no_request_is_dropped():
+    """A coordinator's line over MAX_LINE ends the connection (the review streamed 256 MiB into a
+    client); an answer to no pending request is not kept."""
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    server = socket.create_server(("127.0.0.1", int(peers[1].rsplit(":", 1)[1])))
+    tls_server, _ = contexts(SECRET)
+    a = Beacon(peers, 0, SECRET, 0.05, 60.0)
+    try:
+        conn, _ = server.accept()
+        tls = tls_server.wrap_socket(conn, server_side=True)
+        assert parse(read_line(tls), 2).member == 0
+        tls.sendall(encode(Hello(PROTOCOL, 1, "feedfeedfeed", 2)))
+        tls.sendall(encode(Wait("abcdef")))  # nobody asked
+        assert wait_for(lambda: a.dropped["a coordinator"] == 1)
+        assert a._replies == {}
+        tls.settimeout(5)
+        with pytest.raises(OSError):  # the client hangs up before the end of the line
+            for _ in range(MAX_LINE // 65536 + 8):
+                tls.sendall(b"x" * 65536)
+            while tls.recv(4096):
+                pass
+            raise OSError("closed")
+        tls.close()
+    finally:
+        server.close()
+        a.close()
+
+
+def test_unauthenticated_connections_are_capped():
+    """Connections that never complete the handshake hold a slot for HANDSHAKE_S at most, and beyond
+    16 of them a new one is closed at once: an attacker cannot hold hundreds of threads."""
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    a = Beacon(peers, 0, SECRET, 0.05, 60.0)
+    port = int(peers[0].rsplit(":", 1)[1])
+    idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+    try:
+        time.sleep(0.3)
+        threads = threading.active_count()
+        extra = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+        for s in extra:
+            assert s.recv(1) == b""  # closed unread
+            s.close()
+        assert threading.active_count() <= threads + 2
+        assert "a connection beyond 16 unauthenticated ones" in str(list(a.dropped)) or a.dropped["the accept loop"] >= 20
+    finally:
+        for s in idle:
+            s.close()
+        a.close()
+
+
+def test_the_accept_loop_survives_running_out_of_descriptors():
+    """EMFILE at accept() used to end the accept thread: the group could never be reached again."""
+    script = textwrap.dedent(f"""
+        import resource, socket, sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r} + "/..")
+        from conftest import free_port
+        from mingpt.replicas import Beacon
+        from mingpt.replicas.wire import contexts
+        peers = [f"127.0.0.1:{{free_port()}}", f"127.0.0.1:{{free_port()}}"]
+        a = Beacon(peers, 0, {SECRET!r}, 0.05, 60.0)
+        port = int(peers[0].rsplit(":", 1)[1])
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+        hog = []
+        try:
+            while True:
+                hog.append(socket.socket())
+        except OSError:
+            pass
+        hog.pop().close()
+        c = socket.create_connection(("127.0.0.1", port), timeout=5)  # the last descriptor: accept() meets EMFILE
+        time.sleep(0.5)
+        for s in hog[-64:]:
+            s.close()
+        time.sleep(0.5)
+        c.close()
+        _, client = contexts({SECRET!r})
+        tls = client.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5))
+        print("handshake after EMFILE:", tls.version(), "dropped:", dict(a.dropped))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert "handshake after EMFILE: TLSv1.3" in out.stdout, out.stdout + out.stderr
+    assert "out of descriptors" in out.stdout + out.stderr
+
+
+def test_a_squatted_port_is_tried_again_and_its_holder_named(caplog):
+    """A port held by another process (here this test's) is not the end of the group: the beacon
+    says who holds it and listens once it is free."""
+    port = free_port()
+    squatter = socket.create_server(("127.0.0.1", port))
+    threading.Timer(1.5, squatter.close).start()
+    t0 = time.monotonic()
+    b = Beacon([f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"], 0, SECRET, 0.05, 1.0, bind_wait_s=20)
+    try:
+        assert time.monotonic() - t0 >= 1.0
+        assert b._server.getsockname() == ("127.0.0.1", port)
+        assert f"cannot listen on 127.0.0.1:{port} yet (Address already in use, held by " in caplog.text
+    finally:
+        b.close()
+
+
+def test_the_coordinator_takes_live_and_step_from_its_own_record():
+    """The review's rewind: a forged join (`step 10**9, live: true`) from a member that was not in the
+    last epoch made it the heal source. Now a member is live only if this coordinator's record of the
+    last epoch has it, with a step within the step in flight of its own."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    a = Beacon(peers, 0, SECRET, 0.05, 60.0)
+    try:
+        a.last = Epoch(5, [Member(0, a.incarnation, 75, True), Member(1, "one", 75, True)], 0)
+        assert a._member(2, Join("aa", 10**9, True, 5), "evil", 75, True) == Member(2, "evil", 0, False)
+        assert a._member(1, Join("bb", 10**9, True, 5), "one", 75, True) == Member(1, "one", 0, False)
+        assert a._member(1, Join("cc", 76, True, 5), "one", 75, True) == Member(1, "one", 76, True)
+        assert a._member(1, Join("dd", 75, False, 5), "one", 75, True) == Member(1, "one", 75, False)
+        # a coordinator that restarted has no record: the members' (authenticated) claims stand
+        a.last = None
+        assert a._member(1, Join("ee", 75, True, 5), "one", 0, False) == Member(1, "one", 75, True)
+    finally:
+        a.close()
+
+
+class HealBeacon:
+    def __init__(self, group, secret):
+        self.group, self.procs, self.sharded, self.secret = group, 1, False, secret
+
+    def lost(self, epoch):
+        return None
+
+    def name(self, member):
+        return f"group {member}"
+
+    def siblings(self, member):
+        return range(member, member + 1)
+
+
+class Slot:
+    def __init__(self, name, local):
+        self.name, self.local = name, local
+
+
+def test_a_heal_that_does_not_match_its_digest_is_transient_and_loads_nothing():
+    """A state received with a digest that does not check (here: keyed by another secret, as a
+    corrupted or forged transfer would be) is not loaded; the member stays not live and heals again
+    in the next epoch, instead of exiting 2 for good. The digest is keyed: an unkeyed sha256 could be
+    recomputed by whoever altered the state."""
+    store, out = dist.HashStore(), {}
+    members = [Member(0, "a", 75, True), Member(1, "b", 0, False)]
+
+    def member(g, secret):
+        r = Replicas(HealBeacon(g, secret), groups=2, min_groups=1, timeout_s=10)
+        r.epoch = Epoch(6, members, g)
+        r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
+        slots = [Slot("w", torch.full((4,), float(g + 1)))]
+        loaded = []
+        try:
+            out[g] = r.heal(slots, lambda: {"step": 75}, loaded.append)
+        except MembershipChanged as e:
+            out[g] = e
+        out[f"{g}-state"] = (slots[0].local.clone(), loaded, r.live, r.failed_heals)
+
+    threads = [threading.Thread(target=member, args=(0, SECRET)), threading.Thread(target=member, args=(1, OTHER))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert out[0] == (0, [1])
+    assert isinstance(out[1], MembershipChanged) and "does not match its digest" in str(out[1])
+    weights, loaded, live, failed = out["1-state"]
+    assert torch.equal(weights, torch.full((4,), 2.0)) and loaded == [] and live is False and failed == 1
