@@ -235,17 +235,21 @@ class Replicas:
         n = next(iter(rows.values())).numel()
         cols = math.ceil(n / world)  # each member's slice of the columns, the last one padded
         width = 3 + len(next(iter(headers.values())))
-        heads = torch.full((per, width), -1.0, dtype=torch.float64)
+        heads = torch.full((per, width + MAC_COLUMNS), -1.0, dtype=torch.float64)
         buf = torch.zeros(per, world * cols)
+        key = distributed.derive(self.beacon.secret, "replicas-exchange").encode()
         for i, (share, row) in enumerate(sorted(rows.items())):
-            heads[i] = torch.tensor([share, step, epoch.number, *headers[share]], dtype=torch.float64)
+            heads[i, :width] = torch.tensor([share, step, epoch.number, *headers[share]], dtype=torch.float64)
+            heads[i, width:] = header_mac(key, heads[i, :width])
             buf[i, :n] = row
         all_heads = torch.empty(world * per, heads.shape[1], dtype=torch.float64)
         self.wait(pg.allgather([list(all_heads.chunk(world))], [heads]))
         by_share: dict[int, int] = {}
-        for i, h in enumerate(all_heads.tolist()):
+        for i, h in enumerate(all_heads[:, :width].tolist()):
             if h[0] < 0:
                 continue
+            if not torch.equal(all_heads[i, width:].view(torch.uint8), header_mac(key, all_heads[i, :width]).view(torch.uint8)):
+                raise MembershipChanged(f"a header of the exchange of step {step} does not carry the job's MAC")
             if int(h[1]) != step or int(h[2]) != epoch.number or int(h[0]) in by_share:
                 raise MembershipChanged(f"the exchange of step {step} does not add up (row {h[:3]})")
             by_share[int(h[0])] = i
@@ -260,7 +264,7 @@ class Replicas:
             mine += got[by_share[share]]
         total = torch.empty(world, cols)
         self.wait(pg.allgather([list(total.unbind(0))], [mine]))
-        return total.view(-1)[:n], [all_heads[by_share[s]].tolist()[3:] for s in range(self.shares_total)]
+        return total.view(-1)[:n], [all_heads[by_share[s], 3:width].tolist() for s in range(self.shares_total)]
 
     def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> tuple[int, list[int]]:
         """Bring every member to the newest state among them: the first member holding it broadcasts
@@ -371,6 +375,15 @@ class Replicas:
 
     def close(self) -> None:
         self.beacon.close()
+
+
+MAC_COLUMNS = 4  # a header's HMAC-SHA256, its 32 bytes carried as four float64 columns
+
+
+def header_mac(key: bytes, row: torch.Tensor) -> torch.Tensor:
+    """A share header's HMAC (keyed by the job secret) as MAC_COLUMNS float64 values (bytes, not numbers)."""
+    digest = hmac.new(key, row.contiguous().numpy().tobytes(), hashlib.sha256).digest()
+    return torch.frombuffer(bytearray(digest), dtype=torch.float64)
 
 
 MAX_STATE_JSON = 64 * 2**20  # the sampler's and counters' state: kilobytes; a size beyond this is no state of ours

@@ -355,3 +355,27 @@ def test_a_heal_that_does_not_match_its_digest_is_transient_and_loads_nothing():
     assert isinstance(out[1], MembershipChanged) and "does not match its digest" in str(out[1])
     weights, loaded, live, failed = out["1-state"]
     assert torch.equal(weights, torch.full((4,), 2.0)) and loaded == [] and live is False and failed == 1
+
+
+def test_an_exchange_header_without_the_jobs_mac_is_refused():
+    """The share headers (flags, losses, sample counts) travel over gloo, which authenticates nothing:
+    each carries an HMAC keyed by the secret, and a header made without it ends the exchange (here a
+    member keyed by another secret, as a forged header would be)."""
+    store, out = dist.HashStore(), {}
+
+    def member(g, secret):
+        r = Replicas(HealBeacon(g, secret), groups=2, min_groups=1, timeout_s=10)
+        r.epoch = Epoch(3, [Member(0, "a", 5, True), Member(1, "b", 5, True)], g)
+        r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
+        try:
+            out[g] = r.exchange(5, {s: torch.ones(8) for s in r.shares()}, {s: [1.0] for s in r.shares()})
+        except MembershipChanged as e:
+            out[g] = e
+
+    threads = [threading.Thread(target=member, args=(0, SECRET)), threading.Thread(target=member, args=(1, OTHER))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    for g in (0, 1):
+        assert isinstance(out[g], MembershipChanged) and "does not carry the job's MAC" in str(out[g])

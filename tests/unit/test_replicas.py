@@ -22,7 +22,7 @@ class StubBeacon:
     """What Replicas asks of its beacon, for the tests of its own logic: nobody is ever lost."""
 
     def __init__(self, group):
-        self.group, self.procs, self.sharded = group, 1, False
+        self.group, self.procs, self.sharded, self.secret = group, 1, False, SECRET
 
     def lost(self, epoch):
         return None
