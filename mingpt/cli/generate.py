@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ranks-file", default=None, help="local GPT-2 ranks file, for BPE runs without internet")
     ap.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint, for s3:// snapshots")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (default: 1 for a model under 50M "
+                    "parameters, whose small matrices gain nothing from more and lose much beside a training run; "
+                    "else every core)")
     args = ap.parse_args(argv)
     try:
         model, manifest = load_model(args.snapshot, {"endpoint_url": args.endpoint_url} if args.endpoint_url else None)
@@ -65,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stop_at_eot and tok.eot_id is None:
         print("error: this run's tokenizer has no end-of-text token; leave out --stop-at-eot", file=sys.stderr)
         return 2
+    threads = args.threads or (1 if model.num_params() < 50e6 else torch.get_num_threads())
+    torch.set_num_threads(threads)
+    print(f"mingpt-generate: sampling from the snapshot of step {manifest['step']} in {store_path(args.snapshot)} "
+          f"(run {manifest.get('run_id', '?')}, {model.num_params() / 1e6:.2f}M parameters, {args.device}"
+          f"{f', {threads} thread' + ('s' if threads > 1 else '') if args.device == 'cpu' else ''})", file=sys.stderr)
     model.to(args.device)
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     for i in range(args.num_samples):

@@ -45,6 +45,9 @@ def test_a_model_trained_at_a_short_context_is_sampled_at_that_context(corpus_fi
                           "--max-new-tokens", str(5 * BLOCK)], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.startswith("Speaker") and len(cli.stdout) == len("Speaker") + 5 * BLOCK + 1  # and "\n"
+    # which snapshot it samples, and with how many threads (a small model: one, whatever the cores)
+    assert f"sampling from the snapshot of step 30 in {run_dir / 'snapshots'} (run " in cli.stderr
+    assert "M parameters, cpu, 1 thread)" in cli.stderr
 
 
 def test_a_reader_that_stops_early_ends_generation_quietly(tmp_path):
@@ -55,7 +58,8 @@ def test_a_reader_that_stops_early_ends_generation_quietly(tmp_path):
     cli = subprocess.run(f"{sys.executable} -m mingpt.cli.generate {tmp_path / 'run'} --prompt a --max-new-tokens 100000 "
                          "--num-samples 100 | head -c 10", shell=True, cwd=REPO, capture_output=True, text=True,
                          timeout=300)
-    assert len(cli.stdout) == 10 and cli.stderr == ""  # no BrokenPipeError traceback
+    assert len(cli.stdout) == 10  # no BrokenPipeError traceback: our one line, nothing else
+    assert cli.stderr.startswith("mingpt-generate: sampling from the snapshot of step 1") and cli.stderr.count("\n") == 1
 
 
 def test_a_damaged_snapshot_on_s3_is_named_by_its_url(s3):
