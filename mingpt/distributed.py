@@ -392,9 +392,10 @@ class PreemptionFlag:
         self.signum = signum
 
 
-# Exit codes of a run that stopped on request after saving. Non-zero, so schedulers count the
-# attempt as unfinished and torchrun / SLURM can restart it.
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: SIGTERM / SIGUSR1, try again later
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention for Ctrl-C
+# A run that stopped on request (SIGTERM, SIGUSR1, Ctrl-C) after its snapshot committed: non-zero, so
+# schedulers count the attempt as unfinished; the same command resumes. A second Ctrl-C stops at once
+# without saving: the shell's 128 + SIGINT, so the two never read alike.
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped and saved, try again later
+EXIT_INTERRUPTED = 130  # stopped at once on a second Ctrl-C, nothing saved
 # The snapshot a run stopped with (at the end, or on preemption) could not be saved after its retries.
 EXIT_SAVE_FAILED = 74  # EX_IOERR

@@ -376,7 +376,7 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
         trainer.close()
         cache, trainer = trainer.snapshotter.cache, None
         if not finished:
-            return distributed.EXIT_INTERRUPTED if preempt.interrupted else distributed.EXIT_PREEMPTED
+            return distributed.EXIT_PREEMPTED  # saved: 75 whatever the signal (130 means nothing was saved)
         if cache is not None:  # the job is done: give the node's memory back
             distributed.barrier()
             cache.clear() if info.local_rank == 0 else cache.close()

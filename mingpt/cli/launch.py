@@ -7,9 +7,9 @@ What it changes:
 - the rendezvous is `--rdzv_backend=mingpt` (signed state, secret keys, bound to its address: see
   mingpt/cli/rendezvous.py) unless another backend is named; `--standalone` becomes that backend on
   127.0.0.1 with a secret made for this launch;
-- the job's exit code is the workers' (2 a bad setting, 74 a failed save, 75 / 130 after a
-  preemption or Ctrl-C saved), and what the user sees of a failure is the workers' one line: no
-  agent traceback, no table of failures;
+- the job's exit code is the workers' (2 a bad setting, 74 a failed save, 75 stopped and saved on
+  SIGTERM or Ctrl-C, 130 stopped at once without saving), and what the user sees of a failure is
+  the workers' one line: no agent traceback, no table of failures;
 - a worker that exits 2 or 74 is not restarted: a bad setting or a store that refuses the save
   does not go away by trying again (torchrun would retry it --max-restarts times);
 - a rendezvous that cannot form is one line saying what to check.

@@ -295,7 +295,7 @@ def test_a_group_without_the_secret_is_refused(tmp_path):
     assert codes == [0, 0]
     epochs = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "epoch"]
     assert epochs and all(2 not in e["groups"] for e in epochs), epochs
-    assert "refused a connection that did not prove the job secret" in (tmp_path / "g0.log").read_text()
+    assert "dropped a connection that did not prove the job secret" in (tmp_path / "g0.log").read_text()
 
 
 def test_two_groups_without_faults_end_bitwise_equal_to_ddp_at_two_ranks(tmp_path):
