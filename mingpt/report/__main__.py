@@ -1,4 +1,4 @@
-"""python -m mingpt.report RUN_DIR [--html PATH | --no-html]
+"""mingpt-report RUN_DIR [--html PATH | --no-html]   (the same: python -m mingpt.report)
 
 Prints the run's summary (steps, tokens, best validation loss, restarts, world sizes, goodput and
 where the rest of the time went, the slowest ranks, snapshots) and writes one self-contained HTML
@@ -18,7 +18,7 @@ from mingpt.report.summary import Run, summary
 
 @quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mingpt.report", description=__doc__.split("\n\n")[1],
+    ap = argparse.ArgumentParser(prog="mingpt-report", description=__doc__.split("\n\n")[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", help="the run directory (trainer.run_dir), or its metrics.jsonl")
     ap.add_argument("--html", help="where to write the page (default: RUN_DIR/report.html)")

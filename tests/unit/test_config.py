@@ -76,3 +76,14 @@ def test_command_line_overrides():
 def test_invalid_values_stop_with_one_clear_message(overrides, message):
     with pytest.raises(ConfigError, match=message):
         compose(overrides)
+
+
+def test_the_settings_a_run_starts_with_fit_one_screen_and_name_what_a_user_checks():
+    cfg = compose(["model=gpt-micro", "trainer.max_steps=300", "trainer.run_dir=runs/micro"])
+    lines = cfg.summary()
+    assert len(lines) <= 12 and all(len(line) <= 120 for line in lines)
+    text = "\n".join(lines)
+    for said in ("gpt-micro: 4 layers, 4 heads, 128 wide", "data/input.txt (char tokens)", "32 sequences of 128 tokens",
+                 "300 steps, evaluated every 250", "lr 0.001", "runs/micro/snapshots, every 500 steps",
+                 "mingpt-report runs/micro"):
+        assert said in text, said
