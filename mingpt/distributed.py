@@ -305,6 +305,37 @@ def is_peer_failure(e: BaseException) -> bool:
                             "Broken pipe", "NCCL error", "ProcessGroupNCCL"))
 
 
+def lost_peer(e: BaseException, hosts: list[str]) -> str:
+    """A broken collective in our words: which host and ranks went away (from the peer address gloo
+    names, matched against `hosts`, every rank's "host:local_rank"), and how. gloo's own text names a
+    source file, an ephemeral port, and sometimes "GLHF"."""
+    import re
+
+    text = str(e)
+    how = next((said for pattern, said in (("reset by peer", "its connection was reset"),
+                                           ("closed by peer", "it closed its connection"),
+                                           ("Broken pipe", "its connection broke"),
+                                           ("Timed out", "it did not answer in time"),
+                                           ("NCCL", "NCCL reported an error")) if pattern in text),
+               "its connection failed")
+    found = re.search(r"\[?(\d{1,3}(?:\.\d{1,3}){3})\]?:\d+", text)
+    if not found:
+        return f"a peer was lost during a collective ({how})"
+    address, where = found.group(1), {}
+    for rank, entry in enumerate(hosts):
+        host = entry.rsplit(":", 1)[0]
+        try:
+            ip = socket.gethostbyname(host)
+        except OSError:
+            continue
+        if ip == address:
+            where.setdefault(host, []).append(rank)
+    if not where:
+        return f"the peer at {address} was lost during a collective ({how})"
+    named = "; ".join(f"host {h}, rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}" for h, r in where.items())
+    return f"lost {named} ({address}) during a collective: {how}"
+
+
 # An error every rank meets (a bad setting, a missing file) is printed by rank 0; the other ranks
 # wait this long before exiting, since torchrun stops the rest of the job at the first exit it sees.
 LET_RANK0_REPORT_S = 2.0

@@ -57,3 +57,19 @@ def test_deterministic_kernels_are_switched_on_with_cublas_fixed_before_first_us
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize(("message", "said"), [
+    ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:538] Read error [127.0.0.1]:40562: Connection reset by peer",
+     "lost host localhost, ranks 2, 3 (127.0.0.1) during a collective: its connection was reset"),
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:525] Connection closed by peer [10.9.8.7]:35112",
+     "the peer at 10.9.8.7 was lost during a collective (it closed its connection)"),
+    ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms for recv "
+     "operation to complete", "a peer was lost during a collective (it did not answer in time)"),
+])
+def test_a_lost_peer_is_named_in_our_words_by_host_and_rank(message, said):
+    from mingpt.distributed import lost_peer
+
+    out = lost_peer(RuntimeError(message), ["nohost.invalid:0", "nohost.invalid:1", "localhost:0", "localhost:1"])
+    assert out == said
+    assert "pair.cc" not in out and "GLHF" not in out
