@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from mingpt import distributed
 from mingpt.compose import compose, config_dir, register
-from mingpt.config import ConfigError, RunConfig, from_dict
+from mingpt.config import ConfigError, RunConfig, from_dict, suggest_key
 from mingpt.data import Corpus, DataError, load_corpus
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler, validation_batches
 from mingpt.distributed import DistInfo, PreemptionFlag
@@ -399,11 +399,26 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
         distributed.shutdown()
 
 
+HYDRA_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--version", "--package", "-p", "--resolve",
+               "--info", "-i", "--run", "-r", "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp",
+               "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+
+
 @record
 def main() -> None:
     ledger = Ledger()  # the process's age so far (interpreter, imports) is its launch
     ledger.switch("config")
     overrides = sys.argv[1:]
+    if dashed := [a for a in overrides if a.startswith("-") and a.split("=")[0] not in HYDRA_FLAGS]:
+        # nanoGPT's habit (--max_steps=10): one line that says how, not Hydra's usage once per rank
+        key, _, value = dashed[0].lstrip("-").partition("=")
+        close = suggest_key(key.replace("-", "_"))
+        info = DistInfo.from_env(cuda=False)
+        setup_logging(info)
+        sys.exit(distributed.report_error(info, f"{dashed[0]}: settings are written without dashes, key=value"
+                                          + (f" (did you mean {close}={value or '...'}?)" if close else
+                                             " (python -m mingpt.main --cfg job lists every key)"),
+                                          code=2, let_rank0_report=True))
     if any(a.startswith("-") for a in overrides):  # Hydra's own flags (--cfg job, --help) go to Hydra
         register()
         codes = []

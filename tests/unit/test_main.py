@@ -90,3 +90,13 @@ def test_a_replica_groups_process_initialises_its_model_even_when_a_snapshot_wai
                           DistInfo(), start)
     for (name, a), b in zip(fresh.gpt.state_dict().items(), replica.gpt.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+def test_nanogpts_dashed_habit_gets_one_line_that_says_how():
+    """`--max_steps=10` used to print Hydra's 16-line usage (once per rank under torchrun)."""
+    proc = subprocess.run([sys.executable, "-m", "mingpt.main", "--max_steps=10"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith("--max_steps=10: settings are written without dashes, key=value (did you mean "
+                                        "trainer.max_steps=10?)")
+    assert proc.stderr.count("\n") == 1 and "usage" not in proc.stderr
