@@ -178,10 +178,19 @@ class Snapshotter:
     def _failed(self, step: int, t0: float, why: str) -> bool:
         self.failures += 1
         if self.committer:
-            log.error("snapshot step %d not committed: %s; the previous snapshot stays the latest", step, why)
+            log.error("snapshot step %d not committed: %s; %s", step, why, self.newest())
             self._events({"kind": "snapshot", "step": step, "status": "failed", "reason": why,
                           "total_s": round(time.perf_counter() - t0, 4), "blocking_s": round(self.blocking_s[-1], 4)})
         return False
+
+    def newest(self) -> str:
+        """What a restart would start from now, in words: the newest committed snapshot, or none."""
+        try:
+            steps = [s.step for s in self.store.list() if s.committed]
+        except Exception:  # noqa: BLE001 - a store that fails to list: say what is known
+            return "the previous snapshot, if any, stays the newest"
+        return f"the newest snapshot is still step {max(steps)}" if steps else \
+            "no snapshot is committed yet: a restart begins at step 0"
 
     def _retried(self, step: int, what: str, fn):
         """fn() with retries and backoff; None (logged) when every attempt failed."""
@@ -197,8 +206,9 @@ class Snapshotter:
                 self._retried_now += 1
                 self._events({"kind": "snapshot", "step": step, "status": "retry", "what": what, "attempt": attempt + 1,
                               "error": f"{e.__class__.__name__}: {e}"[:200]})
-                log.warning("snapshot step %d: attempt %d %s failed (%s: %s); retrying in %.1fs", step, attempt + 1,
-                            what, e.__class__.__name__, e, delay)
+                if attempt == 0:  # once per save: the outcome is logged either way
+                    log.warning("snapshot step %d: %s failed (%s: %s); retrying up to %d times", step, what,
+                                e.__class__.__name__, e, self.retries)
                 time.sleep(delay)
         return None
 

@@ -199,9 +199,8 @@ class Trainer:
             if all_reduce_sum(torch.tensor([0.0 if ok else 1.0], device=self.device)).item() > 0:
                 raise SaveFailedError(
                     f"{why}, but the snapshot of step {self.progress.step} could not be saved to "
-                    f"{self.snapshotter.store.url} (the errors above say why): the previous snapshot stays the "
-                    "newest. Fix the store (permissions, space, credentials) and run the same command: it resumes "
-                    "from the newest snapshot")
+                    f"{self.snapshotter.store.url} (the errors above say why): {self.snapshotter.newest()}. Fix the "
+                    "store (permissions, space, credentials) and run the same command: it resumes from there")
         self.record_time()
 
     def record_time(self) -> None:
