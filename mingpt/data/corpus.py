@@ -8,6 +8,7 @@ time (or ETag), without reading it.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -77,8 +78,11 @@ def prepare_raw(d: DataConfig, tokenizer_state: dict | None) -> tuple[PreparedDa
                         val_fraction=d.val_fraction)
     known = _known_tokenizer(d, tokenizer_state)
     identity = source_identity(files, (repr(settings), docs)) or _content_key(files)
-    which = known.fingerprint() if known is not None else ("chareot" if docs else "char") + "-from-text"
-    out = Path(os.path.expanduser(d.cache_dir)) / f"prepared-{identity}-{which}"
+    cache, from_text = Path(os.path.expanduser(d.cache_dir)), ("chareot" if docs else "char") + "-from-text"
+    out = cache / f"prepared-{identity}-{known.fingerprint() if known is not None else from_text}"
+    first = cache / f"prepared-{identity}-{from_text}"  # what the run's first start prepared, its vocabulary from the text
+    if known is not None and not (out / MANIFEST).exists() and _fingerprint(first) == known.fingerprint():
+        out = first  # a resume with that same vocabulary: prepared once, not again under the tokenizer's name
     source = d.path if fmt == "files" else files[0]
     if not (out / MANIFEST).exists():
         with file_lock(out.with_name(f".{out.name}.lock")):
@@ -89,6 +93,14 @@ def prepare_raw(d: DataConfig, tokenizer_state: dict | None) -> tuple[PreparedDa
                 prepare(files, str(out), settings, tokenizer=known, kind="char", workers=default_threads(1),
                         char_eot=docs, ranks_file=d.tokenizer.ranks_file)  # the workers rebuild a BPE from it
     return PreparedData(str(out), d.cache_dir, d.shard_cache_gb), source
+
+
+def _fingerprint(prepared: Path) -> str | None:
+    """The tokenizer fingerprint a prepared copy was made with, or None (not there, or unreadable)."""
+    try:
+        return json.loads((prepared / MANIFEST).read_text()).get("tokenizer_fingerprint")
+    except (OSError, ValueError):
+        return None
 
 
 def _content_key(files: list[str]) -> str:

@@ -60,6 +60,20 @@ def test_a_raw_corpus_is_prepared_once(corpus_file, tmp_path, monkeypatch):
     assert len(calls) == 1 and all_tokens(first.train) == all_tokens(second.train)
 
 
+def test_a_resume_finds_the_copy_its_first_start_prepared(corpus_file, tmp_path, monkeypatch):
+    """A resume knows the tokenizer (from the snapshot) where the first start took it from the text:
+    it used to prepare the corpus a second time into a second cache folder."""
+    import mingpt.data.corpus as corpus
+
+    calls = []
+    real = corpus.prepare
+    monkeypatch.setattr(corpus, "prepare", lambda *a, **k: calls.append(1) or real(*a, **k))
+    first = load_corpus(data_config(corpus_file, cache=tmp_path / "cache"))
+    resumed = load_corpus(data_config(corpus_file, cache=tmp_path / "cache"), first.tokenizer.state_dict())
+    assert len(calls) == 1 and all_tokens(first.train) == all_tokens(resumed.train)
+    assert len(list((tmp_path / "cache").glob("prepared-*"))) == 1
+
+
 def test_load_corpus_end_to_end(corpus_file, tmp_path):
     c = load_corpus(data_config(corpus_file, cache=tmp_path / "cache"))
     assert c.tokenizer.vocab_size < 60
