@@ -6,7 +6,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import time
 import traceback
@@ -356,7 +358,7 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     if cfg.replicas.enabled:  # each process of a replica group reports its own errors (one may be its own: a port)
         env = replace(env, rank=0, world_size=1)
     preempt = PreemptionFlag(announce=info.is_rank0).install()
-    trainer, lease = None, None
+    trainer, lease, had_run_dir = None, None, os.path.isdir(cfg.trainer.run_dir)
     try:
         ledger.switch("process_group")
         threads = cfg.trainer.threads or distributed.default_threads(info.local_world_size)
@@ -396,6 +398,9 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
             trainer.close(wait=False)
         if lease is not None:
             lease.release()
+        with contextlib.suppress(OSError):  # a start that failed leaves no empty run directory behind
+            if not had_run_dir and info.is_rank0:
+                os.rmdir(cfg.trainer.run_dir)
         distributed.shutdown()
 
 

@@ -11,7 +11,7 @@ def test_a_start_that_fails_leaves_no_empty_snapshot_store(tmp_path):
                            f"trainer.run_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "missing.txt does not exist" in proc.stderr
-    assert not (tmp_path / "run" / "snapshots").exists()
+    assert not (tmp_path / "run").exists()  # nor an empty run directory
 
 
 TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
