@@ -8,6 +8,7 @@ import logging
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,26 @@ def train_record(step: dict, loss: float, step_s: float, compute: list[float], h
             "tokens_per_s": tok_s, "mfu": mfu, "step_ms": 1000 * step_s, "tokens_seen": step["tokens_seen"],
             "compute_ms": [round(1000 * c, 2) for c in compute], "compute_max_median": ratio,
             "slowest": hosts[slowest]}
+
+
+class StepTimer:
+    """The interval a logged step's rate is measured over: the steps trained and the ledger's step
+    seconds since the last log. `restart` it after anything that moves the step without training it
+    here: a replica heal (a member healed from step 0 to 130 trained no 130 steps) or a step in flight
+    dropped at a regroup."""
+
+    def __init__(self, step_seconds: Callable[[], float], step: int):
+        self.step_seconds = step_seconds
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        self.since = (step, self.step_seconds())
+
+    def per_step(self, step: int) -> float:
+        """Step seconds per step trained since the last call (or restart); the next interval starts now."""
+        (s0, t0), now = self.since, self.step_seconds()
+        self.since = (step, now)
+        return (now - t0) / max(1, step - s0)
 
 
 class MetricsWriter:

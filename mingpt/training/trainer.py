@@ -19,7 +19,7 @@ from mingpt.parallel import Parallel
 from mingpt.replicas import MembershipChanged, Replicas, flat_grads
 from mingpt.snapshot import SaveFailedError, Snapshotter
 from mingpt.training.ledger import Ledger
-from mingpt.training.metrics import MetricsWriter, peak_flops, train_record
+from mingpt.training.metrics import MetricsWriter, StepTimer, peak_flops, train_record
 from mingpt.training.optim import lr_at
 from mingpt.training.policy import SavePolicy
 from mingpt.training.state import Progress, StepStats, Todo, TrainData
@@ -87,25 +87,23 @@ class Trainer:
         step time logged is the ledger's (the seconds in its step states), so evaluating and saving
         never count as steps."""
         p, cfg = self.progress, self.cfg
-        since = (p.step, self.ledger.step_seconds())
         if self.replicas and not self.regroup("start"):
             return self.finished_elsewhere
+        timer = StepTimer(self.ledger.step_seconds, p.step)  # after the heal: the step it healed to
         while p.step < cfg.max_steps:
             try:
                 stats = self.train_step()
             except MembershipChanged as e:  # the step is dropped on every member; the next epoch trains it
                 if not self.regroup(str(e)):
                     return self.finished_elsewhere
-                since = (p.step, self.ledger.step_seconds())
+                timer.restart(p.step)
                 continue
             p.step, p.tokens_seen = p.step + 1, p.tokens_seen + stats.tokens
             self.watchdog.beat(p.step)
             bar.update(1)
             todo = self.decide(p.step)
             if todo.log:
-                now = (p.step, self.ledger.step_seconds())
-                self._log_train(stats, (now[1] - since[1]) / (now[0] - since[0]))
-                since = now
+                self._log_train(stats, timer.per_step(p.step))
             if todo.evaluate:
                 self.evaluate()
             if todo.save:
@@ -117,6 +115,7 @@ class Trainer:
                 # a group waits to join: let it in now, between steps
                 if not self.regroup("a group joins"):
                     return self.finished_elsewhere
+                timer.restart(p.step)  # a member behind the others was healed forward
             if todo.stop:
                 self.finish_saving(self.policy.preempt.describe())
                 if self.leads:  # every rank stops; one says so
