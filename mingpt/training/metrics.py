@@ -1,15 +1,18 @@
-"""Metrics sinks of the first rank (JSON lines in the run directory, optionally TensorBoard), and
-the train record's figures: throughput, MFU, the slowest rank."""
+"""Metrics sinks of the first rank (JSON lines in the run directory, optionally TensorBoard, a progress
+bar), and the train record's figures: throughput, MFU, the slowest rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the report reads metrics without importing torch
@@ -188,3 +191,17 @@ def read_records(path: str | Path) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, start: int, total: int):
+    """A progress bar on a terminal (else a stand-in that shows nothing). While it is shown, log
+    lines are written through it, so that a line never lands in the middle of the bar."""
+    if not (enabled and sys.stderr.isatty()):
+        yield SimpleNamespace(update=lambda _: None)
+        return
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(), tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) as bar:
+        yield bar

@@ -22,6 +22,7 @@ class Member(Trainer):
         self.watchdog = SimpleNamespace(beat=lambda step: None)
         self.replicas = SimpleNamespace(rejoin_pending=False)
         self.heals, self.lose_at, self.join_at, self.logged = heals, lose_at, join_at, {}
+        self.joined = lambda: None
 
     def regroup(self, why: str) -> bool:
         self.progress.step = self.heals.get(why, self.progress.step)
