@@ -180,10 +180,16 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     elif start.candidates:
         ledger.switch("restore")
         load_snapshot(cfg, trainer, start)
-    ledger.record(metrics.write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
-                  kind="start", run_id=start.run_id, job_id=info.job_id, launch_id=info.launch_id,
-                  world_size=info.world_size, restart=info.restart_count, parallel=parallel.name, hosts=hosts,
-                  **({"group": cfg.replicas.group} if replicas else {}))
+    def record_start(write) -> None:
+        ledger.record(write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
+                      kind="start", run_id=start.run_id, job_id=info.job_id, launch_id=info.launch_id,
+                      world_size=info.world_size, restart=info.restart_count, parallel=parallel.name, hosts=hosts,
+                      **({"group": cfg.replicas.group} if replicas else {}))
+    if replicas:  # its step is known once it joined: the one it healed to, or its snapshot's; not 0
+        trainer.joined = lambda: record_start(
+            lambda rec: info.is_rank0 and MetricsWriter.append(cfg.trainer.run_dir, rec))  # (one writer leads)
+    else:
+        record_start(metrics.write)
     return trainer
 
 

@@ -18,11 +18,12 @@ from mingpt.training.ledger import STARTUP, STATES
 from mingpt.training.metrics import read_records  # noqa: F401 - the report's reader
 
 # the job's categories, in the order the report shows them
-CATEGORIES = ("training", "lost", "down", "startup", "data_wait", "eval", "snapshot", "log", "regroup")
+CATEGORIES = ("training", "lost", "down", "startup", "data_wait", "eval", "snapshot", "log", "regroup", "other")
 LABELS = {"training": "training, kept", "lost": "training, lost (steps trained again)",
           "down": "restart (detection to new processes)", "startup": "start-up", "data_wait": "waiting on data",
           "eval": "evaluation", "snapshot": "snapshot (blocking)", "log": "logging and records",
-          "regroup": "replica groups: a new epoch formed, a group healed"}
+          "regroup": "replica groups: a new epoch formed, a group healed",
+          "other": "other (replica groups: between the records)"}
 STEP = ("step_data", "step_compute")
 
 
@@ -90,24 +91,37 @@ class Account:
     attempts: list[Attempt]
     lost_steps: list[int]
     gaps: list[float]  # per attempt: the restart before it (0 for the first of a job)
+    restarts: list[int] = field(default_factory=list)  # the attempts that are restarts (a process started again)
+    t0: float = 0.0  # the job's first process start
+    idle: list[tuple[float, float]] = field(default_factory=list)  # (from, to): between two jobs, not the job's
+    replicas: bool = False
+    faults: int = 0  # replica groups: the epochs formed because a group was lost (each lost its step in flight)
 
     @property
     def goodput(self) -> float:
         return self.seconds["training"] / self.wall if self.wall > 0 else 0.0
 
+    def clock(self, t: float) -> float:
+        """Seconds of the job at wall time `t`, from its first start, the idle time between jobs left out:
+        the time axis of every plot."""
+        return t - self.t0 - sum(max(0.0, min(t, end) - start) for start, end in self.idle)
 
 
 def attempts_of(records: list[dict]) -> list[Attempt]:
-    """The attempts that recorded their start-up (records of formats without ledgers are skipped)."""
+    """The attempts that recorded their start-up (records of formats without ledgers are skipped). A
+    time or fault record belongs to the attempt whose processes started when it says (replica groups
+    start apart, and their start records come after a heal), else to the last one started."""
     out: list[Attempt] = []
+    by_t0: dict[float, Attempt] = {}
     for r in records:
         kind = r.get("kind")
         if kind == "start":
             out.append(Attempt(r))
             if "s" in r:
                 out[-1].ledgers.append(r)
+                by_t0[r["t0"]] = out[-1]
         elif kind in ("time", "fault") and out and "s" in r:
-            out[-1].ledgers.append(r)
+            by_t0.get(r["t0"], out[-1]).ledgers.append(r)
     return [a for a in out if a.ledgers]
 
 
@@ -119,7 +133,7 @@ def account(records: list[dict]) -> Account:
         return account_replicas(records, attempts)
     seconds = dict.fromkeys(CATEGORIES, 0.0)
     startup = dict.fromkeys(STARTUP, 0.0)
-    lost_steps, gaps, wall = [], [], 0.0
+    lost_steps, gaps, wall, restarts, idle = [], [], 0.0, [], []
     for i, a in enumerate(attempts):
         # the steps of this attempt that no later attempt trained again
         later = [b.first_step for b in attempts[i + 1:]]
@@ -138,9 +152,12 @@ def account(records: list[dict]) -> Account:
         same_job = i > 0 and attempts[i - 1].launch == a.launch
         gap = max(0.0, a.t0 - attempts[i - 1].end) if same_job else 0.0
         gaps.append(gap)
+        restarts += [i] if same_job else []
+        idle += [(attempts[i - 1].end, a.t0)] if i > 0 and not same_job and a.t0 > attempts[i - 1].end else []
         seconds["down"] += gap
         wall += gap + (a.end - a.t0)
-    return Account(wall, seconds, startup, attempts, lost_steps, gaps)
+    return Account(wall, seconds, startup, attempts, lost_steps, gaps, restarts,
+                   attempts[0].t0 if attempts else 0.0, idle)
 
 
 def account_replicas(records: list[dict], attempts: list[Attempt]) -> Account:
@@ -148,28 +165,77 @@ def account_replicas(records: list[dict], attempts: list[Attempt]) -> Account:
     train, and the epoch's first member writes the job's records, so the job's time is the wall
     clock's, from the first process start to the last record. Training kept: the step time of every
     step the final weights descend from (the last train record of a step wins; a record covers the
-    steps since the one before), at most the median step time. Regroup: the epochs' forming and healing. Start-up: the first start
-    to the first epoch. Lost: the rest (steps dropped at faults, steps slowed while a group was away
-    and the survivors trained its shares, snapshots, evaluation and logging)."""
-    starts = [r["t0"] for r in records if r.get("kind") == "start" and "t0" in r]
+    steps since the one before), a step slowed while a group was away included. Lost: the step in
+    flight at each fault, at most one step. Regroup: the pause of the training between its last step
+    before a new epoch and the epoch (a returning group's own wait to be let in is not the job's).
+    Start-up: the first start to the first epoch. Evaluation, snapshots and logging: the recording
+    member's. Other: the rest. A restart is a group's process started again."""
+    starts = [r for r in records if r.get("kind") == "start" and "t0" in r]
     epochs = [r for r in records if r.get("kind") == "epoch"]
     train = {r["step"]: r for r in records if r.get("kind") == "train"}
-    t0 = min(starts) if starts else min(r["time"] for r in epochs)
+    t0 = min(r["t0"] for r in starts) if starts else min(r["time"] for r in epochs)
     wall = max(r["time"] for r in records if "time" in r) - t0
     seconds = dict.fromkeys(CATEGORIES, 0.0)
-    # a step slowed by a fault (the survivors train a lost group's shares too) counts at the median step time
-    usual, previous = sorted(r["step_ms"] for r in train.values())[len(train) // 2] if train else 0.0, 0
+    previous = 0
     for step in sorted(train):
-        seconds["training"] += min(train[step]["step_ms"], usual) / 1000 * (step - previous)
+        seconds["training"] += train[step]["step_ms"] / 1000 * (step - previous)
         previous = step
-    seconds["regroup"] = sum(e["regroup_s"] for e in epochs[1:])
+    usual = sorted(r["step_ms"] for r in train.values())[len(train) // 2] / 1000 if train else 0.0
+    seconds["regroup"], seconds["lost"], faults = _pauses(records, usual)
     seconds["startup"] = epochs[0]["time"] - t0
-    seconds["lost"] = max(0.0, wall - seconds["training"] - seconds["regroup"] - seconds["startup"])
+    seconds.update(_recorded(records, ("eval", "snapshot", "log")))
+    seconds["other"] = max(0.0, wall - sum(seconds.values()))
     startup = dict.fromkeys(STARTUP, 0.0)
     for a in attempts:
         for phase in STARTUP:
             startup[phase] += a.ledgers[0]["s"][phase] if a.ledgers else 0.0
-    return Account(wall, seconds, startup, attempts, [0] * len(attempts), [0.0] * len(attempts))
+    seen, restarts = set(), []
+    for i, a in enumerate(attempts):
+        group = a.start.get("group")
+        restarts += [i] if group in seen else []
+        seen.add(group)
+    return Account(wall, seconds, startup, attempts, [0] * len(attempts), [0.0] * len(attempts), restarts, t0,
+                   replicas=True, faults=faults)
+
+
+def _pauses(records: list[dict], usual: float) -> tuple[float, float, int]:
+    """(regroup seconds, seconds of the steps in flight lost, faults) of a replica job. At every epoch
+    after the first the training paused, from its last step done (its last train record, plus `usual`
+    per step not logged since) to the epoch formed. At a fault (an epoch formed for another reason
+    than a start or a join) the step in flight, at most one step, was dropped: the rest was the regroup."""
+    regroup = lost = 0.0
+    faults, last, first = 0, None, True
+    for r in records:
+        if r.get("kind") == "train":
+            last = r
+        elif r.get("kind") == "epoch" and first:
+            first = False
+        elif r.get("kind") == "epoch":
+            pause = (r["time"] - last["time"] - usual * max(0, r["step"] - last["step"]) if last is not None
+                     else r["regroup_s"])
+            if r["why"] == "start":  # written by a returning group, whose regroup_s is its own wait to join
+                regroup += max(0.0, pause)
+            elif r["why"] == "a group joins":
+                regroup += max(0.0, min(pause, r["regroup_s"]))
+            else:
+                faults += 1
+                in_flight = min(usual, max(0.0, pause - r["regroup_s"]))
+                lost += in_flight
+                regroup += max(0.0, min(pause - in_flight, r["regroup_s"]))
+    return regroup, lost, faults
+
+
+def _recorded(records: list[dict], states: tuple[str, ...]) -> dict[str, float]:
+    """Seconds in `states` of the member that wrote the time records, summed between each two of its
+    records in a row (the recording member changes when the lowest group is lost or returns)."""
+    out, last = dict.fromkeys(states, 0.0), None
+    for r in records:
+        if r.get("kind") == "time" and "s" in r:
+            if last is not None and last["t0"] == r["t0"]:
+                for state in states:
+                    out[state] += max(0.0, r["s"].get(state, 0.0) - last["s"].get(state, 0.0))
+            last = r
+    return out
 
 
 def check_states() -> None:

@@ -18,7 +18,7 @@ from mingpt.report.goodput import CATEGORIES, LABELS
 from mingpt.report.summary import Run, summary
 
 COLORS = {"training": "#2a9d3f", "lost": "#e76f51", "down": "#b5179e", "startup": "#f4a261", "data_wait": "#8ecae6",
-          "eval": "#457b9d", "snapshot": "#6c757d", "log": "#ced4da", "regroup": "#ffb703"}
+          "eval": "#457b9d", "snapshot": "#6c757d", "log": "#ced4da", "regroup": "#ffb703", "other": "#e9ecef"}
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
@@ -57,14 +57,17 @@ def _figure(fig, name: str, caption: str, points: int) -> str:
 
 
 def _mark_restarts(ax, run: Run, x_of) -> None:
-    """A dashed line at every start after the first, labelled with its world size."""
-    for a in run.account.attempts[1:]:
-        x = x_of(a)
+    """A dashed line at every restart (the summary's), labelled with its world size; a dotted grey one
+    where another job continued the run (a resume after Ctrl-C or a stop: no restart)."""
+    acc = run.account
+    for i, a in enumerate(acc.attempts):
+        x = x_of(a) if i else None
         if x is None:
             continue
-        ax.axvline(x, color="#b5179e", ls="--", lw=0.8, alpha=0.7)
-        ax.text(x, 1.0, f" ws {a.start['world_size']}", transform=ax.get_xaxis_transform(), fontsize=7,
-                color="#b5179e", va="top")
+        restart = i in acc.restarts
+        ax.axvline(x, color="#b5179e" if restart else "#6c757d", ls="--" if restart else ":", lw=0.8, alpha=0.7)
+        ax.text(x, 1.0, f" ws {a.start['world_size']}" if restart else " new job", fontsize=7, va="top",
+                transform=ax.get_xaxis_transform(), color="#b5179e" if restart else "#6c757d")
 
 
 def loss_figure(run: Run) -> str:
@@ -93,19 +96,29 @@ def loss_figure(run: Run) -> str:
     return _figure(fig, "loss", "Training and validation loss against step and tokens; restarts marked.", len(steps))
 
 
-def _job_start(run: Run) -> float:
-    attempts = run.account.attempts
-    return attempts[0].t0 if attempts else min(r["time"] for r in run.records if "time" in r)
+def _rate_limit(values: list[float]) -> float:
+    """The top of a rate's axis: its largest value, unless that is far above the rest (a point measured
+    over a wrong interval): then 3x the median, the point drawn at the edge."""
+    median = float(np.median(values)) if values else 0.0
+    top = max(values, default=0.0)
+    return 1.05 * (top if top <= 3 * median else 3 * median) or 1.0
 
 
 def throughput_figure(run: Run) -> str:
-    t0 = _job_start(run)
+    acc = run.account
     recs = [r for r in run.records if r.get("kind") == "train"]
-    minutes = [(r["time"] - t0) / 60 for r in recs]
+    minutes = [acc.clock(r["time"]) / 60 for r in recs]
+    rates = [r["tokens_per_s"] for r in recs]
     fig, ax = plt.subplots(figsize=(12, 3.5))
-    ax.plot(minutes, [r["tokens_per_s"] for r in recs], ".", ms=3, color="#1d3557")
-    ax.set(xlabel="wall time (min)", ylabel="tokens/s", title="throughput and MFU (shaded: restarts, from the "
-           "last record before a fault to the first step after it)")
+    top = _rate_limit(rates)
+    ax.plot(minutes, [min(v, top) for v in rates], ".", ms=3, color="#1d3557")
+    off = [(m, top) for m, v in zip(minutes, rates) if v > top]
+    if off:
+        ax.plot(*zip(*off), "^", ms=5, color="red", label=f"{len(off)} off the scale")
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_ylim(0, top)
+    ax.set(xlabel="job time (min; the time between jobs left out)", ylabel="tokens/s",
+           title="throughput and MFU (shaded: restarts, from the last record before a fault to the first step after it)")
     # MFU is tokens/s times a constant of the model and hardware: a second scale, not a second series
     per_token = [100 * r["mfu"] / r["tokens_per_s"] for r in recs if r.get("mfu") and r.get("tokens_per_s")]
     if per_token:
@@ -113,14 +126,13 @@ def throughput_figure(run: Run) -> str:
         low, high = ax.get_ylim()
         mfu.set_ylim(low * float(np.median(per_token)), high * float(np.median(per_token)))
         mfu.set_ylabel("MFU (%)")
-    acc = run.account
     for i, a in enumerate(acc.attempts):
         if acc.gaps[i] > 0:
-            up = a.t0 + a.startup_s
-            ax.axvspan((a.t0 - acc.gaps[i] - t0) / 60, (up - t0) / 60, color="#b5179e", alpha=0.25)
+            ax.axvspan(acc.clock(a.t0 - acc.gaps[i]) / 60, acc.clock(a.t0 + a.startup_s) / 60, color="#b5179e",
+                       alpha=0.25)
     ax.grid(alpha=0.3)
-    return _figure(fig, "throughput", "Tokens/s (dots, left) and MFU (right) of every logged step over wall time.",
-                   len(recs))
+    return _figure(fig, "throughput", "Tokens/s (dots, left) and MFU (right) of every logged step over the job's "
+                   "time.", len(recs))
 
 
 def heatmap_figure(run: Run) -> str:
@@ -139,9 +151,11 @@ def heatmap_figure(run: Run) -> str:
     ticks = np.linspace(0, max(0, len(recs) - 1), min(10, max(1, len(recs)))).astype(int)
     ax.set_xticks(ticks, [recs[t][0]["step"] for t in ticks] if recs else [])
     kept = {id(r) for r, _ in recs}
+    acc = run.account
+    again = set() if acc.replicas else {id(acc.attempts[i].start) for i in acc.restarts}
     starts, column = [], 0
-    for r in run.records:  # the column of the first record after each start but the first
-        if r.get("kind") == "start" and column:
+    for r in run.records:  # the column of the first record after each restart, where steps are trained again
+        if id(r) in again and column:
             starts.append(column)
         column += id(r) in kept
     for j in sorted(set(starts)):  # a restart: the steps after it were logged again
@@ -154,26 +168,26 @@ def heatmap_figure(run: Run) -> str:
 
 
 def snapshot_figure(run: Run) -> str:
-    t0 = _job_start(run)
+    clock = run.account.clock
     fig, ax = plt.subplots(figsize=(12, 3))
     done = [s for s in run.snapshots if s["status"] == "committed"]
     failed = [s for s in run.snapshots if s["status"] == "failed"]
     retries = [s for s in run.snapshots if s["status"] == "retry"]
     # a bar per save at its commit, as tall as it took: its width in points, not in minutes (a save of a
     # second is a thousandth of an hour's axis, too thin to see)
-    ax.vlines([(s["time"] - t0) / 60 for s in done], 0, [s["total_s"] for s in done], color="#2a9d3f", lw=4,
+    ax.vlines([clock(s["time"]) / 60 for s in done], 0, [s["total_s"] for s in done], color="#2a9d3f", lw=4,
               label="save, copy to commit")
-    ax.plot([(s["time"] - t0) / 60 for s in done], [s["blocking_s"] for s in done], "v", ms=4, color="#1d3557",
+    ax.plot([clock(s["time"]) / 60 for s in done], [s["blocking_s"] for s in done], "v", ms=4, color="#1d3557",
             label="blocking (copy)")
     if failed:
-        ax.plot([(s["time"] - t0) / 60 for s in failed], [s["total_s"] for s in failed], "x", ms=8, color="red",
+        ax.plot([clock(s["time"]) / 60 for s in failed], [s["total_s"] for s in failed], "x", ms=8, color="red",
                 label="failed")
     if retries:
-        ax.plot([(s["time"] - t0) / 60 for s in retries], [0] * len(retries), "^", ms=6, color="orange",
+        ax.plot([clock(s["time"]) / 60 for s in retries], [0] * len(retries), "^", ms=6, color="orange",
                 label="retried")
     end = max(r["time"] for r in run.records if "time" in r)
-    ax.set_xlim(0, max((end - t0) / 60, 1e-3))
-    ax.set(xlabel="wall time (min)", ylabel="seconds", title="snapshots: duration of every save")
+    ax.set_xlim(0, max(clock(end) / 60, 1e-3))
+    ax.set(xlabel="job time (min)", ylabel="seconds", title="snapshots: duration of every save")
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     return _figure(fig, "snapshots", "Every save at its commit (height: its duration from the copy), the "
@@ -192,15 +206,14 @@ def goodput_figure(run: Run) -> str:
         left += share
     bar.set(xlim=(0, 1), yticks=[], xticks=[], title=f"goodput {100 * acc.goodput:.1f}% of {acc.wall:.0f} s")
     bar.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
-    t0 = _job_start(run)
     for i, a in enumerate(acc.attempts):  # each start: down, start-up, then training until its last record
-        start_s = a.startup_s
+        start_s, left = a.startup_s, acc.clock(a.t0)
         if acc.gaps[i]:
-            timeline.barh(0, acc.gaps[i], left=a.t0 - acc.gaps[i] - t0, color=COLORS["down"])
-        timeline.barh(0, start_s, left=a.t0 - t0, color=COLORS["startup"])
-        timeline.barh(0, a.end - a.t0 - start_s, left=a.t0 - t0 + start_s, color=COLORS["training"])
-    timeline.set(yticks=[], xlabel="wall time (s)", title="starts: restart (purple), start-up (orange), then "
-                 "training with its evaluations and saves (green)")
+            timeline.barh(0, acc.gaps[i], left=left - acc.gaps[i], color=COLORS["down"])
+        timeline.barh(0, start_s, left=left, color=COLORS["startup"])
+        timeline.barh(0, a.end - a.t0 - start_s, left=left + start_s, color=COLORS["training"])
+    timeline.set(yticks=[], xlabel="job time (s; the time between jobs left out)",
+                 title="starts: restart (purple), start-up (orange), then training with its evaluations and saves (green)")
     fig.subplots_adjust(hspace=1.4)
     return _figure(fig, "goodput", "Where the wall time went, and the life of the job start by start.",
                    len(acc.attempts))

@@ -65,6 +65,28 @@ def _s(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
+def _starts(run: Run) -> list[str]:
+    """The starts line: how many, the restarts among them (Account.restarts, as the plots mark them), the
+    jobs or replica groups, the world sizes; and the replica epochs."""
+    acc, attempts = run.account, run.account.attempts
+    sizes = [a.start["world_size"] for a in attempts]
+    changes = [str(sizes[0])] + [str(b) for a, b in zip(sizes, sizes[1:]) if a != b]
+    n = len(acc.restarts)
+    if acc.replicas:
+        groups = len({a.start.get("group") for a in attempts})
+        whose = f"{n} restart{'s' * (n != 1)}, {groups} group{'s' * (groups != 1)}"
+    else:
+        jobs = len(attempts) - n
+        whose = f"{n} restart{'s' * (n != 1)}, {jobs} job{'s' * (jobs != 1)}"
+    lines = [f"  starts {len(attempts)} ({whose})   world size {' -> '.join(changes)}   "
+             f"{attempts[-1].start.get('parallel', '')}"]
+    epochs = [r for r in run.records if r.get("kind") == "epoch"]
+    if epochs:  # replica groups: every process start is a group's, and the groups trained through faults
+        lines.append(f"  replica groups: {len(epochs)} epochs, {acc.faults} lost a group (each lost at most its step "
+                     f"in flight), {sum(len(e.get('healed', [])) for e in epochs)} group(s) healed from a peer")
+    return lines
+
+
 def summary(run: Run, name: str) -> str:
     """The text a person reads first: progress, restarts, goodput and where the rest went."""
     acc, lines = run.account, []
@@ -81,17 +103,7 @@ def summary(run: Run, name: str) -> str:
     if not attempts:
         lines.append("  no time records (a run of an older version?): no goodput")
         return "\n".join(lines)
-    jobs = len({a.launch for a in attempts})
-    sizes = [a.start["world_size"] for a in attempts]
-    changes = [str(sizes[0])] + [str(b) for a, b in zip(sizes, sizes[1:]) if a != b]
-    lines.append(f"  starts {len(attempts)} ({len(attempts) - jobs} restart{'s' * (len(attempts) - jobs != 1)}, "
-                 f"{jobs} job{'s' * (jobs != 1)})   world size {' -> '.join(changes)}   "
-                 f"{attempts[-1].start.get('parallel', '')}")
-    epochs = [r for r in run.records if r.get("kind") == "epoch"]
-    if epochs:  # replica groups: every process start is a group's, and the groups trained through faults
-        lost = sum(1 for e in epochs if e["why"] not in ("start", "a group joins"))
-        lines.append(f"  replica groups: {len(epochs)} epochs, {lost} lost a group, "
-                     f"{sum(len(e.get('healed', [])) for e in epochs)} group(s) healed from a peer")
+    lines += _starts(run)
     lines.append("")
     lines.append(f"  goodput {100 * acc.goodput:.1f}% of {_s(acc.wall)} wall time")
     width = max(len(LABELS[c]) for c in CATEGORIES)
@@ -104,6 +116,12 @@ def summary(run: Run, name: str) -> str:
     lines.append("    start-up by phase, all starts (s):")
     lines.append(f"      {phases}")
     restarts = [(i, a) for i, a in enumerate(attempts) if acc.gaps[i] > 0]
+    if acc.replicas and acc.restarts:
+        lines.append("")
+        lines.append("  restarts (a group's process started again; it healed from a live group):")
+        for i in acc.restarts[-5:]:
+            a = attempts[i]
+            lines.append(f"    group {a.start.get('group')}: back at step {a.first_step:,}, start-up {a.startup_s:.1f} s")
     if restarts:
         lines.append("")
         lines.append("  restarts (from the last record before it to the first step after it):")

@@ -1,14 +1,18 @@
-"""Metrics sinks of the first rank (JSON lines in the run directory, optionally TensorBoard), and
-the train record's figures: throughput, MFU, the slowest rank."""
+"""Metrics sinks of the first rank (JSON lines in the run directory, optionally TensorBoard, a progress
+bar), and the train record's figures: throughput, MFU, the slowest rank."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import statistics
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the report reads metrics without importing torch
@@ -54,6 +58,26 @@ def train_record(step: dict, loss: float, step_s: float, compute: list[float], h
             "tokens_per_s": tok_s, "mfu": mfu, "step_ms": 1000 * step_s, "tokens_seen": step["tokens_seen"],
             "compute_ms": [round(1000 * c, 2) for c in compute], "compute_max_median": ratio,
             "slowest": hosts[slowest]}
+
+
+class StepTimer:
+    """The interval a logged step's rate is measured over: the steps trained and the ledger's step
+    seconds since the last log. `restart` it after anything that moves the step without training it
+    here: a replica heal (a member healed from step 0 to 130 trained no 130 steps) or a step in flight
+    dropped at a regroup."""
+
+    def __init__(self, step_seconds: Callable[[], float], step: int):
+        self.step_seconds = step_seconds
+        self.restart(step)
+
+    def restart(self, step: int) -> None:
+        self.since = (step, self.step_seconds())
+
+    def per_step(self, step: int) -> float:
+        """Step seconds per step trained since the last call (or restart); the next interval starts now."""
+        (s0, t0), now = self.since, self.step_seconds()
+        self.since = (step, now)
+        return (now - t0) / max(1, step - s0)
 
 
 class MetricsWriter:
@@ -167,3 +191,17 @@ def read_records(path: str | Path) -> list[dict]:
             except json.JSONDecodeError:
                 continue
     return out
+
+
+@contextlib.contextmanager
+def progress_bar(enabled: bool, start: int, total: int):
+    """A progress bar on a terminal (else a stand-in that shows nothing). While it is shown, log
+    lines are written through it, so that a line never lands in the middle of the bar."""
+    if not (enabled and sys.stderr.isatty()):
+        yield SimpleNamespace(update=lambda _: None)
+        return
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(), tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) as bar:
+        yield bar

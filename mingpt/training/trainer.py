@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -19,7 +17,7 @@ from mingpt.parallel import Parallel
 from mingpt.replicas import MembershipChanged, Replicas, flat_grads
 from mingpt.snapshot import SaveFailedError, Snapshotter
 from mingpt.training.ledger import Ledger
-from mingpt.training.metrics import MetricsWriter, peak_flops, train_record
+from mingpt.training.metrics import MetricsWriter, StepTimer, peak_flops, progress_bar, train_record
 from mingpt.training.optim import lr_at
 from mingpt.training.policy import SavePolicy
 from mingpt.training.state import Progress, StepStats, Todo, TrainData
@@ -51,6 +49,7 @@ class Trainer:
         # replica groups: the snapshot's loader while no member is live; the run ended while away; the
         # (step, shares' gradients) computed when that step's epoch broke
         self.resume, self.finished_elsewhere, self._store_checked, self._redo = None, False, 0.0, None
+        self.joined = lambda: None  # replica groups: called once this member joined its first epoch (healed)
         if replicas is not None:
             policy.agreed = lambda: replicas.flags
 
@@ -77,7 +76,7 @@ class Trainer:
         self.watchdog.start()
         self.ledger.switch("first_step")
         try:
-            with _progress(self.info.is_rank0 and cfg.progress, p.step, cfg.max_steps) as bar:
+            with progress_bar(self.info.is_rank0 and cfg.progress, p.step, cfg.max_steps) as bar:
                 return self._loop(bar)
         finally:
             self.watchdog.stop()  # on every exit path, errors included
@@ -87,25 +86,25 @@ class Trainer:
         step time logged is the ledger's (the seconds in its step states), so evaluating and saving
         never count as steps."""
         p, cfg = self.progress, self.cfg
-        since = (p.step, self.ledger.step_seconds())
-        if self.replicas and not self.regroup("start"):
-            return self.finished_elsewhere
+        if self.replicas:
+            if not self.regroup("start"):
+                return self.finished_elsewhere
+            self.joined()
+        timer = StepTimer(self.ledger.step_seconds, p.step)  # after the heal: the step it healed to
         while p.step < cfg.max_steps:
             try:
                 stats = self.train_step()
             except MembershipChanged as e:  # the step is dropped on every member; the next epoch trains it
                 if not self.regroup(str(e)):
                     return self.finished_elsewhere
-                since = (p.step, self.ledger.step_seconds())
+                timer.restart(p.step)
                 continue
             p.step, p.tokens_seen = p.step + 1, p.tokens_seen + stats.tokens
             self.watchdog.beat(p.step)
             bar.update(1)
             todo = self.decide(p.step)
             if todo.log:
-                now = (p.step, self.ledger.step_seconds())
-                self._log_train(stats, (now[1] - since[1]) / (now[0] - since[0]))
-                since = now
+                self._log_train(stats, timer.per_step(p.step))
             if todo.evaluate:
                 self.evaluate()
             if todo.save:
@@ -117,6 +116,7 @@ class Trainer:
                 # a group waits to join: let it in now, between steps
                 if not self.regroup("a group joins"):
                     return self.finished_elsewhere
+                timer.restart(p.step)  # a member behind the others was healed forward
             if todo.stop:
                 self.finish_saving(self.policy.preempt.describe())
                 if self.leads:  # every rank stops; one says so
@@ -384,20 +384,6 @@ def _amp_dtype(precision: str, device_type: str) -> torch.dtype | None:
 
 def _autocast(device_type: str, dtype: torch.dtype | None):
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device_type, dtype=dtype)
-
-
-@contextlib.contextmanager
-def _progress(enabled: bool, start: int, total: int):
-    """A progress bar on a terminal (else a stand-in that shows nothing). While it is shown, log
-    lines are written through it, so that a line never lands in the middle of the bar."""
-    if not (enabled and sys.stderr.isatty()):
-        yield SimpleNamespace(update=lambda _: None)
-        return
-    from tqdm import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    with logging_redirect_tqdm(), tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) as bar:
-        yield bar
 
 
 def _weighted(mbs: list[np.ndarray], micro_batches: list[np.ndarray]) -> list[tuple[np.ndarray, float]]:

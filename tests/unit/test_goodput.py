@@ -25,7 +25,7 @@ def test_account_of_two_restarts_and_a_second_job():
     assert [a.first_step for a in acc.attempts] == [0, 10, 30]
     assert acc.gaps == [0.0, pytest.approx(2.0), 0.0]  # the hours between the two jobs are not the job's
     expected = {"training": 8 + 15, "data_wait": 1 + 1, "lost": 18 - 9, "down": 2, "startup": 4 + 1.5 + 2,
-                "snapshot": 1, "eval": 0, "log": 1.5, "regroup": 0}
+                "snapshot": 1, "eval": 0, "log": 1.5, "regroup": 0, "other": 0}
     assert {c: pytest.approx(v) for c, v in expected.items()} == acc.seconds
     assert acc.wall == pytest.approx(24 + 2 + 18 + 2)
     assert sum(acc.seconds[c] for c in CATEGORIES) == pytest.approx(acc.wall)
@@ -34,8 +34,9 @@ def test_account_of_two_restarts_and_a_second_job():
 
 
 def test_account_of_replica_groups():
-    """Replica groups: the wall clock from the first start; training kept at most the median step
-    time (the step a survivor trained two shares of is slowed, not kept twice); the regroups."""
+    """Replica groups: the wall clock from the first start; training kept at the time each kept step took
+    (a step a survivor trained two shares of included); the step in flight at a fault lost, the rest of
+    the pause the regroup."""
     train = lambda step, ms, t: {"kind": "train", "step": step, "step_ms": ms, "time": t}  # noqa: E731
     records = [
         ledger(100, 0, "start", launch=3, model=2, group=0),
@@ -49,9 +50,11 @@ def test_account_of_replica_groups():
     ]
     acc = account(records)
     assert acc.wall == pytest.approx(10)
-    expected = dict.fromkeys(CATEGORIES, 0.0) | {"training": 1.2, "regroup": 0.2, "startup": 5, "lost": 10 - 1.2 - 0.2 - 5}
+    # the fault: the step in flight (at most one step, 0.1 s) lost out of the 1 s pause, 0.2 s regroup
+    expected = dict.fromkeys(CATEGORIES, 0.0) | {"training": 1.4, "regroup": 0.2, "startup": 5, "lost": 0.1,
+                                                 "other": 10 - 1.4 - 0.2 - 5 - 0.1}
     assert {c: pytest.approx(v) for c, v in expected.items()} == acc.seconds
-    assert acc.goodput == pytest.approx(0.12)
+    assert acc.goodput == pytest.approx(0.14) and acc.faults == 1
 
 
 def test_a_snapshot_older_than_the_previous_start_loses_the_steps_of_both_starts():

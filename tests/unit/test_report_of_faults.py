@@ -1,0 +1,71 @@
+"""What the report says of faults and resumes: the restarts counted once, and the same in the summary
+and the plots; the steps in flight of a replica job; the time axes without the idle time between jobs;
+the throughput plot scaled to its steady points."""
+
+import pytest
+from conftest import ledger
+
+from mingpt.report import html
+from mingpt.report.summary import Run, summary
+
+
+def start(t0, step, group=None, launch="secret-derived", **seconds):
+    rec = {**ledger(t0, step, "start", model=1, **seconds), "launch_id": launch}
+    return rec if group is None else {**rec, "group": group}
+
+
+def train(step, t, ms=100.0, tok_s=1000.0):
+    return {"kind": "train", "step": step, "step_ms": ms, "time": t, "tokens_per_s": tok_s, "mfu": tok_s / 1e5,
+            "loss": 1.0, "tokens_seen": 100 * step}
+
+
+def epoch(step, t, why, regroup_s, healed=()):
+    return {"kind": "epoch", "step": step, "time": t, "why": why, "regroup_s": regroup_s, "groups": [0, 1, 2],
+            "healed": list(healed)}
+
+
+def replica_job():
+    """Three groups of one mingpt-torchrun each (one launch id, derived from the job secret). Group 0's
+    process is SIGKILLed in step 21; its torchrun restarts it and it heals to step 30, then leads."""
+    return [
+        *[start(100, 0, g) for g in range(3)],
+        epoch(0, 105, "start", 0.01),
+        *[train(s, 105 + 0.1 * s) for s in range(1, 21)],
+        epoch(20, 107.35, "group 0 lost", 0.25),  # 0.1 s of the step in flight, then the regroup
+        *[train(s, 107.35 + 0.15 * (s - 20), ms=150) for s in range(21, 31)],  # two survivors, three shares each
+        start(108, 30, 0),  # the restarted process's start record, once it healed: its step
+        epoch(30, 109.0, "start", 1.0, healed=[0]),  # written by group 0, who waited 1 s to be let in
+        *[train(s, 109 + 0.1 * (s - 30)) for s in range(31, 41)],
+    ]
+
+
+def test_a_replica_job_counts_a_restart_per_process_started_again_and_its_step_in_flight_lost():
+    run = Run.of(replica_job())
+    out = summary(run, "r")
+    assert "starts 4 (1 restart, 3 groups)" in out, out
+    assert "group 0: back at step 30" in out, out
+    acc = run.account
+    expected = {"training": 2 + 1.5 + 1, "lost": 0.1, "regroup": 0.25 + 0.15, "startup": 5, "other": 0}
+    assert {c: pytest.approx(acc.seconds[c], abs=1e-6) for c in expected} == expected
+    assert acc.wall == pytest.approx(10) and acc.goodput == pytest.approx(0.45)
+
+
+def test_a_resume_by_another_job_is_no_restart_in_the_summary_nor_in_the_plots(monkeypatch):
+    """Ctrl-C, then the same command an hour later: two jobs, no restart; and the hour is not the job's."""
+    monkeypatch.setattr(html, "_figure", lambda fig, *args: fig)
+    run = Run.of([start(1000, 0, launch="a"), train(10, 1010), ledger(1000, 10, step_compute=10),
+                  start(4600, 10, launch="b"), train(20, 4610), ledger(4600, 20, step_compute=10)])
+    assert "starts 2 (0 restarts, 2 jobs)" in summary(run, "r")
+    loss = html.loss_figure(run)
+    dashed = [line for ax in loss.axes for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert not dashed  # no restart marked; the new job is a dotted line
+    ax = html.throughput_figure(run).axes[0]
+    assert max(ax.get_lines()[0].get_xdata()) < 1  # minutes of the job's time, not the hour between
+
+
+def test_a_point_far_above_the_rest_does_not_flatten_the_throughput_plot(monkeypatch):
+    monkeypatch.setattr(html, "_figure", lambda fig, *args: fig)
+    records = [start(100, 0), *[train(s, 100 + s, tok_s=1000 + s) for s in range(1, 50)],
+               train(50, 150, tok_s=265451)]  # a rate measured over a wrong interval
+    ax = html.throughput_figure(Run.of(records)).axes[0]
+    assert ax.get_ylim()[1] <= 3.2 * 1025
