@@ -25,7 +25,7 @@ import socket
 import sys
 import uuid
 
-from mingpt.distributed import SECRET_ENV, SECRET_FILE_ENV, SecretError, job_secret
+from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SecretError, job_secret
 
 # A worker's exit codes that no restart can change (see the README's exit codes).
 PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved"}
@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> None:
         torchrun.run(args)
     except SecretError as e:
         sys.exit(_say(str(e), 2))
+    except ForgedValueError as e:
+        sys.exit(_say(str(e), 1))
     except ChildFailedError as e:
         sys.exit(exit_code_of_failures(list(e.failures.values())))
     except SignalException as e:

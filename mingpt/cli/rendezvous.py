@@ -40,7 +40,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from mingpt.distributed import SECRET_ENV, SECRET_FILE_ENV, SecretError, bound_store, derive, job_secret
+from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, SignedStore, bound_store, derive, job_secret
 
 log = logging.getLogger("mingpt.rendezvous")
 
@@ -106,7 +106,9 @@ def create(params: RendezvousParameters):
     # The workers inherit the agent's environment: their own store, the secret to prefix it, and the launch's id.
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SECRET_ENV: secret.decode(),
                        "MINGPT_LAUNCH_ID": derive(secret, "launch")[:16]})
-    return create_handler(store, backend, params)
+    # torch's agents take the workers' store address (MASTER_ADDR, MASTER_PORT) and their ranks from the
+    # handler's store: signed, so that a value written by anyone else is ignored.
+    return create_handler(SignedStore(store, derive(secret, "values").encode()), backend, params)
 
 
 def handler():

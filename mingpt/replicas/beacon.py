@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from mingpt.distributed import bound_store, derive
+from mingpt.trust import bound_store, derive
 
 log = logging.getLogger(__name__)
 
