@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -45,7 +46,7 @@ from mingpt.snapshot import SnapshotStore
 from mingpt.training.metrics import read_records
 
 REPO = Path(__file__).resolve().parents[1]
-SECRET = "survivors-bench-" + "0123456789abcdef" * 2
+SECRET = secrets.token_hex(32)  # the same for every group of one bench run
 GROUPS = 3
 
 

@@ -6,8 +6,6 @@ Everything else receives rank, world size and device as arguments (see `DistInfo
 from __future__ import annotations
 
 import datetime
-import hashlib
-import hmac
 import json
 import logging
 import os
@@ -21,6 +19,9 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+# The job's secret and the stores it vouches for live in mingpt.trust; named here too, beside the environment.
+from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, bound_store, derive, job_secret  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -90,69 +91,12 @@ class DistInfo:
         )
 
 
-# The per-job secret: every process of one job has it, nobody else. It keys the rendezvous state's
-# signature (mingpt.cli.rendezvous) and names the keys in the job's stores, and an id derived from it
-# tells one launch of a job from the next. An environment variable is readable by its user only
-# (/proc/PID/environ is 0400), unlike a command line; a file must be its user's and mode 0600.
-SECRET_ENV, SECRET_FILE_ENV = "MINGPT_JOB_SECRET", "MINGPT_JOB_SECRET_FILE"
-
-
-class SecretError(ValueError):
-    """The job secret is missing, too short, or readable by others; the message says how to fix it."""
-
-
-def job_secret(env: dict[str, str] | None = None) -> bytes | None:
-    """The job's secret from MINGPT_JOB_SECRET or the file MINGPT_JOB_SECRET_FILE names; None if neither is set."""
-    env = os.environ if env is None else env
-    value, path = env.get(SECRET_ENV), env.get(SECRET_FILE_ENV)
-    if not value and path:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as e:
-            raise SecretError(f"cannot read the job secret file {path} ({e.strerror}); make one with "
-                              f"`umask 077; python -c 'import secrets; print(secrets.token_hex(32))' > {path}`") from None
-        with os.fdopen(fd) as fh:
-            st = os.fstat(fh.fileno())
-            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-                raise SecretError(f"the job secret file {path} must be yours and readable by you only (it is mode "
-                                  f"{st.st_mode & 0o777:o}, owner uid {st.st_uid}): chmod 600 {path}")
-            value = fh.read().strip()
-    if not value:
-        return None
-    if len(value) < 32:
-        raise SecretError(f"the job secret ({SECRET_ENV} or {SECRET_FILE_ENV}) has {len(value)} characters: use at "
-                          "least 32 random ones, e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`")
-    return value.encode()
-
-
-def derive(secret: bytes, purpose: str) -> str:
-    """A value for one purpose (a store's key prefix, the launch id) that reveals nothing of the secret."""
-    return hmac.new(secret, purpose.encode(), hashlib.sha256).hexdigest()
-
-
-def bound_store(host: str, port: int, is_master: bool, timeout: datetime.timedelta, **kwargs) -> dist.TCPStore:
-    """A TCPStore that, where this process hosts it, listens on host's address only (TCPStore alone
-    listens on every interface whatever host it is given: the socket is bound here and handed over)."""
-    if not is_master:
-        return dist.TCPStore(host, port, is_master=False, timeout=timeout, **kwargs)
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, kind, proto)
-    try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(512)
-    except OSError:
-        listener.close()
-        raise
-    port = listener.getsockname()[1]
-    return dist.TCPStore(host, port, is_master=True, timeout=timeout, master_listen_fd=listener.detach(),
-                         use_libuv=True, **kwargs)
-
-
 def _worker_store(info: DistInfo, timeout: datetime.timedelta):
     """The workers' own store at MASTER_ADDR:MASTER_PORT, hosted by rank 0 on that address only, its
-    keys under a prefix derived from the job secret (nobody without it can name, read or write them).
-    None where torch's own env:// store is used: workers that share the agent's store."""
+    keys under a prefix derived from the job secret (apart from any other job's). Whoever reaches the
+    port can still list, overwrite and delete its keys: mingpt reads nothing from it, and what torch
+    reads there (gloo's addresses of the ranks) is unsigned, so a forged value can only make the
+    group fail to form (docs/multi-node.md). None where torch's own env:// store is used."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or "MASTER_ADDR" not in os.environ:
         return None
     store = bound_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), info.rank == 0, timeout,

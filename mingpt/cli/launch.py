@@ -12,7 +12,8 @@ What it changes:
   the workers' one line: no agent traceback, no table of failures;
 - a worker that exits 2 or 74 is not restarted: a bad setting or a store that refuses the save
   does not go away by trying again (torchrun would retry it --max-restarts times);
-- a rendezvous that cannot form is one line saying what to check.
+- a rendezvous that cannot form is one line saying what to check, and so is a value in its store
+  that was forged (mingpt.trust.SignedStore) or never came.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import socket
 import sys
 import uuid
 
-from mingpt.distributed import SECRET_ENV, SECRET_FILE_ENV, SecretError, job_secret
+from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SecretError, job_secret
 
 # A worker's exit codes that no restart can change (see the README's exit codes).
 PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved"}
@@ -112,6 +113,7 @@ def exit_code_of_failures(failures: list) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from torch.distributed import DistStoreError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -136,6 +138,13 @@ def main(argv: list[str] | None = None) -> None:
         torchrun.run(args)
     except SecretError as e:
         sys.exit(_say(str(e), 2))
+    except ForgedValueError as e:
+        sys.exit(_say(str(e), 1))
+    except DistStoreError as e:  # a value the agents exchange never came: another node stopped in the rendezvous
+        missing = str(e).strip().splitlines()[0].rsplit("/", 1)[-1][:80]
+        sys.exit(_say(f"a value the nodes exchange through the rendezvous store at {endpoint} did not come within "
+                      f"read_timeout={_conf(argv, 'read_timeout', '60')} s (the key {missing}): another node stopped during "
+                      "the rendezvous (its output says why), or cannot reach the store", 1))
     except ChildFailedError as e:
         sys.exit(exit_code_of_failures(list(e.failures.values())))
     except SignalException as e:

@@ -3,12 +3,19 @@
 torchrun's own c10d rendezvous keeps its state in a TCPStore that listens on every interface, has
 no authentication, and is unpickled by every agent on every keep-alive: whoever reaches the port
 and knows the run id (it is on the agent's command line) can run code as the job's user. This
-backend is the same rendezvous with three changes:
+backend is the same rendezvous with these changes:
 
 - its state is signed with the job's secret (HMAC-SHA256) and verified before it is unpickled;
-- every key of the store lives under a prefix derived from the secret, so nobody without it can
-  name, read or overwrite one (a TCPStore cannot list its keys);
+- the values torch's agents take from the store (MASTER_ADDR, MASTER_PORT, the agents' ranks) are
+  signed too (mingpt.trust.SignedStore): a forged one is ignored, or waited out and refused in one line;
+- its keys live under a prefix derived from the secret, which keeps jobs apart, not hidden: a
+  TCPStore lists its keys (`list_keys()`) to anyone who reaches the port;
 - the agent that hosts the store listens on the --rdzv_endpoint address only.
+
+So another user who reaches the port can list, overwrite and delete keys, and so make the job fail
+or restart (gloo's addresses in the workers' store cannot be signed), but cannot make it run code
+(nothing unsigned is unpickled) or feed it state (every value it reads is signed). Keep them out
+with the network: one only the job's hosts reach, or a network namespace per job on shared nodes.
 
 It also makes the workers host their own store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, bound and
 prefixed the same way by mingpt.distributed) and gives them MINGPT_LAUNCH_ID, the same on every node
@@ -40,7 +47,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from mingpt.distributed import SECRET_ENV, SECRET_FILE_ENV, SecretError, bound_store, derive, job_secret
+from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, SignedStore, bound_store, derive, job_secret
 
 log = logging.getLogger("mingpt.rendezvous")
 
@@ -106,7 +113,9 @@ def create(params: RendezvousParameters):
     # The workers inherit the agent's environment: their own store, the secret to prefix it, and the launch's id.
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SECRET_ENV: secret.decode(),
                        "MINGPT_LAUNCH_ID": derive(secret, "launch")[:16]})
-    return create_handler(store, backend, params)
+    # torch's agents take the workers' store address (MASTER_ADDR, MASTER_PORT) and their ranks from the
+    # handler's store: signed, so that a value written by anyone else is ignored.
+    return create_handler(SignedStore(store, derive(secret, "values").encode()), backend, params)
 
 
 def handler():
@@ -116,7 +125,7 @@ def handler():
 
 def serve(host: str, port: int, ready: threading.Event | None = None, stop: threading.Event | None = None) -> None:
     """Host a rendezvous store on host:port (that address only) until `stop` is set (or forever).
-    It holds only keys the jobs' secrets name and signed state: it needs no secret itself."""
+    The jobs sign what they read from it: it needs no secret itself."""
     store = bound_store(host, port, True, timedelta(seconds=60), multi_tenant=True, wait_for_workers=False)
     log.info("rendezvous store listening on %s:%d", host, store.port)
     if ready is not None:

@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, replace
 
 import torch.distributed as dist
 
-from mingpt.distributed import bound_store, derive
 from mingpt.replicas.wire import (
     HANDSHAKE_S,
     PROTOCOL,
@@ -35,6 +34,7 @@ from mingpt.replicas.wire import (
     parse,
     read_line,
 )
+from mingpt.trust import bound_store, derive
 
 log = logging.getLogger(__name__)
 

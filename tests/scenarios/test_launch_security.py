@@ -131,3 +131,59 @@ def test_another_user_cannot_make_the_documented_launch_run_code(tmp_path):
     assert not marker.exists()
     assert f"127.0.0.1:{port}" in addresses and len(addresses) >= 2, addresses
     assert all(a.startswith("127.0.0.1:") for a in addresses), addresses  # never 0.0.0.0:* or [::]:*
+
+
+def _overwrite_the_store_address(port: int, seconds: float) -> dict:
+    """For `seconds`, as another user: list the rendezvous store's keys and overwrite every MASTER_ADDR /
+    MASTER_PORT there, and those of round 0 before the agents write them (the state key names them)."""
+    deadline, store, written = time.time() + seconds, None, set()
+    while time.time() < deadline:
+        try:
+            store = store or dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
+            keys = store.list_keys()
+        except Exception:  # noqa: BLE001 - the store is not up yet
+            store = None
+            time.sleep(0.05)
+            continue
+        targets = {k for k in keys if k.endswith(("/MASTER_ADDR", "/MASTER_PORT"))}
+        targets |= {f"{k}.0/{name}" for k in keys if k.endswith("/torch.rendezvous.run1")
+                    for name in ("MASTER_ADDR", "MASTER_PORT")}
+        for key in targets:
+            store.set(key, b"not-a-port" if key.endswith("PORT") else b"attacker.invalid")
+        written |= targets
+    return {"written": sorted(k.rsplit("/", 1)[-1] for k in written)}
+
+
+@pytest.mark.slow
+def test_another_user_overwriting_the_store_address_makes_no_traceback(tmp_path):
+    """Two agents (two nodes on one machine); `nobody` finds MASTER_ADDR / MASTER_PORT with list_keys()
+    and overwrites them for 15 s, from before the agents write them. torch's agents would take the
+    forgery (a ValueError traceback); here it is ignored: each agent goes on or says in one line which
+    value was never signed."""
+    tmp_path.chmod(0o755)
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MINGPT_JOB_SECRET": secrets.token_hex(32)}
+    attack = _as_nobody(lambda: _overwrite_the_store_address(port, 15))
+    agents, logs = [], []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "mingpt.cli.launch", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=mingpt",
+               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=run1",
+               f"--rdzv_conf=last_call_timeout=1,read_timeout=5,is_host={1 - node}",
+               "mingpt/main.py", "model=gpt-mini", "trainer.max_steps=2", "trainer.eval_every=0",
+               "trainer.progress=false", "dist.timeout_s=10", f"data.path={make_corpus(tmp_path)}",
+               f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}"]
+        logs.append(tmp_path / f"agent{node}.log")
+        with open(logs[-1], "w") as fh:
+            agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True))
+        time.sleep(0.5 * (1 - node))  # the host's store first
+    try:
+        codes = [a.wait(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    planted = attack(timeout=30)
+    out = "\n".join(f"--- agent {n}\n{p.read_text()}" for n, p in enumerate(logs))
+    assert {"MASTER_ADDR", "MASTER_PORT"} <= set(planted.get("written", [])), planted
+    assert "Traceback" not in out and "invalid literal" not in out, out[-4000:]
+    assert codes == [0, 0] or "was not signed with this job's secret" in out, (codes, out[-4000:])
+    assert "attacker.invalid" not in out and "not-a-port" not in out, out[-4000:]  # never used

@@ -6,6 +6,7 @@ the weights of the run without faults, bit for bit."""
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 GROUPS = 3
 STEPS = 200  # a killed group's restart (a new interpreter, about 5 s here) ends well before the last step
-SECRET = "replica-test-secret-0123456789abcdef0123"
+SECRET = secrets.token_hex(32)  # random per run: a chosen string is refused (mingpt.trust.job_secret)
 CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=64",
        "model.dropout=0.1", "trainer.batch_size=12", "trainer.micro_batch_size=2", "trainer.log_every=1",
        "trainer.eval_every=0", "trainer.progress=false", "trainer.threads=1", f"trainer.max_steps={STEPS}",
@@ -285,7 +286,7 @@ def test_a_group_without_the_secret_is_refused(tmp_path):
     good = [launch(g, peers, corpus, run_dir, tmp_path / f"g{g}.log") for g in (0, 1)]
     cmd = torchrun_cmd(1, "mingpt/main.py", *CFG, f"data.path={corpus}", f"trainer.run_dir={tmp_path / 'intruder'}",
                        f"replicas.peers=[{','.join(peers)}]", "replicas.group=2")
-    intruder = subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_JOB_SECRET="not-the-job-secret-0123456789abcdef"),
+    intruder = subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_JOB_SECRET=secrets.token_hex(32)),
                                 stdout=(tmp_path / "g2.log").open("w"), stderr=subprocess.STDOUT)
     try:
         codes = [a.wait(timeout=240) for a in good]

@@ -33,6 +33,36 @@ def test_launch_id_from_the_launcher_else_torchrun_else_this_process():
     assert len({DistInfo.from_env(e, cuda=False).launch_id for e in ({}, {}, {"TORCHELASTIC_RUN_ID": "none"})}) == 3
 
 
+@pytest.mark.parametrize("value, fix", [
+    ("short", "has 5 characters: use at least 32"),
+    ("a" * 32, "only 1 distinct characters"),
+    ("password" * 4, "only 7 distinct characters"),
+    ("0123456789abcdef" * 2, "repeats a pattern of 16 characters"),
+    ("correct horse battery staple, twice", "neither hex nor base64"),
+    ("Zm9vYmFyYmF6cXV4", "has 16 characters"),  # base64 of 12 bytes: 96 bits
+])
+def test_a_guessable_secret_is_refused_with_how_to_make_a_good_one(value, fix):
+    with pytest.raises(SecretError, match=fix) as e:
+        job_secret({"MINGPT_JOB_SECRET": value})
+    assert "secrets.token_hex(32)" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("make", [secrets.token_hex, secrets.token_urlsafe, lambda n: secrets.token_hex(n).upper(),
+                                  lambda n: __import__("base64").b64encode(secrets.token_bytes(n)).decode()])
+def test_random_secrets_of_128_bits_or_more_are_accepted(make):
+    for _ in range(50):
+        value = make(16)
+        assert job_secret({"MINGPT_JOB_SECRET": value}) == value.encode()
+
+
+def test_a_secret_file_must_be_a_regular_file(tmp_path):
+    """A directory or a FIFO (which would block the open) named as the secret file: one line."""
+    os.mkfifo(tmp_path / "fifo", 0o600)
+    for path in (tmp_path, tmp_path / "fifo"):
+        with pytest.raises(SecretError, match="is not a regular file"):
+            job_secret({"MINGPT_JOB_SECRET_FILE": str(path)})
+
+
 @pytest.mark.parametrize("mode, fix", [(0o644, "chmod 600"), (None, "at least 32")])
 def test_a_secret_others_can_read_or_guess_is_refused_with_the_fix(tmp_path, mode, fix):
     path = tmp_path / "job.secret"

@@ -73,3 +73,108 @@ def test_the_rendezvous_store_listens_on_the_chosen_address_only():
     missing = subprocess.run([sys.executable, "-m", "mingpt.cli.rendezvous", "--port", str(port)], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "--host" in missing.stderr
+
+
+def _raw_client(port: int) -> dist.TCPStore:
+    """What anyone who reaches the port has: a plain client, no secret."""
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=5))
+
+
+def test_the_agents_store_address_is_signed_and_a_forged_one_is_ignored(monkeypatch, caplog):
+    """torch's agents take MASTER_ADDR / MASTER_PORT (the workers' store) from the handler's store. Anyone
+    who reaches the port finds those keys with list_keys() and can overwrite them: the handler's store
+    ignores the forgery, keeps the value it wrote and says which key was forged."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+    from mingpt.cli.rendezvous import create
+
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_LAUNCH_ID", "MINGPT_JOB_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as create() sets it
+    port = free_port()
+    params = RendezvousParameters("mingpt", f"127.0.0.1:{port}", "run1", 1, 1, last_call_timeout=1,
+                                  read_timeout=2)
+    handler = create(params)  # it hosts the store: kept alive to the end
+    info = handler.next_rendezvous()
+    genuine = info.bootstrap_store_info
+    keys = {k.rsplit("/", 1)[-1]: k for k in _raw_client(port).list_keys()}
+    assert {"MASTER_ADDR", "MASTER_PORT"} <= keys.keys()  # the prefix hides nothing
+    _raw_client(port).set(keys["MASTER_ADDR"], b"attacker.example")
+    _raw_client(port).set(keys["MASTER_PORT"], b"not-a-port")
+    with caplog.at_level("WARNING"):
+        again = RendezvousStoreInfo.build(1, info.store, None)  # what another node's agent does
+    assert (again.master_addr, again.master_port) == (genuine.master_addr, genuine.master_port)
+    assert "MASTER_PORT is not signed with this job's secret" in caplog.text
+
+
+def _signed(port: int, secret: bytes, timeout_s: float):
+    """The handler's store as create() makes it, client side, under the round's prefix torch adds, and
+    the SignedStore itself: a Python store must be kept alive by Python (a PrefixStore does not)."""
+    from mingpt.trust import SignedStore, derive
+
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    signed = SignedStore(dist.PrefixStore(derive(secret, "rendezvous"), client), derive(secret, "values").encode())
+    return dist.PrefixStore("torch.rendezvous.run1.0", signed), signed
+
+
+def test_a_reader_with_no_good_value_waits_for_a_signed_one_then_refuses_in_one_line():
+    import threading
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=5))
+    secret = secrets.token_hex(32).encode()
+    (writer, _w), (reader, _r) = _signed(port, secret, 5), _signed(port, secret, 1)
+    writer.set("MASTER_ADDR", "10.0.0.1")
+    key = next(k for k in host.list_keys() if k.endswith("/MASTER_ADDR"))
+    host.set(key, b"10.6.6.6")  # forged before the other node read it: nothing good to keep
+    started = time.monotonic()
+    with pytest.raises(Exception, match=r"MASTER_ADDR was not signed with this job's secret for 1 s") as e:
+        reader.get("MASTER_ADDR")
+    assert "\n" not in str(e.value) and 0.9 < time.monotonic() - started < 5
+    # a genuine value written while the reader waits is the one it reads
+    threading.Timer(0.3, lambda: writer.set("MASTER_ADDR", "10.0.0.2")).start()
+    fresh = _signed(port, secret, 5)
+    assert fresh[0].get("MASTER_ADDR") == b"10.0.0.2"
+    # a value signed with another job's secret, under this job's key, is no better than a forged one
+    from mingpt.trust import SignedStore, derive
+
+    client = _raw_client(port)
+    stranger = SignedStore(dist.PrefixStore(derive(secret, "rendezvous"), client),
+                           derive(secrets.token_hex(32).encode(), "values").encode())
+    dist.PrefixStore("torch.rendezvous.run1.0", stranger).set("MASTER_ADDR", "10.6.6.6")
+    with pytest.raises(Exception, match="not signed with this job's secret"):
+        reader.get("MASTER_ADDR")
+
+
+def test_the_signed_store_passes_everything_else_through_under_torchs_prefix():
+    """What the dynamic handler and the agent call on the store (torch 2.13): counters and markers
+    unsigned, the agents' ranks signed, timeouts set through PrefixStore reaching the connection."""
+    from torch.distributed.elastic.utils import store as store_util
+
+    port = free_port()
+    host = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=5))
+    store, signed = _signed(port, secrets.token_hex(32).encode(), 5)
+    assert store.add("count", 2) == 2 and store.add("count", 1) == 3
+    assert store.compare_set("state", "", "v1") == b"v1" and store.get("state") == b"v1"
+    store.multi_set(["torchelastic/assigned_ranks/0", "plain"], ["[0, 2, 0, 2]", "p"])
+    assert store.multi_get(["torchelastic/assigned_ranks/0", "plain"]) == [b"[0, 2, 0, 2]", b"p"]
+    raw = {k.split("torch.rendezvous.run1.0/", 1)[1]: host.get(k) for k in host.list_keys()}
+    assert raw["plain"] == b"p" and raw["torchelastic/assigned_ranks/0"].endswith(b"[0, 2, 0, 2]")
+    assert len(raw["torchelastic/assigned_ranks/0"]) == 32 + len(b"[0, 2, 0, 2]")  # the tag, then the value
+    store.wait(["plain"])
+    store.wait(["plain"], datetime.timedelta(seconds=1))
+    assert store.check(["plain"]) and not store.check(["absent"])
+    assert store.delete_key("plain") and not store.check(["plain"])
+    assert store.num_keys() >= 3
+    store_util.barrier(store, 1, "exit", barrier_timeout=3)  # the agent's exit barrier
+    with store_util.store_timeout(store, 1):
+        assert store.timeout == datetime.timedelta(seconds=1)
+        started = time.monotonic()
+        with pytest.raises(dist.DistStoreError):
+            store.get("never")
+        assert time.monotonic() - started < 4  # the timeout reached the connection (5 s there)
+    assert store.timeout == datetime.timedelta(seconds=5)
