@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from mingpt.cli.launch_id import agreed_launch_id
 from mingpt.distributed import SECRET_ENV, SECRET_FILE_ENV, SecretError, bound_store, derive, job_secret
 
 log = logging.getLogger("mingpt.rendezvous")
@@ -105,7 +106,7 @@ def create(params: RendezvousParameters):
         raise RendezvousConnectionError(f"cannot reach the rendezvous store at {params.endpoint}") from e
     # The workers inherit the agent's environment: their own store, the secret to prefix it, and the launch's id.
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SECRET_ENV: secret.decode(),
-                       "MINGPT_LAUNCH_ID": derive(secret, "launch")[:16]})
+                       "MINGPT_LAUNCH_ID": agreed_launch_id(store, secret, params.run_id)})
     return create_handler(store, backend, params)
 
 
