@@ -10,8 +10,11 @@ What it changes:
 - the job's exit code is the workers' (2 a bad setting, 74 a failed save, 75 / 130 after a
   preemption or Ctrl-C saved), and what the user sees of a failure is the workers' one line: no
   agent traceback, no table of failures;
-- a worker that exits 2 or 74 is not restarted: a bad setting or a store that refuses the save
-  does not go away by trying again (torchrun would retry it --max-restarts times);
+- a worker that exits 2, 74 or 77 is not restarted: a bad setting, a store that refuses the save
+  or a store that another launch took over does not go away by trying again (torchrun would retry
+  it --max-restarts times);
+- each worker is told its agent's pid (MINGPT_AGENT_PID), so that one whose agent died while it
+  started exits at once (mingpt/orphan.py);
 - a rendezvous that cannot form is one line saying what to check.
 """
 
@@ -26,9 +29,11 @@ import sys
 import uuid
 
 from mingpt.distributed import SECRET_ENV, SECRET_FILE_ENV, SecretError, job_secret
+from mingpt.orphan import AGENT_ENV
 
 # A worker's exit codes that no restart can change (see the README's exit codes).
-PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved"}
+PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved",
+             77: "another launch took the snapshot store's lease over"}  # mingpt.snapshot.lease.EXIT_LEASE_LOST
 
 
 def _option(argv: list[str], name: str, default: str) -> str:
@@ -103,6 +108,7 @@ def exit_code_of_failures(failures: list) -> int:
     after that one (torchrun's "first failure" may be one of them: its clock counts whole seconds),
     unless no worker exited by itself; then one line says which and the code is the shell's."""
     exited = [f for f in failures if f.exitcode > 0]
+    exited = [f for f in exited if f.exitcode in PERMANENT] or exited  # why the job ended, not a peer's loss of it
     if exited:
         return min(exited, key=lambda f: f.timestamp).exitcode
     first = min(failures, key=lambda f: f.timestamp)
@@ -121,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = torchrun.parse_args(argv)
     with_our_rendezvous(args, argv, os.environ)
+    os.environ[AGENT_ENV] = f"{os.getpid()}:{args.rdzv_id}"  # the workers' parent, checked as they start
     endpoint = args.rdzv_endpoint
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     launcher.LocalElasticAgent = _agent_class()
