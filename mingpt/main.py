@@ -36,7 +36,7 @@ from mingpt.preflight import PreflightError, run_checks
 from mingpt.pretrained import PretrainedError, load_into, locate, read_config
 from mingpt.replicas import GroupRestart, ReplicaError, Replicas, member_view, one_launch
 from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
-from mingpt.snapshot.lease import Lease
+from mingpt.snapshot.lease import EXIT_LEASE_LOST, Lease
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore
 from mingpt.snapshot.start import MismatchError, abort_unfinished, check_compatible, choose_start
@@ -141,15 +141,20 @@ def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
     store is read; a store that another live job holds is refused on every rank. A world that another
     world of this launch superseded (a split brain of torchrun's rendezvous) ends at once, without
     saving: its peers lose contact and torchrun restarts them, to rejoin."""
-    sc, held = cfg.snapshot, []
+    sc, held, secret = cfg.snapshot, [], distributed.job_secret()
+
+    def lost(why: str) -> None:  # another launch took the store over: stop now, without committing
+        distributed.exit_process(distributed.report_error(info, why, code=EXIT_LEASE_LOST), True)
+
     distributed.on_rank0(lambda: held.append(
         Lease(open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader), info.launch_id, sc.lease_s,
-              shared=cfg.replicas.enabled, on_superseded=lambda: distributed.exit_process(1, True)).take()))
+              shared=cfg.replicas.enabled, on_superseded=lambda: distributed.exit_process(1, True),
+              job=distributed.derive(secret, "job")[:16] if secret else None, on_lost=lost).take()))
     return held[0] if held else None
 
 
 def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None,
-             ledger: Ledger | None = None) -> Trainer:
+             ledger: Ledger | None = None, lease: Lease | None = None) -> Trainer:
     """Every object of the run, from the typed config: where it starts, then its data, model,
     optimizer and training; it continues the snapshot it starts from."""
     ledger = ledger or Ledger()
@@ -167,7 +172,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
                       scaler=torch.amp.GradScaler(torch.device(info.device).type,
                                                   enabled=cfg.trainer.precision == "fp16"),
                       data=build_train_data(cfg, corpus, parallel),
-                      snapshotter=build_snapshotter(cfg, info, start, metrics, parallel),
+                      snapshotter=build_snapshotter(cfg, info, start, metrics, parallel, lease),
                       policy=SavePolicy(cfg.snapshot.every_steps, cfg.snapshot.every_seconds,
                                         preempt or PreemptionFlag(), torch.device(info.device)),
                       meta={"run_id": start.run_id, "job_id": info.job_id, "launch_id": info.launch_id,
@@ -273,7 +278,7 @@ def build_train_data(cfg: RunConfig, corpus: Corpus, parallel: Parallel) -> Trai
 
 
 def build_snapshotter(cfg: RunConfig, info: DistInfo, start: Start, metrics: MetricsWriter,
-                      parallel: Parallel) -> Snapshotter:
+                      parallel: Parallel, lease: Lease | None = None) -> Snapshotter:
     """Where and how snapshots are saved: every rank writes its share (HSDP, tensor parallel under
     FSDP: its part of the rows that it and its copies hold), the first commits."""
     sc = cfg.snapshot
@@ -281,7 +286,7 @@ def build_snapshotter(cfg: RunConfig, info: DistInfo, start: Start, metrics: Met
         sc.node_cache == "auto" and not start.store.local) else None
     return Snapshotter(start.store, writer=parallel.writer, writers=info.world_size, replicas=parallel.copies,
                        group=distributed.side_group(), keep_last=sc.keep_last, keep_every=sc.keep_every,
-                       retries=sc.retries, events=metrics.write, cache=cache)
+                       retries=sc.retries, events=metrics.write, cache=cache, guard=lease.check if lease else None)
 
 
 def load_snapshot(cfg: RunConfig, trainer: Trainer, start: Start) -> None:
@@ -381,7 +386,7 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
         if info.restart_count == 0:  # once per launch, on the first rank
             log.info("settings (every key: python -m mingpt.main --cfg job)\n  %s", "\n  ".join(cfg.summary()))
         lease = take_lease(cfg, info)
-        trainer = assemble(cfg, info, preempt, ledger)
+        trainer = assemble(cfg, info, preempt, ledger, lease)
         finished = trainer.train()
         trainer.close()
         cache, trainer = trainer.snapshotter.cache, None

@@ -14,6 +14,7 @@ import signal
 import sys
 
 _PARENT = os.getppid()  # the agent, recorded at main.py's first import (unless it died already)
+AGENT_ENV = "MINGPT_AGENT_PID"  # "PID:RUN_ID", set by mingpt-torchrun: its pid, known before the worker starts
 
 
 def die_with_agent() -> None:
@@ -22,15 +23,28 @@ def die_with_agent() -> None:
     The kernel gave it to PID 1 or to the nearest child subreaper (some init systems and container
     runtimes), so its parent is no longer the one recorded at the start; a parent of PID 1 from
     the start means the same, unless PID 1 is the launcher itself (torchrun as a container's entry
-    point)."""
+    point). Under mingpt-torchrun the parent is compared with the agent's pid it exported
+    (MINGPT_AGENT_PID): a worker whose agent died while its interpreter started is caught too."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     parent = os.getppid()  # read after arming: a death from now on is the signal's
-    if parent != _PARENT or (parent == 1 and not _is_launcher(1)):
+    agent = _agent()
+    if agent is not None:  # mingpt-torchrun said who the agent is: a death before _PARENT was read shows too
+        if parent != agent:
+            os._exit(1)
+        # this process's own children (a spawned pool re-runs main.py) have it as their parent
+        os.environ[AGENT_ENV] = f"{os.getpid()}:{os.environ['TORCHELASTIC_RUN_ID']}"
+    elif parent != _PARENT or (parent == 1 and not _is_launcher(1)):
         os._exit(1)
+
+
+def _agent() -> int | None:
+    """The agent's pid that mingpt-torchrun exported, if it is for this run (not inherited from another)."""
+    pid, _, run_id = os.environ.get(AGENT_ENV, "").partition(":")
+    return int(pid) if pid.isdigit() and run_id == os.environ.get("TORCHELASTIC_RUN_ID") else None
 
 
 def _is_launcher(pid: int) -> bool:

@@ -36,3 +36,12 @@ def test_readme_training_examples_each_have_a_run_directory_of_their_own():
         for d in dirs:
             assert d[field] not in seen, f"{d[2]!r} shares {d[field]} with {seen[d[field]]!r}"
             seen[d[field]] = d[2]
+
+
+def test_the_two_machine_recipes_make_a_secret_per_job():
+    """A reused secret made two jobs one rendezvous and one launch (the store's lease let the second in)."""
+    for page in ("README.md", "docs/multi-node.md", "docs/replicas.md"):
+        lines = [line for line in (REPO / page).read_text().splitlines() if "secrets.token_hex(32)" in line
+                 and ("> ~/" in line or "export MINGPT_JOB_SECRET=" in line or line.startswith("#"))]
+        assert lines and not any("once" in line for line in lines), (page, lines)
+        assert "each job" in (REPO / page).read_text(), page

@@ -46,7 +46,7 @@ def slurm_env(bin_dir: Path, record: Path, nodes: list[str], **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MINGPT_JOB_SECRET"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(record), SLURM_NNODES=str(len(nodes)),
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=",".join(nodes), SLURM_GPUS_ON_NODE="8",
-               SLURM_SUBMIT_DIR="/shared/home/me", SLURM_JOB_NAME="mingpt", **extra)
+               SLURM_SUBMIT_DIR=str(record / "home"), SLURM_JOB_NAME="mingpt", **extra)
     return env
 
 
@@ -66,8 +66,8 @@ def test_torchrun_command_line_for_the_allocation(fake_slurm, tmp_path, nodes):
     assert "--shutdown-timeout=270" in args  # the save gets what SLURM grants, not torchrun's 30 s
     i = args.index("-m")
     assert args[i + 1] == "mingpt.main"
-    assert "trainer.run_dir=/shared/home/me/runs/mingpt-4242" in args  # this submission's own run
-    assert "snapshot.dir=/shared/home/me/runs/mingpt-4242/snapshots" in args
+    assert f"trainer.run_dir={tmp_path}/home/runs/mingpt-4242" in args  # this submission's own run
+    assert f"snapshot.dir={tmp_path}/home/runs/mingpt-4242/snapshots" in args
     assert args[-3:-1] == ["model=gpt2", "trainer.max_steps=10"]  # user overrides come last
     # every node gets the job's secret through srun's environment, never on a command line
     secret = (tmp_path / "srun.env").read_text().strip()
@@ -84,8 +84,7 @@ def test_a_new_submission_gets_its_own_run_and_a_named_one_continues(fake_slurm,
         proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
         dirs.append(next(a for a in (tmp_path / "srun.args").read_text().split("\n") if a.startswith("trainer.run_dir=")))
-    assert dirs == ["trainer.run_dir=/shared/home/me/runs/mingpt-101", "trainer.run_dir=/shared/home/me/runs/mingpt-102",
-                    "trainer.run_dir=/shared/home/me/runs/mingpt-101"]
+    assert dirs == [f"trainer.run_dir={tmp_path}/home/runs/mingpt-{n}" for n in (101, 102, 101)]
 
 
 def test_a_lost_node_does_not_end_the_allocation():
@@ -135,10 +134,28 @@ def test_replica_groups_one_per_node(fake_slurm, tmp_path):
     assert 'mingpt-torchrun --standalone --nproc_per_node="${SLURM_GPUS_ON_NODE:-1}"' in command  # a process per GPU
     assert '"replicas.group=${SLURM_NODEID}"' in command
     assert "replicas.peers=[gpu-a1:29400,gpu-a2:29400,gpu-a3:29400]" in args
-    assert "trainer.run_dir=/shared/home/me/runs/mingpt-4242" in args and args[-2] == "model=gpt2"
+    assert f"trainer.run_dir={tmp_path}/home/runs/mingpt-4242" in args and args[-2] == "model=gpt2"
     # what each node runs: the wrapper, given SLURM_NODEID, names its group first
     ran = subprocess.run(["bash", "-c", command.replace("exec mingpt-torchrun", "echo"), *args[args.index("-c") + 2:-1]],
                          env={**os.environ, "SLURM_NODEID": "2"}, capture_output=True, text=True, check=True).stdout
     assert "replicas.group=2" in ran and "replicas.peers=[gpu-a1:29400" in ran
     secret = (tmp_path / "srun.env").read_text().strip()
     assert len(secret) == 64 and not any(secret in a for a in args)
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "replicas.sbatch"])
+def test_a_requeue_keeps_its_jobs_secret_and_a_new_job_gets_its_own(fake_slurm, tmp_path, script):
+    """A requeue within snapshot.lease_s of a node loss once made a new secret; the job's secret is now
+    written once, mode 0600, in the run directory, and a requeue (same job id) reads it back; the new
+    launch then waits out the old attempt's lease (mingpt/snapshot/lease.py)."""
+    seen = []
+    for job in ("101", "101", "102"):
+        env = slurm_env(fake_slurm, tmp_path, ["n1", "n2"])
+        env["SLURM_JOB_ID"] = job
+        proc = subprocess.run(["bash", str(REPO / "slurm" / script)], env=env, capture_output=True, text=True,
+                              timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        seen.append((tmp_path / "srun.env").read_text().strip())
+    assert len(seen[0]) == 64 and seen[0] == seen[1] and seen[2] != seen[0]
+    kept = tmp_path / "home" / "runs" / "mingpt-101" / "job-101.secret"
+    assert kept.read_text().strip() == seen[0] and kept.stat().st_mode & 0o777 == 0o600

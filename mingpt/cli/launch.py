@@ -8,10 +8,14 @@ What it changes:
   mingpt/cli/rendezvous.py) unless another backend is named; `--standalone` becomes that backend on
   127.0.0.1 with a secret made for this launch;
 - the job's exit code is the workers' (2 a bad setting, 74 a failed save, 75 stopped and saved on
-  SIGTERM or Ctrl-C, 130 stopped at once without saving), and what the user sees of a failure is
-  the workers' one line: no agent traceback, no table of failures;
-- a worker that exits 2 or 74 is not restarted: a bad setting or a store that refuses the save
-  does not go away by trying again (torchrun would retry it --max-restarts times);
+  SIGTERM or Ctrl-C, 77 another launch took the store's lease over, 130 stopped at once without
+  saving), and what the user sees of a failure is the workers' one line: no agent traceback, no
+  table of failures;
+- a worker that exits 2, 74 or 77 is not restarted: a bad setting, a store that refuses the save
+  or a store that another launch took over does not go away by trying again (torchrun would retry
+  it --max-restarts times);
+- each worker is told its agent's pid (MINGPT_AGENT_PID), so that one whose agent died while it
+  started exits at once (mingpt/orphan.py);
 - a rendezvous that cannot form is one line saying what to check, and so is a value in its store
   that was forged (mingpt.trust.SignedStore) or never came.
 """
@@ -26,10 +30,12 @@ import socket
 import sys
 import uuid
 
+from mingpt.orphan import AGENT_ENV
 from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SecretError, job_secret
 
 # A worker's exit codes that no restart can change (see the README's exit codes).
-PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved"}
+PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved",
+             77: "another launch took the snapshot store's lease over"}  # mingpt.snapshot.lease.EXIT_LEASE_LOST
 
 
 def _option(argv: list[str], name: str, default: str) -> str:
@@ -104,6 +110,7 @@ def exit_code_of_failures(failures: list) -> int:
     after that one (torchrun's "first failure" may be one of them: its clock counts whole seconds),
     unless no worker exited by itself; then one line says which and the code is the shell's."""
     exited = [f for f in failures if f.exitcode > 0]
+    exited = [f for f in exited if f.exitcode in PERMANENT] or exited  # why the job ended, not a peer's loss of it
     if exited:
         return min(exited, key=lambda f: f.timestamp).exitcode
     first = min(failures, key=lambda f: f.timestamp)
@@ -123,6 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = torchrun.parse_args(argv)
     with_our_rendezvous(args, argv, os.environ)
+    os.environ[AGENT_ENV] = f"{os.getpid()}:{args.rdzv_id}"  # the workers' parent, checked as they start
     endpoint = args.rdzv_endpoint
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     launcher.LocalElasticAgent = _agent_class()

@@ -47,6 +47,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from mingpt.cli.launch_id import agreed_launch_id
 from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, SignedStore, bound_store, derive, job_secret
 
 log = logging.getLogger("mingpt.rendezvous")
@@ -112,7 +113,7 @@ def create(params: RendezvousParameters):
         raise RendezvousConnectionError(f"cannot reach the rendezvous store at {params.endpoint}") from e
     # The workers inherit the agent's environment: their own store, the secret to prefix it, and the launch's id.
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SECRET_ENV: secret.decode(),
-                       "MINGPT_LAUNCH_ID": derive(secret, "launch")[:16]})
+                       "MINGPT_LAUNCH_ID": agreed_launch_id(store, secret, params.run_id)})
     # torch's agents take the workers' store address (MASTER_ADDR, MASTER_PORT) and their ranks from the
     # handler's store: signed, so that a value written by anyone else is ignored.
     return create_handler(SignedStore(store, derive(secret, "values").encode()), backend, params)

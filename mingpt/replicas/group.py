@@ -8,7 +8,6 @@ import hmac
 import json
 import logging
 import math
-import os
 import re
 import time
 from collections.abc import Callable
@@ -29,8 +28,9 @@ class GroupRestart(Exception):
 
 
 def one_launch(info: DistInfo) -> DistInfo:
-    """Every group of a job is one launch: its id derived from the job secret (a restart keeps it)."""
-    secret = None if os.environ.get("MINGPT_LAUNCH_ID") else distributed.job_secret()
+    """Every group of a job is one launch, its id derived from the job secret alone, not from its own
+    torchrun's nonce (MINGPT_LAUNCH_ID): the groups share one lease and one run (docs/replicas.md)."""
+    secret = distributed.job_secret()
     return replace(info, launch_id=distributed.derive(secret, "launch")[:16]) if secret else info
 
 

@@ -6,8 +6,18 @@ Another launch is refused while the lease is live. The same launch (a torchrun r
 other replica groups of one job, which hold it together) takes it over at once; a lease that was
 not renewed in time, or whose process is known to be gone (same
 host and pid namespace), is taken over with a warning: a dead job cannot hold a store forever.
+A launch id is one launch's (mingpt/cli/launch_id.py: a nonce per launch), so a second launch with
+the same job secret is another launch and refused. Another launch of the same job (`job`, derived
+from the secret: a SLURM requeue after a node was lost) waits the old lease out instead: refused if
+its holder renews it while it waits, taken over once it expires. Replica groups are one launch: their
+id is the job's (mingpt/replicas/group.py one_launch), so a second replica job with the same secret
+is not refused by the lease; a secret per job is what keeps two replica jobs apart.
 
-A holder that finds, when it renews, that another process of its own launch took the lease over
+A holder that finds, when it renews or just before it commits a snapshot (`check`), that another
+launch took the lease over (it was frozen or cut off past `ttl_s`) stops at once: `on_lost`, which
+exits with EXIT_LEASE_LOST without committing, and which torchrun does not retry.
+
+A holder that finds that another process of its own launch took the lease over
 while it still runs is a world that torchrun's rendezvous has left behind: a node whose heartbeats
 were missed formed a world of its own while the others went on (a split brain), and both would write
 into one store. It calls `on_superseded` (the trainer: stop, so that torchrun restarts its workers
@@ -34,6 +44,9 @@ LEASE_FILE = "lease.json"
 # Two launches that both found the store free write one after the other; reading back after this
 # pause, the first sees the second's lease and stops.
 SETTLE_S = 0.5
+# A holder that lost its store to another launch exits with this (EX_NOPERM: the store is no longer
+# its to write); mingpt-torchrun does not restart it (mingpt/cli/launch.py PERMANENT).
+EXIT_LEASE_LOST = 77
 
 
 class LeaseError(SnapshotError):
@@ -42,18 +55,21 @@ class LeaseError(SnapshotError):
 
 class Lease:
     def __init__(self, store: SnapshotStore, launch_id: str, ttl_s: float, shared: bool = False,
-                 on_superseded: Callable[[], None] | None = None):
+                 on_superseded: Callable[[], None] | None = None, job: str | None = None,
+                 on_lost: Callable[[str], None] | None = None):
         self.store, self.launch_id, self.ttl_s = store, launch_id, ttl_s
-        self.shared, self.on_superseded = shared, on_superseded
+        self.shared, self.on_superseded, self.on_lost = shared, on_superseded, on_lost
         self.path = join(store.root, LEASE_FILE)
-        self.record = {"launch_id": launch_id, "host": socket.gethostname(), "pid": os.getpid(), "pidns": _pidns(),
+        self.record = {"launch_id": launch_id, "job": job, "host": socket.gethostname(), "pid": os.getpid(), "pidns": _pidns(),
                        "since": time.time(), "token": uuid.uuid4().hex, "ttl_s": ttl_s}
-        self._stop = threading.Event()
+        self._stop, self._told = threading.Event(), threading.Lock()
         self._thread: threading.Thread | None = None
 
     def take(self) -> Lease:
         """Hold the store's lease from now on, or raise LeaseError if another live job holds it."""
         held = self._read()
+        if held and held.get("launch_id") != self.launch_id and held.get("job") and held["job"] == self.record["job"]:
+            held = self._wait_out(held)
         if held and held.get("launch_id") != self.launch_id:
             if held["expires"] > time.time() and not _gone(held):
                 raise LeaseError(_in_use(self.store.url, held))
@@ -69,6 +85,53 @@ class Lease:
         self._thread = threading.Thread(target=self._renew, name="snapshot-lease", daemon=True)
         self._thread.start()
         return self
+
+    def _wait_out(self, held: dict) -> dict:
+        """Another launch of this job holds the lease: a requeue's dead predecessor, or a second launch
+        with the same secret. Wait until it expires (returned, to be taken over) or is renewed (refused)."""
+        log.warning("snapshot store %s: another launch of this job (%s on host %s, pid %s) holds the lease; waiting up "
+                    "to %.0f s for it to expire", self.store.url, held["launch_id"], held["host"], held["pid"],
+                    max(0.0, held["expires"] - time.time()))
+        while held and held.get("launch_id") != self.launch_id and held["expires"] > time.time() and not _gone(held):
+            time.sleep(min(1.0, self.ttl_s / 8, max(0.01, held["expires"] - time.time())))
+            now = self._read()
+            if now and (now.get("token"), now.get("expires")) != (held.get("token"), held.get("expires")):
+                raise LeaseError(_in_use(self.store.url, now, " (another launch of this job, live: it renewed "
+                                                              "its lease; make a secret per job)"))
+            held = now
+        return held
+
+    def check(self) -> bool:
+        """Whether the lease is still this job's, just before a commit; if another launch took it over
+        (or another world of this launch), says so through on_lost (on_superseded) and returns False."""
+        held = self._read()
+        lost = held and held.get("launch_id") != self.launch_id
+        superseded = held and not self.shared and held.get("token") != self.record["token"]
+        if not (lost or superseded):
+            return True
+        with self._told:  # the renewing thread and a commit may both find it: one says so
+            if not self._stop.is_set():
+                self._stop.set()
+                self._lost(held) if lost else self._superseded(held)
+        return False
+
+    def _lost(self, held: dict) -> None:
+        why = (f"the lease of snapshot store {self.store.url} was taken over by job {held.get('launch_id')} on host "
+               f"{held.get('host')} (pid {held.get('pid')}): this job was frozen or cut off past snapshot.lease_s="
+               f"{self.ttl_s:g} s; stopping without saving, so that one job writes there. If that job is a new "
+               "attempt of this one, nothing is lost but the steps since the last snapshot; if not, give one of "
+               "them another trainer.run_dir / snapshot.dir")
+        if self.on_lost is not None:
+            self.on_lost(why)
+        else:
+            log.error("%s", why)
+
+    def _superseded(self, held: dict) -> None:
+        log.error("another world of this job (launch %s) took over snapshot store %s while this one runs (host %s, "
+                  "pid %s): torchrun's rendezvous went on without this node; stopping this world so that its node "
+                  "rejoins the other", self.launch_id, self.store.url, held.get("host"), held.get("pid"))
+        if self.on_superseded is not None:
+            self.on_superseded()
 
     def release(self) -> None:
         """Stop renewing and remove the lease, if it is still this job's."""
@@ -87,19 +150,7 @@ class Lease:
     def _renew(self) -> None:
         while not self._stop.wait(self.ttl_s / 4):  # a few tries before it expires
             try:
-                held = self._read()
-                if held and held.get("launch_id") != self.launch_id:
-                    log.error("the lease of snapshot store %s was taken over by job %s on host %s (pid %s): two "
-                              "jobs now write there", self.store.url, held.get("launch_id"), held.get("host"),
-                              held.get("pid"))
-                    return
-                if held and not self.shared and held.get("token") != self.record["token"]:
-                    log.error("another world of this job (launch %s) took over snapshot store %s while this one runs "
-                              "(host %s, pid %s): torchrun's rendezvous went on without this node; stopping this "
-                              "world so that its node rejoins the other", self.launch_id, self.store.url,
-                              held.get("host"), held.get("pid"))
-                    if self.on_superseded is not None:
-                        self.on_superseded()
+                if not self.check():
                     return
                 self._write()
             except Exception as e:  # noqa: BLE001 - a transient store error: the next try may pass
@@ -116,11 +167,11 @@ class Lease:
             return {}
 
 
-def _in_use(url: str, held: dict) -> str:
+def _in_use(url: str, held: dict, which: str = "") -> str:
     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held["since"]))
-    return (f"snapshot store {url} is in use by job {held['launch_id']} on host {held['host']} (pid {held['pid']}) "
-            f"since {since}; wait for it, or use another trainer.run_dir / snapshot.dir; a dead job's lease expires "
-            f"after {held['ttl_s']:g} s")
+    return (f"snapshot store {url} is in use by job {held['launch_id']}{which} on host {held['host']} (pid "
+            f"{held['pid']}) since {since}; wait for it, or use another trainer.run_dir / snapshot.dir; a dead job's "
+            f"lease expires after {held['ttl_s']:g} s")
 
 
 def _pidns() -> str | None:

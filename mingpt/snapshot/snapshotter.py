@@ -106,8 +106,9 @@ class Snapshotter:
 
     def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, replicas: int = 1, group=None,
                  keep_last: int = 3, keep_every: int = 0, retries: int = 3, backoff_s: float = 1.0,
-                 events: Callable[[dict], None] | None = None, cache=None):
+                 events: Callable[[dict], None] | None = None, cache=None, guard: Callable[[], bool] | None = None):
         self.store, self.keep_last, self.keep_every = store, keep_last, keep_every
+        self.guard = guard  # whether the store is still this job's (its lease: Lease.check), asked just before a commit
         self.retries, self.backoff_s, self.group = retries, backoff_s, group
         self._events = events or (lambda _: None)
         self.cache = cache  # a NodeCache: this node's copy of what this writer wrote
@@ -157,6 +158,8 @@ class Snapshotter:
         if any(r is None for r in records):
             bad = [SHARD_FORMAT.format(i, self.shard.writers) for i, r in enumerate(records) if r is None]
             return self._failed(step, t0, f"{', '.join(bad)} could not be written")
+        if self.guard is not None and not self.guard():  # another job holds the store now: the guard said so
+            return False
         path = self._retried(step, "committing", lambda: self.store.commit(step, self.shard.manifest(manifest, records)))
         if path is None:
             return self._failed(step, t0, "the manifest could not be committed")

@@ -25,3 +25,17 @@ def test_the_launchers_exit_code_is_the_worker_that_said_why_not_one_the_agent_s
     # only signals: the first, said in one line, with the shell's code
     assert exit_code_of_failures([failure(0, -9, 1000), failure(1, -15, 1001)]) == 137
     assert "worker 0 on" in capsys.readouterr().err
+
+
+def test_a_lost_lease_is_the_jobs_exit_code_and_never_retried(tmp_path):
+    from mingpt.cli.launch import PERMANENT
+    from mingpt.snapshot.lease import EXIT_LEASE_LOST
+
+    def failure(rank: int, code: int, timestamp: int) -> ProcessFailure:
+        f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(tmp_path / "none.json"))
+        f.timestamp = timestamp
+        return f
+
+    assert EXIT_LEASE_LOST in PERMANENT
+    # rank 0 lost the store's lease and stopped; rank 1 then lost contact with it (exit 1) within the same second
+    assert exit_code_of_failures([failure(1, 1, 1000), failure(0, EXIT_LEASE_LOST, 1000)]) == EXIT_LEASE_LOST

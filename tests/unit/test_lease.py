@@ -16,13 +16,14 @@ from mingpt.snapshot import SnapshotStore
 from mingpt.snapshot.lease import LEASE_FILE, Lease, LeaseError
 
 # A process that holds the lease of the store argv[1] for launch argv[2], with a TTL of argv[3] s.
+# (and of job argv[4], if given)
 HOLDER = ("import sys, time; from mingpt.snapshot import SnapshotStore; from mingpt.snapshot.lease import Lease; "
-          "Lease(SnapshotStore(sys.argv[1]), sys.argv[2], float(sys.argv[3])).take(); print('held', flush=True); "
-          "time.sleep(600)")
+          "Lease(SnapshotStore(sys.argv[1]), sys.argv[2], float(sys.argv[3]), **({'job': sys.argv[4]} if sys.argv[4:] "
+          "else {})).take(); print('held', flush=True); time.sleep(600)")
 
 
-def holder(store_url: str, launch_id: str, ttl_s: float) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, store_url, launch_id, str(ttl_s)], cwd=REPO,
+def holder(store_url: str, launch_id: str, ttl_s: float, *job: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, store_url, launch_id, str(ttl_s), *job], cwd=REPO,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "held\n"
     return proc
@@ -101,6 +102,52 @@ def test_a_holder_whose_launch_took_the_lease_over_while_it_runs_is_told_and_a_s
     assert told_shared == []
 
 
+def test_another_launch_of_the_same_job_waits_the_old_lease_out_and_is_refused_if_it_is_renewed(store_url, caplog):
+    """A SLURM requeue after a node loss (same secret, so same job; a new launch) waits out the dead
+    attempt's lease instead of exiting 2; a second live launch with the same secret is refused."""
+    store = SnapshotStore(store_url)
+    live = holder(store_url, "launch-a", 2.0, "job-1")  # renews every 0.5 s
+    try:
+        t0 = time.time()
+        with pytest.raises(LeaseError, match=r"in use by job launch-a \(another launch of this job, live"):
+            Lease(store, "launch-b", 30, job="job-1").take()
+        assert time.time() - t0 < 2.0  # refused at its first renewal, not once the TTL is over
+        with pytest.raises(LeaseError):  # another job's launch: refused at once, as before
+            Lease(store, "launch-b", 30, job="job-2").take()
+        live.send_signal(signal.SIGSTOP)  # its node is lost: it renews no more, its process is not gone
+        with caplog.at_level(logging.WARNING):
+            Lease(store, "launch-b", 30, job="job-1").take().release()
+        assert "another launch of this job (launch-a" in caplog.text and "waiting up to" in caplog.text
+        assert "which it did not renew in time" in caplog.text
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_holder_whose_lease_another_launch_took_over_commits_nothing_and_says_so_once(tmp_path):
+    """Frozen past lease_s, then taken over: it checks the lease before each commit (and at each
+    renewal) and stops through on_lost, instead of logging "two jobs now write there" and saving on."""
+    from mingpt.snapshot.snapshotter import Snapshotter
+
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+    lost = []
+    lease = Lease(store, "launch-a", 30, on_lost=lost.append).take()
+    snapshotter = Snapshotter(store, guard=lease.check)
+    snapshotter.save(5, [], {"step": 5}, {"step": 5})
+    assert snapshotter.wait() is True and [s.step for s in store.list() if s.committed] == [5]
+    store.files.put(f"{store.root}/{LEASE_FILE}", json.dumps({**lease.record, "launch_id": "launch-b", "token": "t",
+                                                               "expires": time.time() + 30}).encode())
+    snapshotter.save(10, [], {"step": 10}, {"step": 10})
+    assert snapshotter.wait() is False and [s.step for s in store.list() if s.committed] == [5]
+    assert lease.check() is False  # the renewing thread's next look: told once only
+    snapshotter.close()
+    lease.release()
+    assert len(lost) == 1 and lost[0].startswith(f"the lease of snapshot store {store.url} was taken over by job "
+                                                 "launch-b on host ")
+    assert "stopping without saving" in lost[0]
+    assert json.loads(store.files.get(f"{store.root}/{LEASE_FILE}"))["launch_id"] == "launch-b"  # left to it
+
+
 TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", "data.block_size=16",
         "trainer.batch_size=4", "trainer.micro_batch_size=4", "trainer.eval_every=0", "trainer.log_every=1",
         "trainer.progress=false", "snapshot.every_steps=5"]
@@ -171,3 +218,44 @@ def test_a_world_that_another_world_of_its_launch_superseded_ends_and_the_other_
     resumed = [r["step"] for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "resume"]
     assert len(resumed) == 1
     assert not (run_dir / "snapshots" / LEASE_FILE).exists()
+
+
+def test_a_job_frozen_past_its_lease_and_taken_over_stops_in_one_line_with_exit_77(corpus_file, tmp_path):
+    """Before: it logged "two jobs now write there" and went on saving, and the two jobs committed
+    and pruned each other's snapshots."""
+    run_dir = tmp_path / "run"
+    args = [sys.executable, "-m", "mingpt.main", *TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'c'}",
+            f"trainer.run_dir={run_dir}", "snapshot.lease_s=1", "trainer.max_steps=1000000"]
+    lease_file = run_dir / "snapshots" / LEASE_FILE
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    procs = []
+    try:
+        with open(logs[0], "w") as fh:
+            procs.append(subprocess.Popen(args, cwd=REPO, env={**os.environ, "MINGPT_LAUNCH_ID": "launch-1"},
+                                          stderr=fh, text=True))
+        while not any(r.get("kind") == "snapshot" for r in records(run_dir / "metrics.jsonl")):
+            assert procs[0].poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.05)
+        procs[0].send_signal(signal.SIGSTOP)  # frozen (a hung node, a suspended VM) past its lease
+        time.sleep(max(0.0, json.loads(lease_file.read_text())["expires"] - time.time()) + 0.2)
+        with open(logs[1], "w") as fh:
+            procs.append(subprocess.Popen(args, cwd=REPO, env={**os.environ, "MINGPT_LAUNCH_ID": "launch-2"},
+                                          stderr=fh, text=True))
+        while not (lease_file.exists() and json.loads(lease_file.read_text())["launch_id"] == "launch-2"):
+            assert procs[1].poll() is None, logs[1].read_text()[-3000:]
+            time.sleep(0.05)
+        procs[0].send_signal(signal.SIGCONT)
+        assert procs[0].wait(timeout=60) == 77, logs[0].read_text()[-3000:]
+        time.sleep(1)  # the second trains on, alone
+        assert procs[1].poll() is None, logs[1].read_text()[-3000:]
+        procs[1].send_signal(signal.SIGTERM)
+        assert procs[1].wait(timeout=120) == 75, logs[1].read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait()
+    errors = [line for line in logs[0].read_text().splitlines() if "ERROR" in line or "Traceback" in line]
+    assert len(errors) == 1 and "was taken over by job launch-2" in errors[0], errors
+    assert "stopping without saving" in errors[0]

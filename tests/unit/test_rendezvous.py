@@ -4,6 +4,7 @@ The launch against another user of the node is scenarios/test_launch_security.py
 
 import base64
 import datetime
+import os
 import pickle
 import secrets
 import subprocess
@@ -178,3 +179,39 @@ def test_the_signed_store_passes_everything_else_through_under_torchs_prefix():
             store.get("never")
         assert time.monotonic() - started < 4  # the timeout reached the connection (5 s there)
     assert store.timeout == datetime.timedelta(seconds=5)
+
+
+def test_every_launch_has_its_own_id_the_same_for_every_agent_of_it(monkeypatch):
+    """Users reuse a secret for several launches: the launch id (the store's lease, "a restart resumes
+    its own snapshots") comes from a nonce that the launch's first agent puts in its rendezvous store."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from mingpt.cli.rendezvous import create
+
+    for name in ("MINGPT_LAUNCH_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_JOB_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
+    held = []
+
+    def agent(port: int) -> str:  # what an agent of the rendezvous at port gives its workers
+        held.append(create(RendezvousParameters("mingpt", f"127.0.0.1:{port}", "run1", 1, 2)))
+        return os.environ["MINGPT_LAUNCH_ID"]
+
+    first_port, second_port = free_port(), free_port()
+    first = agent(first_port)  # hosts the store
+    assert agent(first_port) == first  # another node (or a node that rejoins) of the same launch
+    again = agent(second_port)  # the next launch, same secret and run id
+    assert len(first) == len(again) == 16 and again != first
+
+
+def test_a_launch_nonce_not_signed_with_the_jobs_secret_is_refused():
+    from mingpt.cli.launch_id import agreed_launch_id
+    from mingpt.distributed import SecretError, derive
+
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    secret = secrets.token_hex(32).encode()
+    store.set(derive(secret, "launch-nonce/run1"), "00" * 16 + ":" + "11" * 32)  # someone who could name the key
+    with pytest.raises(SecretError, match="not signed with this job's secret"):
+        agreed_launch_id(store, secret, "run1")
+    assert agreed_launch_id(store, secret, "run2") == agreed_launch_id(store, secret, "run2")

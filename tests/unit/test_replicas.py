@@ -328,3 +328,16 @@ def test_a_group_of_several_processes_leaves_and_joins_whole():
         assert a.joiners(epoch) == [2, 3]
     finally:
         a.close()
+
+
+def test_every_group_of_a_job_is_one_launch_whatever_its_torchruns_nonce(monkeypatch):
+    """Each group is a torchrun of its own, with its own launch nonce (mingpt/cli/launch_id.py): the
+    groups share one lease and one run, so their id is the job secret's."""
+    from mingpt.replicas import one_launch
+
+    monkeypatch.setenv("MINGPT_JOB_SECRET", "s" * 64)
+    ids = set()
+    for nonce_id in ("group0-launch", "group1-launch"):
+        monkeypatch.setenv("MINGPT_LAUNCH_ID", nonce_id)
+        ids.add(one_launch(DistInfo.from_env(cuda=False)).launch_id)
+    assert len(ids) == 1 and not ids & {"group0-launch", "group1-launch"}
