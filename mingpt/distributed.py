@@ -249,7 +249,7 @@ def is_peer_failure(e: BaseException) -> bool:
                             "Broken pipe", "NCCL error", "ProcessGroupNCCL"))
 
 
-def lost_peer(e: BaseException, hosts: list[str]) -> str:
+def lost_peer(e: BaseException, hosts: list[str], me: int = -1) -> str:
     """A broken collective in our words: which host and ranks went away (from the peer address gloo
     names, matched against `hosts`, every rank's "host:local_rank"), and how. gloo's own text names a
     source file, an ephemeral port, and sometimes "GLHF"."""
@@ -272,7 +272,7 @@ def lost_peer(e: BaseException, hosts: list[str]) -> str:
             ip = socket.gethostbyname(host)
         except OSError:
             continue
-        if ip == address:
+        if ip == address and rank != me:  # (on one host every rank shares the address: not this one)
             where.setdefault(host, []).append(rank)
     if not where:
         return f"the peer at {address} was lost during a collective ({how})"
@@ -322,6 +322,11 @@ def default_threads(local_world_size: int) -> int:
     return max(1, cores // max(1, local_world_size))
 
 
+# What mingpt-torchrun's agent sends its workers when it restarts them (a worker failed, a node joined):
+# they save and stop as on SIGTERM, and say that torchrun restarts them, not that anyone must act.
+RESTART_SIGNAL = signal.SIGUSR2
+
+
 class PreemptionFlag:
     """A request to stop cleanly: SIGTERM (torchrun forwards it on shutdown; SLURM sends it before a
     kill), SIGUSR1 (`sbatch --signal`) or SIGINT (Ctrl-C; torchrun forwards it to the workers).
@@ -344,12 +349,19 @@ class PreemptionFlag:
         """The request came from Ctrl-C (SIGINT) on this rank."""
         return self.signum == signal.SIGINT
 
+    @property
+    def restarting(self) -> bool:
+        """The request came from mingpt-torchrun's agent restarting the workers (nobody need act)."""
+        return self.signum == RESTART_SIGNAL
+
     def describe(self) -> str:
+        if self.restarting:
+            return "torchrun restarts the workers"
         if self.signum is None:
             return "stopping (signalled on another rank)"
         return f"stopping on {signal.Signals(self.signum).name}"
 
-    def install(self, signums=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)) -> PreemptionFlag:
+    def install(self, signums=(signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, RESTART_SIGNAL)) -> PreemptionFlag:
         for s in signums:
             signal.signal(s, self._handle)
         return self

@@ -356,7 +356,7 @@ def report_failure(e: Exception, info: DistInfo, trainer: Trainer | None, replic
                               kind="fault", rank=info.rank, error=distributed.first_line(e)[:200])
     after = ("its torchrun restarts the group's processes, which rejoin and heal from a live group" if replicas
              else "torchrun restarts the workers from the latest snapshot")
-    what = distributed.lost_peer(e, trainer.hosts if trainer is not None else [])
+    what = distributed.lost_peer(e, trainer.hosts if trainer is not None else [], info.rank)
     return distributed.report_error(info, f"lost contact with a peer: {what}; exiting so that {after}", code=1,
                                     each_node=True, level=logging.WARNING)
 

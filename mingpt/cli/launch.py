@@ -30,6 +30,7 @@ import socket
 import sys
 import uuid
 
+from mingpt.distributed import RESTART_SIGNAL
 from mingpt.orphan import AGENT_ENV
 from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SecretError, job_secret
 
@@ -77,22 +78,47 @@ def _agent_class():
 
     class Agent(LocalElasticAgent):
         exit_codes: list[int] = []
+        _last, _restarting = None, False
 
         def _monitor_workers(self, worker_group):
-            result = super()._monitor_workers(worker_group)
+            result = self._last = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
                 codes = {f.exitcode for f in result.failures.values()}
                 if codes & PERMANENT.keys():
                     self._remaining_restarts = 0  # torchrun then stops the workers and ends the job
             return result
 
+        def _restart_workers(self, worker_group) -> None:
+            # torchrun's own restart lines are quieted (see main): one line of ours, where it happens
+            print(f"mingpt-torchrun: {restart_reason(self._last)}: restarting the workers on "
+                  f"{socket.gethostname()} ({self._remaining_restarts} restarts left)", file=sys.stderr, flush=True)
+            self._restarting = True
+            try:
+                super()._restart_workers(worker_group)
+            finally:
+                self._restarting = False
+
         def _shutdown(self, death_sig=signal.SIGTERM, timeout: int = 30) -> None:
+            if self._restarting:  # the workers save and stop as for SIGTERM, and say it is a restart
+                death_sig = RESTART_SIGNAL
             context = self._pcontext
             super()._shutdown(death_sig, timeout)
             handlers = getattr(context, "subprocess_handlers", {}) if context is not None else {}
             Agent.exit_codes = [h.proc.returncode for h in handlers.values() if h.proc.returncode is not None]
 
     return Agent
+
+
+def restart_reason(result) -> str:
+    """Why the agent restarts its workers, from its last look at them: a worker that failed, or
+    (the workers healthy) nodes waiting to join."""
+    failures = list(getattr(result, "failures", {}).values()) if result is not None else []
+    if not failures:
+        return "a node joined the job"
+    first = min(failures, key=lambda f: f.timestamp)
+    how = (f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0
+           else f"exited with code {first.exitcode}")
+    return f"worker {first.local_rank} {how}"
 
 
 def exit_code_of_signal(signum: int, worker_codes: list[int]) -> int:

@@ -197,11 +197,47 @@ def read_records(path: str | Path) -> list[dict]:
 def progress_bar(enabled: bool, start: int, total: int):
     """A progress bar on a terminal (else a stand-in that shows nothing). While it is shown, log
     lines are written through it, so that a line never lands in the middle of the bar."""
-    if not (enabled and sys.stderr.isatty()):
+    if not enabled:
         yield SimpleNamespace(update=lambda _: None)
+        return
+    if not sys.stderr.isatty():  # piped, SLURM, docker logs: a plain line now and then
+        yield PlainProgress(start, total)
         return
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     with logging_redirect_tqdm(), tqdm(total=total, initial=start, unit="step", dynamic_ncols=True) as bar:
         yield bar
+
+
+class PlainProgress:
+    """Where no terminal shows a bar: one line every `every_s` seconds with the step, the share done
+    and the time left at the rate since this process began training."""
+
+    def __init__(self, start: int, total: int, every_s: float = 60.0, clock=time.monotonic):
+        self.step, self.total, self.every_s, self.clock = start, total, every_s, clock
+        self.t0, self.step0, self.last = clock(), start, clock()
+
+    def update(self, n: int) -> None:
+        self.step += n
+        now = self.clock()
+        if now - self.last < self.every_s or self.step >= self.total:
+            return
+        self.last = now
+        rate = (self.step - self.step0) / max(now - self.t0, 1e-9)
+        left = (self.total - self.step) / rate if rate > 0 else float("inf")
+        logging.getLogger("mingpt").info("progress: step %d of %d (%.0f%%), %s elapsed, about %s left", self.step,
+                                         self.total, 100 * self.step / self.total, duration(now - self.t0),
+                                         duration(left))
+
+
+def duration(seconds: float) -> str:
+    """4 s, 12 min 5 s, 1 h 3 min."""
+    if seconds == float("inf"):
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {s % 3600 // 60} min"

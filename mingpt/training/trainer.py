@@ -17,7 +17,7 @@ from mingpt.parallel import Parallel
 from mingpt.replicas import MembershipChanged, Replicas, flat_grads
 from mingpt.snapshot import SaveFailedError, Snapshotter
 from mingpt.training.ledger import Ledger
-from mingpt.training.metrics import MetricsWriter, StepTimer, peak_flops, progress_bar, train_record
+from mingpt.training.metrics import MetricsWriter, StepTimer, duration, peak_flops, progress_bar, train_record
 from mingpt.training.optim import lr_at
 from mingpt.training.policy import SavePolicy
 from mingpt.training.state import Progress, StepStats, Todo, TrainData
@@ -75,6 +75,7 @@ class Trainer:
             return False
         self.watchdog.start()
         self.ledger.switch("first_step")
+        self._t0 = time.monotonic()
         try:
             with progress_bar(self.info.is_rank0 and cfg.progress, p.step, cfg.max_steps) as bar:
                 return self._loop(bar)
@@ -119,11 +120,17 @@ class Trainer:
                 timer.restart(p.step)  # a member behind the others was healed forward
             if todo.stop:
                 self.finish_saving(self.policy.preempt.describe())
-                if self.leads:  # every rank stops; one says so
+                if self.leads and self.policy.preempt.restarting:  # nobody need act: say so, quietly
+                    log.info("torchrun restarts the workers: snapshot of step %d saved; they resume from it", p.step)
+                elif self.leads:  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
                                 self.policy.preempt.describe(), p.step)
                 return False
         self.finish_saving(f"the run reached step {p.step}")
+        if self.leads:
+            val = f", best val loss {p.best_val_loss:.4f}" if p.best_val_loss < float("inf") else ""
+            log.info("finished: step %d in %s%s; snapshot in %s (sample: mingpt-generate %s)", p.step,
+                     duration(time.monotonic() - self._t0), val, self.snapshotter.store.url, self.cfg.run_dir)
         return True
 
     def regroup(self, why: str) -> bool:

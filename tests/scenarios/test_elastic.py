@@ -2,6 +2,7 @@
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -28,9 +29,12 @@ TP2_STEPS = 100
 TP2 = ["trainer.tensor_parallel=2", f"trainer.max_steps={TP2_STEPS}"]
 
 
-def agent_cmd(port: int, run_dir: Path, corpus: Path, cache: Path, extra_conf: str = "", tp: int = 1) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", f"--nproc_per_node={tp}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic-test",
+def agent_cmd(port: int, run_dir: Path, corpus: Path, cache: Path, extra_conf: str = "", tp: int = 1,
+              launcher: str = "torchrun") -> list[str]:
+    """An agent of plain torchrun (c10d), or of the README's `mingpt-torchrun --rdzv_backend=mingpt`."""
+    head = ([sys.executable, "-m", "torch.distributed.run", "--rdzv_backend=c10d"] if launcher == "torchrun" else
+            [sys.executable, "-m", "mingpt.cli.launch", "--rdzv_backend=mingpt"])
+    return [*head, "--nnodes=1:2", f"--nproc_per_node={tp}", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic-test",
             f"--rdzv_conf={RDZV_CONF}{extra_conf}", "--max-restarts=5", "--monitor-interval=0.5",
             "mingpt/main.py", *CFG, *(TP2 if tp > 1 else []), f"data.path={corpus}", f"data.cache_dir={cache}",
             f"trainer.run_dir={run_dir}"]
@@ -47,8 +51,12 @@ def wait_until(cond, procs, timeout=120, what=""):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+SECRET = secrets.token_hex(32)  # the job's, on both nodes (mingpt-torchrun's rendezvous)
+
+
 def start(cmd, log: Path):
-    return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(), stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_JOB_SECRET=SECRET), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 
@@ -75,8 +83,10 @@ def reference(tmp_path_factory):
 
 # The agent-hosted store (the other node dies, the store with its host stays) is the case of
 # test_hsdp.py's lost node, on two network-namespace nodes; this one keeps the standalone store.
-@pytest.mark.parametrize("store, tp", [("standalone", 1), ("standalone", 2)], ids=["standalone", "standalone-tp2"])
-def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, store, tp):
+# The README's launcher on one node size, plain torchrun on the other.
+@pytest.mark.parametrize("store, tp, launcher", [("standalone", 1, "mingpt"), ("standalone", 2, "torchrun")],
+                         ids=["standalone", "standalone-tp2"])
+def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, store, tp, launcher):
     corpus, ref_dir = reference(tp)
     steps = TP2_STEPS if tp > 1 else MAX_STEPS
     run_dir, cache, port = tmp_path / "run", tmp_path / "cache", free_port()
@@ -86,9 +96,9 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
                                    "--port", str(port)], cwd=REPO, stderr=subprocess.PIPE, text=True)
         assert "listening" in server.stderr.readline()
         extra = ",is_host=0"
-    a = start(agent_cmd(port, run_dir, corpus, cache, extra, tp), tmp_path / "a.log")
+    a = start(agent_cmd(port, run_dir, corpus, cache, extra, tp, launcher), tmp_path / "a.log")
     time.sleep(0.5)
-    b = start(agent_cmd(port, run_dir, corpus, cache, extra, tp), tmp_path / "b.log")
+    b = start(agent_cmd(port, run_dir, corpus, cache, extra, tp, launcher), tmp_path / "b.log")
     metrics = run_dir / "metrics.jsonl"
     try:
         wait_until(lambda: any(r.get("world_size") == 2 * tp and r.get("step", 0) >= 40 for r in records(metrics)),
@@ -102,7 +112,7 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
         wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == tp for r in records(metrics)),
                    [survivor], what="the survivor resuming at one node's world size")
         resumed_after = time.time() - t_kill
-        victim = start(agent_cmd(port, run_dir, corpus, cache, extra, tp), tmp_path / "c.log")
+        victim = start(agent_cmd(port, run_dir, corpus, cache, extra, tp, launcher), tmp_path / "c.log")
         t_back = time.time()
         wait_until(lambda: [r["world_size"] for r in records(metrics) if r["kind"] == "resume"][-1:] == [2 * tp],
                    [survivor, victim], what="the returning node rejoining at both nodes' world size")
@@ -119,6 +129,10 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
     survivor_log = (tmp_path / ("b.log" if store == "standalone" else "a.log")).read_text()
     assert survivor_log.count("lost contact with a peer") == 1, survivor_log[-4000:]
     assert "Error executing job" not in survivor_log and "Traceback" not in survivor_log, survivor_log[-4000:]
+    if launcher == "mingpt":  # the returning node restarts the survivor's workers: said so, never a preemption
+        assert "mingpt-torchrun: a node joined the job: restarting the workers on" in survivor_log, survivor_log[-4000:]
+        assert "torchrun restarts the workers: snapshot of step" in survivor_log, survivor_log[-4000:]
+        assert "stopping on SIGTERM" not in survivor_log and "the same command resumes" not in survivor_log
     logs = "".join((tmp_path / f"{n}.log").read_text() for n in "abc")
     assert re.search(rf"\[rank {tp}/{2 * tp}\] INFO mingpt.node: \S+ joined", logs), logs[-3000:]
     sizes = [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"]

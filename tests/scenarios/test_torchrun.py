@@ -226,3 +226,34 @@ def test_a_few_finetuning_steps_under_torchrun(hf_dir, corpus_file, tmp_path):
     assert "initialised from" in proc.stderr and "model shape from" in proc.stderr
     state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
     assert manifest["step"] == 4 and manifest["model_shape"]["n_layer"] == 2
+
+
+def test_a_restart_under_the_readmes_launcher_is_one_line_and_never_called_a_preemption(corpus_file, tmp_path):
+    """mingpt-torchrun quiets torchrun's own lines: its restart used to be 60 s of silence, then a
+    start line; and the workers it stopped said "stopping on SIGTERM ... the same command resumes",
+    though nobody need act. Now the agent says why it restarts, and the survivors that saved say that
+    torchrun restarts them."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "mingpt.cli.launch", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
+           "mingpt/main.py", *TINY, *common(corpus_file, tmp_path), f"trainer.run_dir={run_dir}",
+           "trainer.max_steps=300", "snapshot.every_steps=5"]
+    log = tmp_path / "job.log"
+    with open(log, "w") as fh:
+        job = subprocess.Popen(cmd, cwd=REPO, env={**torchrun_env(), "PYTHONUNBUFFERED": "1"}, stdout=fh,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        while not any(r.get("kind") == "snapshot" and r.get("status") == "committed"
+                      for r in records(run_dir / "metrics.jsonl")):
+            assert job.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        workers = Path(f"/proc/{job.pid}/task/{job.pid}/children").read_text().split()
+        os.kill(int(workers[-1]), signal.SIGKILL)
+        assert job.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+    out = log.read_text()
+    assert re.search(r"mingpt-torchrun: worker [01] was killed by SIGKILL: restarting the workers on \S+ "
+                     r"\(0 restarts left\)", out), out[-3000:]
+    assert "the same command resumes" not in out and "stopping on SIGTERM" not in out, out[-3000:]
+    assert "torch.distributed" not in out and "Traceback" not in out, out[-3000:]

@@ -65,6 +65,9 @@ def test_the_start_line_says_when_the_kernels_are_deterministic(corpus_file, tmp
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "training from step 0 to 2 on 1 rank (single), precision fp32, deterministic kernels" in proc.stderr
+    # and the last line says it finished, where the snapshot is and how to sample from it
+    assert "finished: step 2 in " in proc.stderr and f"snapshot in {tmp_path / 'run' / 'snapshots'} (sample: " \
+        f"mingpt-generate {tmp_path / 'run'})" in proc.stderr
 
 
 def test_a_replica_groups_process_initialises_its_model_even_when_a_snapshot_waits():

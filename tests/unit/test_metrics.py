@@ -72,3 +72,21 @@ def test_the_train_record_figures_mfu_and_the_slowest_rank():
     assert record["tokens_per_s"] == 2000 and record["mfu"] == 2000 * 1e6 / 1e10
     assert record["slowest"] == "b:0" and abs(record["compute_max_median"] - 3.0) < 1e-9
     assert record["compute_ms"] == [100.0, 100.0, 300.0] and record["grad_norm"] == 0.5
+
+
+def test_without_a_terminal_a_plain_progress_line_says_the_time_left(caplog):
+    """Piped (the README's `| tee -i`), under SLURM or `docker logs` there is no bar: a line a minute."""
+    import logging
+
+    from mingpt.training.metrics import PlainProgress, duration
+
+    now = [0.0]
+    bar = PlainProgress(100, 2000, every_s=60, clock=lambda: now[0])
+    caplog.set_level(logging.INFO)
+    for _ in range(300):  # 0.5 s a step
+        now[0] += 0.5
+        bar.update(1)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("progress:")]
+    assert lines[0] == "progress: step 220 of 2000 (11%), 1 min 0 s elapsed, about 14 min 50 s left"
+    assert len(lines) == 2  # every minute, not every step
+    assert [duration(s) for s in (4.4, 725, 3780)] == ["4 s", "12 min 5 s", "1 h 3 min"]
