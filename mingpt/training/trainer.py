@@ -78,7 +78,12 @@ class Trainer:
         self._t0 = time.monotonic()
         try:
             with progress_bar(self.info.is_rank0 and cfg.progress, p.step, cfg.max_steps) as bar:
-                return self._loop(bar)
+                finished = self._loop(bar)
+            if finished and self.leads and p.step >= cfg.max_steps:
+                val = f", best val loss {p.best_val_loss:.4f}" if p.best_val_loss < float("inf") else ""
+                log.info("finished: step %d in %s%s; snapshot in %s (sample: mingpt-generate %s)", p.step,
+                         duration(time.monotonic() - self._t0), val, self.snapshotter.store.url, cfg.run_dir)
+            return finished
         finally:
             self.watchdog.stop()  # on every exit path, errors included
 
@@ -127,10 +132,6 @@ class Trainer:
                                 self.policy.preempt.describe(), p.step)
                 return False
         self.finish_saving(f"the run reached step {p.step}")
-        if self.leads:
-            val = f", best val loss {p.best_val_loss:.4f}" if p.best_val_loss < float("inf") else ""
-            log.info("finished: step %d in %s%s; snapshot in %s (sample: mingpt-generate %s)", p.step,
-                     duration(time.monotonic() - self._t0), val, self.snapshotter.store.url, self.cfg.run_dir)
         return True
 
     def regroup(self, why: str) -> bool:

@@ -1,6 +1,7 @@
 """mingpt.replicas: who trains which share, the exchange's order, the beacon's door, the config."""
 
 import datetime
+import secrets
 import threading
 import time
 from dataclasses import replace
@@ -335,7 +336,7 @@ def test_every_group_of_a_job_is_one_launch_whatever_its_torchruns_nonce(monkeyp
     groups share one lease and one run, so their id is the job secret's."""
     from mingpt.replicas import one_launch
 
-    monkeypatch.setenv("MINGPT_JOB_SECRET", "s" * 64)
+    monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
     ids = set()
     for nonce_id in ("group0-launch", "group1-launch"):
         monkeypatch.setenv("MINGPT_LAUNCH_ID", nonce_id)
