@@ -13,6 +13,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from mingpt.orphan import die_with_agent
@@ -47,6 +48,7 @@ from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
 from mingpt.training.policy import SavePolicy
+from mingpt.training.replica_trainer import ReplicaTrainer
 from mingpt.training.state import TrainData
 from mingpt.training.trainer import Trainer
 
@@ -168,34 +170,44 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     init_state(optimizer)
     metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard)
     hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]
-    trainer = Trainer(cfg=cfg.trainer, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer,
-                      scaler=torch.amp.GradScaler(torch.device(info.device).type,
-                                                  enabled=cfg.trainer.precision == "fp16"),
-                      data=build_train_data(cfg, corpus, parallel),
-                      snapshotter=build_snapshotter(cfg, info, start, metrics, parallel, lease),
-                      policy=SavePolicy(cfg.snapshot.every_steps, cfg.snapshot.every_seconds,
-                                        preempt or PreemptionFlag(), torch.device(info.device)),
-                      meta={"run_id": start.run_id, "job_id": info.job_id, "launch_id": info.launch_id,
-                            "config": cfg.to_dict(), "model_shape": cfg.model.shape_dict(),
-                            "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source},
-                      metrics=metrics, info=info, hosts=hosts, ledger=ledger, replicas=replicas)
-    if start.candidates and replicas and start.manifest["step"] < cfg.trainer.max_steps:
-        # a group that joins live peers heals from them: no snapshot is read
-        trainer.resume = lambda: load_snapshot(cfg, trainer, start)
-    elif start.candidates:
+    started = partial(record_start, ledger, info, start, parallel.name, hosts, cfg.replicas.group if replicas else None)
+    # replica groups: a layer over the loop. A group that joins live peers heals from them (its snapshot
+    # is read only if none is live), and records its start once it joined, at the step it healed to.
+    heals = bool(replicas and start.candidates and start.manifest["step"] < cfg.trainer.max_steps)
+    layer = {} if replicas is None else {"replicas": replicas, "resume": partial(load_snapshot, cfg, start=start)
+                                         if heals else None, "joined": partial(started, partial(
+                                             append_once, cfg.trainer.run_dir, info))}
+    trainer = (ReplicaTrainer if replicas else Trainer)(
+        **layer, cfg=cfg.trainer, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer,
+        scaler=torch.amp.GradScaler(torch.device(info.device).type, enabled=cfg.trainer.precision == "fp16"),
+        data=build_train_data(cfg, corpus, parallel), snapshotter=build_snapshotter(cfg, info, start, metrics, parallel,
+                                                                                    lease),
+        policy=SavePolicy(cfg.snapshot.every_steps, cfg.snapshot.every_seconds, preempt or PreemptionFlag(),
+                          torch.device(info.device)),
+        meta={"run_id": start.run_id, "job_id": info.job_id, "launch_id": info.launch_id, "config": cfg.to_dict(),
+              "model_shape": cfg.model.shape_dict(), "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source},
+        metrics=metrics, info=info, hosts=hosts, ledger=ledger)
+    if start.candidates and not heals:
         ledger.switch("restore")
         load_snapshot(cfg, trainer, start)
-    def record_start(write) -> None:
-        ledger.record(write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
-                      kind="start", run_id=start.run_id, job_id=info.job_id, launch_id=info.launch_id,
-                      world_size=info.world_size, restart=info.restart_count, parallel=parallel.name, hosts=hosts,
-                      **({"group": cfg.replicas.group} if replicas else {}))
-    if replicas:  # its step is known once it joined: the one it healed to, or its snapshot's; not 0
-        trainer.joined = lambda: record_start(
-            lambda rec: info.is_rank0 and MetricsWriter.append(cfg.trainer.run_dir, rec))  # (one writer leads)
-    else:
-        record_start(metrics.write)
+    if not replicas:
+        started(metrics.write, trainer)
     return trainer
+
+
+def record_start(ledger: Ledger, info: DistInfo, start: Start, parallel: str, hosts: list[str], group: int | None,
+                 write, trainer: Trainer) -> None:
+    """The "start" record: this process's start-up time by state, at the step it starts from."""
+    ledger.record(write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
+                  kind="start", run_id=start.run_id, job_id=info.job_id, launch_id=info.launch_id,
+                  world_size=info.world_size, restart=info.restart_count, parallel=parallel, hosts=hosts,
+                  **({"group": group} if group is not None else {}))
+
+
+def append_once(run_dir: str, info: DistInfo, record: dict) -> None:
+    """A replica group's record, by the group's first process only (the job's writer is the epoch's leader)."""
+    if info.is_rank0:
+        MetricsWriter.append(run_dir, record)
 
 
 def build_replicas(cfg: RunConfig) -> Replicas | None:

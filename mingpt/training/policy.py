@@ -18,19 +18,20 @@ def decide(step: int, last: bool, every_steps: int, timed: bool, preempted: bool
 
 class SavePolicy:
     """`decide` over what every rank knows: the step, and two flags that differ by rank (a signal
-    arrives at one process; clocks drift), agreed by one tiny all-reduce."""
+    arrives at one process; clocks drift), agreed by one tiny all-reduce, or passed in already agreed
+    (a layer whose step agrees them otherwise: replica groups' exchange)."""
 
     def __init__(self, every_steps: int, every_s: float, preempt: PreemptionFlag, device: torch.device):
         self.every_steps, self.every_s, self.preempt, self.device = every_steps, every_s, preempt, device
-        self.agreed = None  # replica groups: the flags agreed by the step's exchange (a callable), not a collective
         self.last_save_t = time.monotonic()
 
-    def stop_requested(self) -> bool:
-        """A preemption signal on any rank (checked before the first step: nothing new to save)."""
-        return self.preempt.requested if self.agreed is not None else self._agree()[0]
+    def stop_requested(self, agreed: tuple[bool, bool] | None = None) -> bool:
+        """A preemption signal on any rank (checked before the first step: nothing new to save); with
+        `agreed` flags, this process's own signal (no collective)."""
+        return self.preempt.requested if agreed is not None else self._agree()[0]
 
-    def after_step(self, step: int, last: bool) -> tuple[bool, bool]:
-        preempted, timed = self._agree()
+    def after_step(self, step: int, last: bool, agreed: tuple[bool, bool] | None = None) -> tuple[bool, bool]:
+        preempted, timed = agreed if agreed is not None else self._agree()
         return decide(step, last, self.every_steps, timed, preempted)
 
     def saved(self) -> None:
@@ -39,8 +40,6 @@ class SavePolicy:
     def _agree(self) -> tuple[bool, bool]:
         """(a signal on any rank, the save interval elapsed on any rank). Sync point: the flags are
         read on the host, once per step (it waits for the step's queued work on a GPU)."""
-        if self.agreed is not None:
-            return self.agreed()
         timed = 0 < self.every_s <= time.monotonic() - self.last_save_t
         flags = torch.tensor([float(self.preempt.requested), float(timed)], device=self.device)
         return tuple((all_reduce_sum(flags) > 0).tolist())

@@ -6,13 +6,13 @@ from types import SimpleNamespace
 import pytest
 
 from mingpt.replicas import MembershipChanged
+from mingpt.training.replica_trainer import ReplicaTrainer
 from mingpt.training.state import Progress, StepStats, Todo
-from mingpt.training.trainer import Trainer
 
 STEP_S = 0.05  # every step takes 50 ms of the ledger's step states
 
 
-class Member(Trainer):
+class Member(ReplicaTrainer):
     """The loop of a replica member, around a clock and a scripted membership (no model, no process
     group): `heals` maps the regroup's reason to the step the member is healed to there."""
 
@@ -21,8 +21,9 @@ class Member(Trainer):
         self.ledger = SimpleNamespace(step_seconds=lambda: self.clock)
         self.watchdog = SimpleNamespace(beat=lambda step: None)
         self.replicas = SimpleNamespace(rejoin_pending=False)
+        self.data = SimpleNamespace(sampler=SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None))
         self.heals, self.lose_at, self.join_at, self.logged = heals, lose_at, join_at, {}
-        self.joined = lambda: None
+        self.joined = None
 
     def regroup(self, why: str) -> bool:
         self.progress.step = self.heals.get(why, self.progress.step)

@@ -1,0 +1,170 @@
+"""The Trainer of a replica group's process (mingpt.replicas): the same loop, with the step cut into
+shares exchanged with the other groups, and an epoch formed again (and the state healed) whenever a
+group is lost or returns. The base loop does not know it: this class overrides the Trainer's hooks
+(torchtitan's FaultTolerantTrainer pattern: a subclass, chosen by main.py in one line)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from mingpt.replicas import MembershipChanged, Replicas, flat_grads
+from mingpt.training.state import StepStats, Todo
+from mingpt.training.trainer import StopTraining, Trainer, _weighted
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaTrainer(Trainer):
+    """A Trainer whose process is a member of replica groups.
+
+    Args:
+        replicas: this process's side of the groups: its shares, the exchange, epochs, healing.
+        resume: loads the snapshot the start found, into the trainer given; called only if no member
+            of the first epoch is live (the job restarts), since a live member's state is healed instead.
+        joined: called once this member joined its first epoch (its step is known only then).
+    """
+
+    def __init__(self, *, replicas: Replicas, resume: Callable[[Trainer], None] | None = None,
+                 joined: Callable[[Trainer], None] | None = None, **parts):
+        super().__init__(**parts)
+        self.replicas, self.resume, self.joined = replicas, resume, joined
+        self.finished_elsewhere, self._store_checked = False, 0.0  # the run ended while this group was away
+        self._redo = None  # (step, shares' gradients) computed when that step's epoch broke
+
+    # --- the Trainer's hooks -------------------------------------------------------------------------
+    @property
+    def leads(self) -> bool:
+        """The epoch's first member logs and saves for the job."""
+        return self.replicas.leads
+
+    def where(self) -> str:
+        return f"replica {self.replicas.me} ({self.replicas.groups // self.replicas.procs} groups)"
+
+    def begin(self) -> None:
+        if not self.regroup("start"):
+            raise StopTraining(self.finished_elsewhere)
+        if self.joined is not None:
+            self.joined(self)
+
+    def attempt_step(self) -> StepStats | None:
+        before = self.data.sampler.state_dict()
+        try:
+            return self.train_step()
+        except MembershipChanged as e:  # the step is dropped on every member; the next epoch trains it
+            self.data.sampler.load_state_dict(before)
+            if not self.regroup(str(e)):
+                raise StopTraining(self.finished_elsewhere) from None
+            return None
+
+    def between_steps(self, todo: Todo) -> bool:  # noqa: ARG002 - the hook's signature
+        if not self.replicas.rejoin_pending:
+            return False
+        if not self.regroup("a group joins"):  # a group waits to join: let it in now, between steps
+            raise StopTraining(self.finished_elsewhere)
+        return True  # a member behind the others was healed forward
+
+    def agreed_flags(self) -> tuple[bool, bool]:
+        return self.replicas.flags  # agreed by the step's exchange
+
+    @property
+    def data_world(self) -> int:
+        # the split of a world of one rank per share, whichever groups are alive (sharded groups:
+        # every share cut into a part per data rank of the group)
+        return self.replicas.shares_total * self.replicas.parts
+
+    @property
+    def grad_world(self) -> int:
+        return self.replicas.parts  # the shares' gradients are summed by the exchange, not averaged
+
+    def compute(self, step: int, split: list, micro_batches: list, global_tokens: int) -> torch.Tensor:
+        """This member's shares of the step, exchanged (`Replicas.reduce`); their summed token loss. Shares
+        done when an epoch broke are kept for the step's redo (the same weights and samples, the same gradients)."""
+        r = self.replicas
+        mine = r.shares()
+        rows = {s: row for s, row in self._redo[1].items() if s in mine} if self._redo and self._redo[0] == step else {}
+        if rows:
+            log.info("step %d trained again: %d of this group's shares done before the fault kept", step, len(rows))
+        try:
+            for share in mine:
+                if share not in rows:
+                    part = split[share * r.parts + r.part]
+                    loss = self._accumulate(_weighted(part, micro_batches), global_tokens, step)
+                    rows[share] = (flat_grads(self.parallel.gpt), loss, part)
+                    if not r.sharded:  # a member lost: on to the redo now, not after the other shares
+                        r.check()  # (sharded, the group's processes decide together, in the exchange)
+            self.ledger.switch("step_compute")
+            timed = 0 < self.policy.every_s <= time.monotonic() - self.policy.last_save_t
+            total = r.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested, timed)
+        except MembershipChanged:
+            self._redo = (step, rows)
+            raise
+        self._redo = None
+        return torch.tensor(total, device=self.device)
+
+    def record_extra(self) -> dict:
+        epoch = self.replicas.epoch
+        return {"world_size": epoch.world, "groups": epoch.groups(), "shares": self.replicas.shares_record}
+
+    @property
+    def saves(self) -> bool:
+        return self.replicas.saves  # one member (sharded: one group) saves for the job
+
+    def close(self, wait: bool = True) -> None:
+        super().close(wait)
+        self.replicas.close()
+
+    # --- epochs --------------------------------------------------------------------------------------
+    def regroup(self, why: str) -> bool:
+        """Form the next epoch and bring every member to the newest state among them; False when a
+        preemption signal came first (the process stops without saving: it is no member), or the
+        other groups finished the run meanwhile."""
+        t0, p = time.monotonic(), self.progress
+        with self.ledger.during("regroup"):
+            while True:
+                epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested or self._finished_elsewhere(),
+                                           why)
+                if epoch is None and self.finished_elsewhere:
+                    log.info("the other replica groups finished the run (its snapshot of step %d is committed) while "
+                             "this group was away: nothing left to train", self.cfg.max_steps)
+                    return False
+                if epoch is None:
+                    log.warning("%s while waiting to join the replica groups", self.policy.preempt.describe())
+                    return False
+                self.metrics.enabled = self.leads  # one member writes the job's records
+                if self.resume is not None and not any(m.live for m in epoch.members):  # the job (re)starts
+                    with self.ledger.during("restore"):
+                        self.resume(self)
+                    self.resume = None
+                    continue  # announce the step loaded
+                self.resume = None  # a live member holds the job's state: heal from it, never load
+                try:
+                    source, healed = self.replicas.heal(self.parallel.held(self.optimizer), self._state_json,
+                                                        self.load_state)
+                    break
+                except MembershipChanged as e:  # lost while healing: form the next epoch
+                    why = str(e)
+        if self.replicas.beacon.group in healed:
+            self._redo = None  # other weights now: nothing computed before holds
+            log.info("healed from replica %s: at step %d", self.replicas.beacon.name(source), p.step)
+        if self.leads:
+            self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "groups": epoch.groups(),
+                                "why": why, "regroup_s": round(time.monotonic() - t0, 4), "healed": healed,
+                                "healed_from": source if healed else None})
+        return True
+
+    def _finished_elsewhere(self) -> bool:
+        """While this group waits to join: whether the others finished the run meanwhile (its last
+        snapshot is committed; looked for every few seconds)."""
+        if time.monotonic() - self._store_checked < 5:
+            return False
+        self._store_checked = time.monotonic()
+        try:
+            self.finished_elsewhere = any(s.committed and s.step >= self.cfg.max_steps
+                                          for s in self.snapshotter.store.list())
+        except Exception as e:  # noqa: BLE001 - an unreadable store: keep waiting for the groups
+            log.warning("cannot list %s (%s); waiting on", self.snapshotter.store.url, e)
+        return self.finished_elsewhere
