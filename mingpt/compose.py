@@ -88,3 +88,22 @@ def explain(e: Exception) -> str:
     cause = str(e.__cause__).splitlines()[0] if e.__cause__ is not None and str(e.__cause__) else ""
     lines = [line.strip() for line in text.splitlines() if line.strip()][:3] + ([cause] if cause else [])
     return "; ".join(lines) + " (check the command-line overrides)"
+
+
+# Hydra's own flags (`--cfg job`, `--help`): what a dash may start on the command line.
+HYDRA_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--version", "--package", "-p", "--resolve",
+               "--info", "-i", "--run", "-r", "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp",
+               "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
+
+
+def dashed_settings(overrides: list[str], refuse: bool = False) -> list[str]:
+    """Settings written with dashes, nanoGPT's habit (`--max_steps=10`), which Hydra would answer with
+    its usage, once per rank; with `refuse`, a ConfigError naming the key meant."""
+    dashed = [a for a in overrides if a.startswith("-") and a.split("=")[0] not in HYDRA_FLAGS]
+    if dashed and refuse:
+        key, _, value = dashed[0].lstrip("-").partition("=")
+        close = suggest_key(key.replace("-", "_"))
+        raise ConfigError(f"{dashed[0]}: settings are written without dashes, key=value"
+                          + (f" (did you mean {close}={value or '...'}?)" if close else
+                             " (python -m mingpt.main --cfg job lists every key)"))
+    return dashed

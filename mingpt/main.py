@@ -26,15 +26,15 @@ from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from mingpt import distributed
-from mingpt.compose import compose, config_dir, register
-from mingpt.config import ConfigError, RunConfig, from_dict, suggest_key
-from mingpt.data import Corpus, DataError, load_corpus
-from mingpt.data.samplers import LengthGroupedSampler, StreamSampler, validation_batches
+from mingpt.compose import compose, config_dir, dashed_settings, register
+from mingpt.config import ConfigError, RunConfig, from_dict
+from mingpt.data import Corpus, DataError, build_samplers, load_corpus
+from mingpt.data.samplers import validation_batches
 from mingpt.distributed import DistInfo, PreemptionFlag
 from mingpt.model import GPT
 from mingpt.parallel import Parallel, ParallelError, parallelize
 from mingpt.preflight import PreflightError, run_checks
-from mingpt.pretrained import PretrainedError, load_into, locate, read_config
+from mingpt.pretrained import PretrainedError, load_into, pretrained_checkpoint, read_config, with_pretrained_shape
 from mingpt.replicas import GroupRestart, ReplicaError, Replicas, member_view, one_launch
 from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.lease import EXIT_LEASE_LOST, Lease
@@ -80,22 +80,6 @@ def set_aside(store: SnapshotStore, others: list, run_dir: Path, launch_id: str,
         moved += MetricsWriter.move_aside(run_dir, stamp)
     if moved:
         log.warning("moved an earlier run's files aside (nothing deleted): %s", ", ".join(moved))
-
-
-def build_samplers(cfg: RunConfig, corpus: Corpus, model: GPT):
-    """(training sampler, sampler over the validation split) of the data's kind."""
-    d, seed = cfg.data, cfg.trainer.seed
-    if d.kind == "stream":
-        batch, micro = cfg.trainer.batch_size, cfg.trainer.micro_batch
-        return (StreamSampler(len(corpus.train), batch, seed, micro), StreamSampler(len(corpus.val), batch, seed, micro))
-    c = model.config
-    attn_coeff = 12 * c.n_layer * c.n_embd / (6 * model.num_params())  # attention's T^2 term vs 6N per token
-    docs = d.documents
-    train, val = (LengthGroupedSampler(split.seq_lengths, docs.token_budget, docs.micro_batches_per_step, seed,
-                                       docs.batching, docs.pool_size, attn_coeff) for split in (corpus.train, corpus.val))
-    log.info("%s batching: %d global steps per epoch of %d micro-batches <= %d padded tokens", docs.batching,
-             train.steps_per_epoch, docs.micro_batches_per_step, docs.token_budget)
-    return train, val
 
 
 @dataclass(frozen=True)
@@ -322,33 +306,6 @@ def load_snapshot(cfg: RunConfig, trainer: Trainer, start: Start) -> None:
     trainer.metrics.write({"kind": "resume", "step": trainer.progress.step, "world_size": info.world_size})
 
 
-def pretrained_checkpoint(name: str, info: DistInfo) -> Path:
-    """The checkpoint's directory: the first process of each node downloads it (once, into the hub's
-    cache); the others wait for it, then read the same files."""
-    path, error = None, None
-    if info.local_rank == 0:
-        try:
-            path = locate(name, download=True)
-        except PretrainedError as e:
-            error = e
-    distributed.barrier()
-    if error is not None:
-        raise error
-    return path if path is not None else locate(name, download=False)
-
-
-def with_pretrained_shape(cfg: RunConfig, directory: Path) -> RunConfig:
-    """The run's config with the model shape of a GPT-2 checkpoint."""
-    hf = read_config(directory)
-    if cfg.data.block_size > hf["n_positions"]:
-        raise ConfigError(f"data.block_size={cfg.data.block_size} is longer than the context of "
-                          f"{cfg.model.init_from} ({hf['n_positions']}); lower data.block_size")
-    log.info("model shape from %s: %d layers, %d heads, %d wide", cfg.model.init_from, hf["n_layer"], hf["n_head"],
-             hf["n_embd"])
-    return replace(cfg, model=replace(cfg.model, preset=None, n_layer=hf["n_layer"], n_head=hf["n_head"],
-                                      n_embd=hf["n_embd"], bias=True))
-
-
 def preflight(cfg: RunConfig, info: DistInfo) -> None:
     """The multi-node checks (code, versions, config, corpus, one snapshot store, devices), before any work."""
     _, _, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, cfg.snapshot_store)
@@ -427,33 +384,19 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
         distributed.shutdown()
 
 
-HYDRA_FLAGS = {"--cfg", "-c", "--help", "-h", "--hydra-help", "--version", "--package", "-p", "--resolve",
-               "--info", "-i", "--run", "-r", "--multirun", "-m", "--shell-completion", "-sc", "--config-path", "-cp",
-               "--config-name", "-cn", "--config-dir", "-cd", "--experimental-rerun"}
-
-
 @record
 def main() -> None:
     ledger = Ledger()  # the process's age so far (interpreter, imports) is its launch
     ledger.switch("config")
     overrides = sys.argv[1:]
-    if dashed := [a for a in overrides if a.startswith("-") and a.split("=")[0] not in HYDRA_FLAGS]:
-        # nanoGPT's habit (--max_steps=10): one line that says how, not Hydra's usage once per rank
-        key, _, value = dashed[0].lstrip("-").partition("=")
-        close = suggest_key(key.replace("-", "_"))
-        info = DistInfo.from_env(cuda=False)
-        setup_logging(info)
-        sys.exit(distributed.report_error(info, f"{dashed[0]}: settings are written without dashes, key=value"
-                                          + (f" (did you mean {close}={value or '...'}?)" if close else
-                                             " (python -m mingpt.main --cfg job lists every key)"),
-                                          code=2, let_rank0_report=True))
-    if any(a.startswith("-") for a in overrides):  # Hydra's own flags (--cfg job, --help) go to Hydra
+    if any(a.startswith("-") for a in overrides) and not dashed_settings(overrides):  # Hydra's own flags go to Hydra
         register()
         codes = []
         hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")(
             lambda dcfg: codes.append(train_process(from_dict(OmegaConf.to_container(dcfg, resolve=True)), ledger)))()
         distributed.exit_process(max(codes, default=0), had_process_group=DistInfo.from_env(cuda=False).distributed)
     try:  # composed once, here: a mistyped override is one line from rank 0 (and torchrun's error file)
+        dashed_settings(overrides, refuse=True)
         cfg = compose(overrides)
     except ConfigError as e:
         info = DistInfo.from_env(cuda=False)

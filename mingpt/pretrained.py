@@ -9,13 +9,20 @@ other names, and Hugging Face's Conv1D layers store their weights transposed (in
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from mingpt import distributed
+from mingpt.config import ConfigError, RunConfig
+from mingpt.distributed import DistInfo
 from mingpt.shards import assign
+
+log = logging.getLogger(__name__)
 
 HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -157,3 +164,30 @@ def write_gpt2(directory: Path, model_state: dict[str, torch.Tensor], shape: dic
     # safetensors makes its file private (0600); an export is for sharing: a new file's usual mode
     # (0666 less the umask), which config.json has just got
     shutil.copymode(directory / "config.json", directory / "model.safetensors")
+
+
+def pretrained_checkpoint(name: str, info: DistInfo) -> Path:
+    """The checkpoint's directory: the first process of each node downloads it (once, into the hub's
+    cache); the others wait for it, then read the same files."""
+    path, error = None, None
+    if info.local_rank == 0:
+        try:
+            path = locate(name, download=True)
+        except PretrainedError as e:
+            error = e
+    distributed.barrier()
+    if error is not None:
+        raise error
+    return path if path is not None else locate(name, download=False)
+
+
+def with_pretrained_shape(cfg: RunConfig, directory: Path) -> RunConfig:
+    """The run's config with the model shape of a GPT-2 checkpoint."""
+    hf = read_config(directory)
+    if cfg.data.block_size > hf["n_positions"]:
+        raise ConfigError(f"data.block_size={cfg.data.block_size} is longer than the context of "
+                          f"{cfg.model.init_from} ({hf['n_positions']}); lower data.block_size")
+    log.info("model shape from %s: %d layers, %d heads, %d wide", cfg.model.init_from, hf["n_layer"], hf["n_head"],
+             hf["n_embd"])
+    return replace(cfg, model=replace(cfg.model, preset=None, n_layer=hf["n_layer"], n_head=hf["n_head"],
+                                      n_embd=hf["n_embd"], bias=True))

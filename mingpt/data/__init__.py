@@ -4,12 +4,12 @@ parallel, into shards) -> prepared (the dataset reader: memory-mapped or cached 
 
 from mingpt.data.sources import DataError
 
-__all__ = ["Corpus", "DataError", "load_corpus"]
+__all__ = ["Corpus", "DataError", "build_samplers", "load_corpus"]
 
 
 def __getattr__(name: str):
     # imported when asked for: a preparation worker needs neither torch nor the datasets
-    if name in ("Corpus", "load_corpus"):
+    if name in ("Corpus", "build_samplers", "load_corpus"):
         from mingpt.data import corpus
 
         return getattr(corpus, name)

@@ -17,13 +17,15 @@ from pathlib import Path
 import fsspec
 import numpy as np
 
-from mingpt.config import DataConfig
+from mingpt.config import DataConfig, RunConfig
 from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces
 from mingpt.data.encode import source_identity
 from mingpt.data.prepare import MANIFEST, Settings, prepare
 from mingpt.data.prepared import PreparedData, is_prepared
+from mingpt.data.samplers import LengthGroupedSampler, StreamSampler
 from mingpt.data.sources import DataError, document_files, raw_format
 from mingpt.distributed import default_threads
+from mingpt.model import GPT
 from mingpt.storage import file_lock
 from mingpt.tokenizer import Tokenizer, TokenizerError, build_bpe, from_state
 
@@ -151,3 +153,19 @@ def load_corpus(d: DataConfig, tokenizer_state: dict | None = None) -> Corpus:
         p_starts, p_lengths = split_pieces(starts[sl], lengths[sl], T + 1)
         splits.append(DocumentDataset(data.tokens, p_starts, p_lengths, T, tokenizer.eot_id))
     return Corpus(tokenizer, splits[0], splits[1], source, data)
+
+
+def build_samplers(cfg: RunConfig, corpus: Corpus, model: GPT):
+    """(training sampler, sampler over the validation split) of the data's kind."""
+    d, seed = cfg.data, cfg.trainer.seed
+    if d.kind == "stream":
+        batch, micro = cfg.trainer.batch_size, cfg.trainer.micro_batch
+        return (StreamSampler(len(corpus.train), batch, seed, micro), StreamSampler(len(corpus.val), batch, seed, micro))
+    c = model.config
+    attn_coeff = 12 * c.n_layer * c.n_embd / (6 * model.num_params())  # attention's T^2 term vs 6N per token
+    docs = d.documents
+    train, val = (LengthGroupedSampler(split.seq_lengths, docs.token_budget, docs.micro_batches_per_step, seed,
+                                       docs.batching, docs.pool_size, attn_coeff) for split in (corpus.train, corpus.val))
+    log.info("%s batching: %d global steps per epoch of %d micro-batches <= %d padded tokens", docs.batching,
+             train.steps_per_epoch, docs.micro_batches_per_step, docs.token_budget)
+    return train, val

@@ -3,7 +3,6 @@ gradients in share order, and healing from a live peer. See mingpt/replicas/__in
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import logging
@@ -18,7 +17,9 @@ import torch.distributed as dist
 
 from mingpt import distributed
 from mingpt.distributed import DistInfo
-from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged, ReplicaError, host_port
+from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
+from mingpt.replicas.link import ReplicaError, host_port
+from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, header_mac, set_grads, state_digest
 
 log = logging.getLogger(__name__)
 
@@ -377,56 +378,6 @@ class Replicas:
         self.beacon.close()
 
 
-MAC_COLUMNS = 4  # a header's HMAC-SHA256, its 32 bytes carried as four float64 columns
-
-
-def header_mac(key: bytes, row: torch.Tensor) -> torch.Tensor:
-    """A share header's HMAC (keyed by the job secret) as MAC_COLUMNS float64 values (bytes, not numbers)."""
-    digest = hmac.new(key, row.contiguous().numpy().tobytes(), hashlib.sha256).digest()
-    return torch.frombuffer(bytearray(digest), dtype=torch.float64)
-
-
-MAX_STATE_JSON = 64 * 2**20  # the sampler's and counters' state: kilobytes; a size beyond this is no state of ours
-
-
-def state_digest(key: bytes, slots: list, meta: dict, tensors: list | None = None) -> str:
-    """HMAC-SHA256 (keyed by the job secret) of the JSON state and every tensor's bytes (the slots', or
-    `tensors` in their place)."""
-    h = hmac.new(key, json.dumps({k: v for k, v in meta.items() if k != "digest"}, sort_keys=True).encode(),
-                 hashlib.sha256)
-    for slot, t in zip(slots, tensors or [s.local for s in slots]):
-        t = t.detach().cpu().contiguous()
-        h.update(slot.name.encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
 def default_min_groups(groups: int) -> int:
     """A majority: two sides of a cut network can never both train."""
     return groups // 2 + 1
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This process's rows of a tensor (an FSDP shard's), or the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def flat_grads(model: torch.nn.Module) -> torch.Tensor:
-    """Every parameter's gradient (under FSDP: this process's shard of it) in one host tensor (parameter
-    order; none: zeros)."""
-    return torch.cat([_local(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-                      for p in model.parameters()])
-
-
-@torch.no_grad()
-def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
-    offset = 0
-    for p in model.parameters():
-        local = _local(p)
-        n = local.numel()
-        g = flat[offset:offset + n].view_as(local).to(local.device, local.dtype).clone()
-        if local is not p:  # an FSDP shard: the gradient is a DTensor laid out as the parameter
-            from torch.distributed.tensor import DTensor
-            g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-        p.grad = g
-        offset += n
