@@ -19,7 +19,7 @@ from mingpt import distributed
 from mingpt.distributed import DistInfo
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError, host_port
-from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, header_mac, set_grads, state_digest
+from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, ShareHeader, header_mac, set_grads, state_digest
 
 log = logging.getLogger(__name__)
 
@@ -334,19 +334,20 @@ class Replicas:
             time.sleep(2 * self.beacon.heartbeat_s)  # (the dead process's connection closed first: give it time)
             self.check_group()
         joiners = float(bool(self.beacon.joiners(self.epoch)))
-        heads = {share: [float(preempted), float(timed), joiners, float(loss.item()),
-                         float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),
-                         float(self.beacon.group)]
+        heads = {share: ShareHeader(float(preempted), float(timed), joiners, float(loss.item()),
+                                    float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),
+                                    float(self.beacon.group))
                  for share, (_, loss, mbs) in rows.items()}
         if self.sharded:
             total, every = self._sharded_exchange(step, rows, heads, next(model.parameters()).device)
         else:
             total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+            every = [ShareHeader(*h) for h in every]
         set_grads(model, total)
-        self.flags = (any(h[0] for h in every), any(h[1] for h in every))
-        self.rejoin_pending = any(h[2] for h in every)
-        self.shares_record = [[int(h[6]), int(h[4]), int(h[5])] for h in every]  # (group, samples, sum of ids)
-        return sum(h[3] for h in every)
+        self.flags = (any(h.preempted for h in every), any(h.timed for h in every))
+        self.rejoin_pending = any(h.joiners for h in every)
+        self.shares_record = [[int(h.group), int(h.samples), int(h.ids)] for h in every]
+        return sum(h.loss for h in every)
 
     def _sharded_exchange(self, step: int, rows: dict, heads: dict, device: torch.device) -> tuple[torch.Tensor, list]:
         """The exchange of this process's shard, then a vote of the group's processes over their own
@@ -357,21 +358,22 @@ class Replicas:
         failed, total, every = None, None, []
         try:
             total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+            every = [ShareHeader(*h) for h in every]
         except MembershipChanged as e:
             failed = e
         n = self.shares_total
         vote = torch.zeros(4 + 2 * n, dtype=torch.float64)
         vote[0] = float(failed is not None)
         if every:
-            vote[1:4] = torch.tensor([float(any(h[i] for h in every)) for i in range(3)], dtype=torch.float64)
-            vote[4:] = torch.tensor([[h[4], h[5]] for h in every], dtype=torch.float64).reshape(-1)
+            vote[1:4] = torch.tensor([float(any(h[i] for h in every)) for i in range(3)], dtype=torch.float64)  # the flags
+            vote[4:] = torch.tensor([[h.samples, h.ids] for h in every], dtype=torch.float64).reshape(-1)
         # over the group's own process group (its torchrun's), on the model's device (NCCL's on GPUs)
         agreed = distributed.all_reduce_sum(vote.to(device)).cpu()
         if agreed[0] > 0:
             raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
         # (each part's samples counted once: the processes of a tensor-parallel group train the same part)
         flags, parts = (agreed[1:4] > 0).tolist(), (agreed[4:] / self.tp).view(n, 2).tolist()
-        return total, [[*map(float, flags), h[3], samples, ids, float(int(h[6]) // self.procs)]
+        return total, [ShareHeader(*map(float, flags), h.loss, samples, ids, float(int(h.group) // self.procs))
                        for h, (samples, ids) in zip(every, parts)]
 
     def close(self) -> None:

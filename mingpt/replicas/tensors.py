@@ -6,8 +6,20 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+from typing import NamedTuple
 
 import torch
+
+
+class ShareHeader(NamedTuple):
+    """What a share's trainer sends with its gradient row, as float64 columns in this order."""
+    preempted: float  # a preemption signal at that member
+    timed: float  # the save interval elapsed at that member
+    joiners: float  # a group waits to join (that member sees it ready)
+    loss: float  # the share's summed token loss
+    samples: float  # how many samples it trained
+    ids: float  # the sum of their ids (every member trains the same samples of a share, whoever it is)
+    group: float  # who trained it: the member, or (a sharded group's vote) the group
 
 MAC_COLUMNS = 4  # a header's HMAC-SHA256, its 32 bytes carried as four float64 columns
 
