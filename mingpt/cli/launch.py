@@ -150,7 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
+    from torch.distributed.elastic.rendezvous.api import (
+        RendezvousConnectionError,
+        RendezvousStateError,
+        RendezvousTimeoutError,
+    )
     from torch.distributed.launcher import api as launcher
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -172,8 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         torchrun.run(args)
     except SecretError as e:
         sys.exit(_say(str(e), 2))
-    except ForgedValueError as e:
-        sys.exit(_say(str(e), 1))
+    except (ForgedValueError, RendezvousStateError) as e:  # a value or state in the store that the job did not write
+        sys.exit(_say(str(e).strip().splitlines()[0], 1))
     except DistStoreError as e:  # a value the agents exchange never came: another node stopped in the rendezvous
         missing = str(e).strip().splitlines()[0].rsplit("/", 1)[-1][:80]
         sys.exit(_say(f"a value the nodes exchange through the rendezvous store at {endpoint} did not come within "

@@ -1,5 +1,7 @@
 """mingpt-torchrun (mingpt/cli/launch.py)."""
 
+import secrets
+
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from mingpt.cli.launch import exit_code_of_failures, exit_code_of_signal
@@ -39,3 +41,27 @@ def test_a_lost_lease_is_the_jobs_exit_code_and_never_retried(tmp_path):
     assert EXIT_LEASE_LOST in PERMANENT
     # rank 0 lost the store's lease and stopped; rank 1 then lost contact with it (exit 1) within the same second
     assert exit_code_of_failures([failure(1, 1, 1000), failure(0, EXIT_LEASE_LOST, 1000)]) == EXIT_LEASE_LOST
+
+
+def test_a_forged_rendezvous_state_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Another user can name the signed state's key (list_keys) and overwrite it: the agents then refuse
+    the state, and the launcher says so in one line instead of torch's traceback."""
+    import pytest
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.rendezvous.api import RendezvousStateError
+
+    from mingpt.cli.launch import main
+
+    def forged(args):
+        raise RendezvousStateError("the rendezvous state in the store is not signed with this job's secret: a "
+                                   "process outside the job wrote it, or the nodes were given different secrets")
+
+    monkeypatch.setattr(torchrun, "run", forged)
+    monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
+    for name in ("MINGPT_AGENT_PID", "OMP_NUM_THREADS"):  # what main sets for its workers: undone after the test
+        monkeypatch.setenv(name, "")
+    with pytest.raises(SystemExit) as e:
+        main(["--standalone", "--nproc_per_node=1", "mingpt/main.py"])
+    err = capsys.readouterr().err
+    assert e.value.code == 1 and err.count("\n") == 1
+    assert err.startswith("mingpt-torchrun: the rendezvous state in the store is not signed with this job's secret")
