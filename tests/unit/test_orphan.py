@@ -41,12 +41,12 @@ print("survived", flush=True)
 """
 
 
-def test_a_worker_adopted_by_a_subreaper_after_its_agent_died_exits(tmp_path):
-    """Issue 33: the kernel gives the orphan to the nearest child subreaper, not PID 1, and the worker
-    kept running beside the job's next attempt."""
+def orphaned(tmp_path, agent: str, worker: str, env: dict | None = None) -> None:
+    """Under a child subreaper, `agent` starts `worker`; the agent is SIGKILLed, then the worker goes on
+    (the file `go`): it must see the subreaper as its parent and exit 1 at once."""
     go = tmp_path / "go"
-    reaper = subprocess.Popen([sys.executable, "-c", SUBREAPER, AGENT, WORKER.replace("sys.argv[1]", repr(str(go)))],
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    reaper = subprocess.Popen([sys.executable, "-c", SUBREAPER, agent, worker.replace("sys.argv[1]", repr(str(go)))],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
     try:
         seen = {}
         while not {"agent", "worker"} <= seen.keys():
@@ -62,6 +62,12 @@ def test_a_worker_adopted_by_a_subreaper_after_its_agent_died_exits(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(reaper.pid, signal.SIGKILL)
         reaper.wait()
+
+
+def test_a_worker_adopted_by_a_subreaper_after_its_agent_died_exits(tmp_path):
+    """Issue 33: the kernel gives the orphan to the nearest child subreaper, not PID 1, and the worker
+    kept running beside the job's next attempt."""
+    orphaned(tmp_path, AGENT, WORKER)
 
 
 # mingpt-torchrun's agent: it says its pid in the workers' environment (MINGPT_AGENT_PID)
@@ -83,25 +89,7 @@ print("survived", flush=True)
 def test_a_worker_whose_agent_died_while_it_started_exits_under_mingpt_torchrun(tmp_path):
     """The parent recorded at import is already the subreaper: only the agent's pid, told by
     mingpt-torchrun, shows that the worker is an orphan."""
-    go = tmp_path / "go"
-    worker = EARLY_WORKER.replace("sys.argv[1]", repr(str(go)))
-    reaper = subprocess.Popen([sys.executable, "-c", SUBREAPER, TOLD_AGENT, worker], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True, env={**os.environ, "PYTHONPATH": str(REPO)})
-    try:
-        seen = {}
-        while not {"agent", "worker"} <= seen.keys():
-            what, pid = reaper.stdout.readline().split()
-            seen[what] = int(pid)
-        os.kill(seen["agent"], signal.SIGKILL)
-        assert reaper.stdout.readline().split() == ["ended", str(seen["agent"]), str(-signal.SIGKILL)]
-        go.touch()
-        out = reaper.communicate(timeout=60)[0].split("\n")
-        assert out[0] == f"parent {reaper.pid}"
-        assert out[1:] == [f"ended {seen['worker']} 1", ""], "the orphan went on"
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(reaper.pid, signal.SIGKILL)
-        reaper.wait()
+    orphaned(tmp_path, TOLD_AGENT, EARLY_WORKER, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def test_mingpt_torchrun_tells_its_workers_its_pid_for_their_run_only(monkeypatch):
