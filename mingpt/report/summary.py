@@ -106,8 +106,10 @@ def summary(run: Run, name: str) -> str:
     lines += _starts(run)
     lines.append("")
     lines.append(f"  goodput {100 * acc.goodput:.1f}% of {_s(acc.wall)} wall time")
-    width = max(len(LABELS[c]) for c in CATEGORIES)
-    for c in CATEGORIES:
+    replicas = any(r.get("kind") == "epoch" for r in run.records)
+    shown = [c for c in CATEGORIES if replicas or c not in ("regroup", "other")]  # replica jobs' own lines
+    width = max(len(LABELS[c]) for c in shown)
+    for c in shown:
         v = acc.seconds[c]
         share = v / acc.wall if acc.wall else 0.0
         bar = "#" * round(30 * share)
