@@ -37,9 +37,12 @@ class SavePolicy:
     def saved(self) -> None:
         self.last_save_t = time.monotonic()
 
+    def interval_elapsed(self) -> bool:
+        """The save interval in seconds has passed on this rank (the one rule; 0: off)."""
+        return 0 < self.every_s <= time.monotonic() - self.last_save_t
+
     def _agree(self) -> tuple[bool, bool]:
         """(a signal on any rank, the save interval elapsed on any rank). Sync point: the flags are
         read on the host, once per step (it waits for the step's queued work on a GPU)."""
-        timed = 0 < self.every_s <= time.monotonic() - self.last_save_t
-        flags = torch.tensor([float(self.preempt.requested), float(timed)], device=self.device)
+        flags = torch.tensor([float(self.preempt.requested), float(self.interval_elapsed())], device=self.device)
         return tuple((all_reduce_sum(flags) > 0).tolist())

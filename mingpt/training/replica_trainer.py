@@ -97,8 +97,7 @@ class ReplicaTrainer(Trainer):
                     if not r.sharded:  # a member lost: on to the redo now, not after the other shares
                         r.check()  # (sharded, the group's processes decide together, in the exchange)
             self.ledger.switch("step_compute")
-            timed = 0 < self.policy.every_s <= time.monotonic() - self.policy.last_save_t
-            total = r.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested, timed)
+            total = r.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested, self.policy.interval_elapsed())
         except MembershipChanged:
             self._redo = (step, rows)
             raise
