@@ -96,13 +96,13 @@ class Start:
         return self.candidates[0][1] if self.candidates else None
 
 
-def where_to_start(cfg: RunConfig, info: DistInfo) -> tuple[RunConfig, Start]:
+def where_to_start(cfg: RunConfig, info: DistInfo, lease: Lease | None = None) -> tuple[RunConfig, Start]:
     """The one decision of where a run starts: the newest good snapshot of its store (or one named by
     snapshot.resume), GPT-2 weights, or nothing; its run id; which other run's files to set aside.
     Rank 0 decides; every rank gets the same candidates (manifests only). Nothing is moved before
     the snapshot to continue is known to fit. Returns the config with the shape of the weights."""
-    sc = cfg.snapshot
-    store = open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader)
+    sc = cfg.snapshot  # the store the lease holds (rank 0), opened once
+    store = lease.store if lease is not None else open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader)
     # a restart is told by its launch id where it has one that lasts (a retried refusal stays refused);
     # under torchrun's default rendezvous id "none" each start's id is its own: only the count tells
     restarted = info.restarted and info.job_id is None
@@ -146,7 +146,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     ledger = ledger or Ledger()
     ledger.switch("data_load")
     replicas = build_replicas(cfg)  # listening first: the other groups see this one starting
-    cfg, start = where_to_start(cfg, info)
+    cfg, start = where_to_start(cfg, info, lease)
     cfg, corpus = build_data(cfg, start, info)
     ledger.switch("model")
     parallel = build_model(cfg, info, start)
