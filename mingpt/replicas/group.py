@@ -24,6 +24,9 @@ from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, ShareHeader, he
 log = logging.getLogger(__name__)
 
 
+LEAVING_GRACE_S = 0.05  # at most this is added to the survivors' gap when a member is really lost
+
+
 class GroupRestart(Exception):
     """A process of this replica group was lost: its torchrun restarts them all; this one leaves now."""
 
@@ -214,7 +217,16 @@ class Replicas:
         """Wait for a collective of the epoch, giving up when a member is lost (a silent peer would
         otherwise hold it until the process group's timeout)."""
         while not work.is_completed():
-            self.check()
+            try:
+                self.check()
+            except MembershipChanged:
+                # a member that completed this collective may leave at once (the last step: it exits):
+                # its data may be here already; give the collective a moment before dropping the step
+                deadline = time.monotonic() + LEAVING_GRACE_S
+                while not work.is_completed() and time.monotonic() < deadline:
+                    time.sleep(0.0005)
+                if not work.is_completed():
+                    raise
             time.sleep(0.0002)
         try:
             work.wait()

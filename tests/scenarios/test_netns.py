@@ -56,4 +56,4 @@ def test_link_cut_partition_survivor_goes_on_alone(two_nodes, tmp_path):
     assert max(r["step"] for r in train) == 600
     assert train[-1]["world_size"] == 1
     log_a = (tmp_path / "a.log").read_text()
-    assert "made no progress" in log_a or "timed out" in log_a.lower() or "Connection" in log_a
+    assert "made no progress" in log_a or "lost contact with a peer: " in log_a
