@@ -141,16 +141,15 @@ def _overwrite_the_store_address(port: int, seconds: float) -> dict:
         try:
             store = store or dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
             keys = store.list_keys()
-        except Exception:  # noqa: BLE001 - the store is not up yet
+            targets = {k for k in keys if k.endswith(("/MASTER_ADDR", "/MASTER_PORT"))}
+            targets |= {f"{k}.0/{name}" for k in keys if k.endswith("/torch.rendezvous.run1")
+                        for name in ("MASTER_ADDR", "MASTER_PORT")}
+            for key in targets:
+                store.set(key, b"not-a-port" if key.endswith("PORT") else b"attacker.invalid")
+                written.add(key)
+        except Exception:  # noqa: BLE001 - the store is not up yet, or gone with the job that hosted it
             store = None
             time.sleep(0.05)
-            continue
-        targets = {k for k in keys if k.endswith(("/MASTER_ADDR", "/MASTER_PORT"))}
-        targets |= {f"{k}.0/{name}" for k in keys if k.endswith("/torch.rendezvous.run1")
-                    for name in ("MASTER_ADDR", "MASTER_PORT")}
-        for key in targets:
-            store.set(key, b"not-a-port" if key.endswith("PORT") else b"attacker.invalid")
-        written |= targets
     return {"written": sorted(k.rsplit("/", 1)[-1] for k in written)}
 
 
