@@ -146,7 +146,7 @@ def exit_code_of_failures(failures: list) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.distributed import DistStoreError
+    from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -183,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_say(f"a value the nodes exchange through the rendezvous store at {endpoint} did not come within "
                       f"read_timeout={_conf(argv, 'read_timeout', '60')} s (the key {missing}): another node stopped during "
                       "the rendezvous (its output says why), or cannot reach the store", 1))
+    except DistNetworkError:  # the node hosting the rendezvous store went away during the rendezvous
+        sys.exit(_say(f"lost the rendezvous store at {endpoint} during the rendezvous: the node that hosts it "
+                      "stopped (its output says why) or the network between them failed", 1))
     except ChildFailedError as e:
         sys.exit(exit_code_of_failures(list(e.failures.values())))
     except SignalException as e:

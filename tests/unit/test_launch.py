@@ -2,6 +2,7 @@
 
 import secrets
 
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from mingpt.cli.launch import exit_code_of_failures, exit_code_of_signal
@@ -43,16 +44,19 @@ def test_a_lost_lease_is_the_jobs_exit_code_and_never_retried(tmp_path):
     assert exit_code_of_failures([failure(1, 1, 1000), failure(0, EXIT_LEASE_LOST, 1000)]) == EXIT_LEASE_LOST
 
 
-def test_a_forged_rendezvous_state_is_one_line_not_a_traceback(monkeypatch, capsys):
+@pytest.mark.parametrize("error", ["forged state", "store gone"])
+def test_a_forged_rendezvous_state_or_a_lost_store_is_one_line_not_a_traceback(monkeypatch, capsys, error):
     """Another user can name the signed state's key (list_keys) and overwrite it: the agents then refuse
     the state, and the launcher says so in one line instead of torch's traceback."""
-    import pytest
+    from torch.distributed import DistNetworkError
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.rendezvous.api import RendezvousStateError
 
     from mingpt.cli.launch import main
 
     def forged(args):
+        if error == "store gone":  # the host of the store stopped while this agent waited on a value
+            raise DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
         raise RendezvousStateError("the rendezvous state in the store is not signed with this job's secret: a "
                                    "process outside the job wrote it, or the nodes were given different secrets")
 
@@ -64,4 +68,5 @@ def test_a_forged_rendezvous_state_is_one_line_not_a_traceback(monkeypatch, caps
         main(["--standalone", "--nproc_per_node=1", "mingpt/main.py"])
     err = capsys.readouterr().err
     assert e.value.code == 1 and err.count("\n") == 1
-    assert err.startswith("mingpt-torchrun: the rendezvous state in the store is not signed with this job's secret")
+    assert err.startswith("mingpt-torchrun: lost the rendezvous store at" if error == "store gone" else
+                          "mingpt-torchrun: the rendezvous state in the store is not signed with this job's secret")
