@@ -352,8 +352,9 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
             "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",
             info.hostname, info.local_world_size, info.rank, info.world_size, info.restart_count)
         preflight(cfg, info)
-        if info.restart_count == 0:  # once per launch, on the first rank
-            log.info("settings (every key: python -m mingpt.main --cfg job)\n  %s", "\n  ".join(cfg.summary()))
+        if info.restart_count == 0:  # once per launch, on the first rank; a record per line (grep, and
+            for line in cfg.summary():  # every line of the log starts alike)
+                log.info("settings: %s", line)
         lease = take_lease(cfg, info)
         trainer = assemble(cfg, info, preempt, ledger, lease)
         finished = trainer.train()
