@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import hashlib
 import hmac
 import json
@@ -117,8 +118,9 @@ KINDS = {"hello": Hello, "hb": Heartbeat, "join": Join, "epoch": EpochNews, "wai
 NAMES = {cls: name for name, cls in KINDS.items()}
 
 
+@functools.lru_cache(maxsize=8)
 def checks(members: int) -> dict:
-    """Each field's check, for a job of `members` members."""
+    """Each field's check, for a job of `members` members (built once per job size: every line is parsed)."""
     member = _int(0, members - 1)
     entry = {"member": member, "inc": _text(32), "step": _int(0), "live": _bool}
     return {
