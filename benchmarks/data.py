@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mingpt.data.prepare import Settings, prepare
-from mingpt.tokenizer import build_bpe
+from mingpt.model.tokenizer import build_bpe
 from mingpt.training.metrics import read_records
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from mingpt.model import GPT, PRESETS, GPTConfig
+from mingpt.model.gpt import GPT, PRESETS, GPTConfig
 
 
 def timed(model: GPT, idx: torch.Tensor, new_tokens: int, use_cache: bool) -> tuple[torch.Tensor, float]:

@@ -78,7 +78,7 @@ def flash_attention() -> dict:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from mingpt.model import CausalSelfAttention, GPTConfig
+    from mingpt.model.gpt import CausalSelfAttention, GPTConfig
 
     cfg = GPTConfig(preset="gpt2", block_size=1024, vocab_size=50257).resolved()
     attn = CausalSelfAttention(cfg).cuda()

@@ -32,9 +32,9 @@ def worker(overrides: list[str]) -> None:
     """One rank: assemble the run, one step with the saved activations counted, then report."""
     import torch
 
-    from mingpt import distributed
-    from mingpt.compose import compose
+    from mingpt.config.compose import compose
     from mingpt.main import assemble, setup_logging
+    from mingpt.runtime import distributed
 
     info = distributed.DistInfo.from_env()
     setup_logging(info)

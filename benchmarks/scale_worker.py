@@ -16,10 +16,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from mingpt import distributed
-from mingpt.distributed import DistInfo
-from mingpt.model import GPT, GPTConfig
-from mingpt.parallel import parallelize
+from mingpt.model.gpt import GPT, GPTConfig
+from mingpt.parallel.layouts import parallelize
+from mingpt.runtime import distributed
+from mingpt.runtime.distributed import DistInfo
 from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.restore import restore
 from mingpt.training.optim import build_optimizer, init_state

@@ -15,10 +15,10 @@ import time
 import torch
 import torch.distributed as tdist
 
-from mingpt import distributed
-from mingpt.distributed import DistInfo
-from mingpt.model import GPT, GPTConfig
-from mingpt.parallel import parallelize
+from mingpt.model.gpt import GPT, GPTConfig
+from mingpt.parallel.layouts import parallelize
+from mingpt.runtime import distributed
+from mingpt.runtime.distributed import DistInfo
 from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.restore import restore
 from mingpt.snapshot.store import candidates, newest_that_loads

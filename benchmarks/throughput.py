@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from mingpt import distributed
-from mingpt.compose import compose
+from mingpt.config.compose import compose
 from mingpt.main import assemble, setup_logging
+from mingpt.runtime import distributed
 from mingpt.training.metrics import peak_flops
 
 

@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from torchft import Manager, ProcessGroupGloo
 
-from mingpt.compose import compose
-from mingpt.model import GPT
-from mingpt.tokenizer import CharTokenizer
+from mingpt.config.compose import compose
+from mingpt.model.gpt import GPT
+from mingpt.model.tokenizer import CharTokenizer
 from mingpt.training.ledger import process_start_epoch
 from mingpt.training.optim import build_optimizer, init_state, lr_at
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
-from mingpt.orphan import die_with_agent
+from mingpt.runtime.orphan import die_with_agent
 
 die_with_agent()  # first: a worker whose agent dies must die with it
 import hydra
@@ -25,25 +25,25 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mingpt import distributed
-from mingpt.compose import compose, config_dir, dashed_settings, register
-from mingpt.config import ConfigError, RunConfig, from_dict
+from mingpt.config.compose import compose, config_dir, dashed_settings, register
+from mingpt.config.schema import ConfigError, RunConfig, from_dict
 from mingpt.data import Corpus, DataError, build_samplers, load_corpus
 from mingpt.data.samplers import validation_batches
-from mingpt.distributed import DistInfo, PreemptionFlag
-from mingpt.model import GPT
-from mingpt.parallel import Parallel, ParallelError, parallelize
-from mingpt.preflight import PreflightError, run_checks
-from mingpt.pretrained import PretrainedError, load_into, pretrained_checkpoint, read_config, with_pretrained_shape
+from mingpt.model.gpt import GPT
+from mingpt.model.pretrained import PretrainedError, load_into, pretrained_checkpoint, read_config, with_pretrained_shape
+from mingpt.model.tokenizer import TokenizerError
+from mingpt.parallel.layouts import Parallel, ParallelError, parallelize
 from mingpt.replicas import GroupRestart, ReplicaError, Replicas, member_view, one_launch
+from mingpt.runtime import distributed
+from mingpt.runtime.distributed import DistInfo, PreemptionFlag
+from mingpt.runtime.preflight import PreflightError, run_checks
+from mingpt.runtime.storage import write_json_atomic
 from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.lease import EXIT_LEASE_LOST, Lease
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore
 from mingpt.snapshot.start import MismatchError, abort_unfinished, check_compatible, choose_start
 from mingpt.snapshot.store import newest_that_loads
-from mingpt.storage import write_json_atomic
-from mingpt.tokenizer import TokenizerError
 from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks import free_port, free_port_runs  # noqa: F401 - the tests' and the benchmarks' port pickers
 from benchmarks.seaweed import SeaweedFS  # beside the benchmarks, which use it too
-from mingpt.config import DataConfig, DocumentsConfig
+from mingpt.config.schema import DataConfig, DocumentsConfig
 from mingpt.data import load_corpus
 from mingpt.data.prepare import Settings
 from mingpt.snapshot import SnapshotStore
@@ -209,7 +209,7 @@ def token_stream(ids):
 
 def char_tokenizer(text: str, eot: bool = False):
     """The CharTokenizer of the characters of `text`."""
-    from mingpt.tokenizer import CharTokenizer
+    from mingpt.model.tokenizer import CharTokenizer
 
     return CharTokenizer("".join(sorted(set(text))), eot)
 

@@ -111,7 +111,7 @@ def test_install_steps_in_a_clean_virtualenv(image_venv):
     """The config is composed from the installed package, far from the source tree."""
     env_dir, elsewhere = image_venv
     py = str(env_dir / "bin" / "python")
-    code = ("import pyarrow, zstandard, s3transfer; from mingpt.compose import config_dir; from mingpt.compose import compose; "
+    code = ("import pyarrow, zstandard, s3transfer; from mingpt.config.compose import compose, config_dir; "
             "print(config_dir()); print(compose(['model=gpt2', 'snapshot=s3']).snapshot.dir); "
             "print(compose(['experiment=finetune_shakespeare']).model.init_from)")
     out = subprocess.run([py, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=120)

@@ -80,7 +80,7 @@ def test_every_command_runs_in_the_image_as_its_user(image):
     code = f"""
 import json, os, subprocess, pyarrow, zstandard, boto3
 from concurrent.futures import ThreadPoolExecutor
-from mingpt.compose import config_dir, compose
+from mingpt.config.compose import config_dir, compose
 print(json.dumps([os.getuid(), os.getcwd(), str(config_dir()), compose(['model=gpt2', 'snapshot=s3']).snapshot.dir,
                   compose(['experiment=finetune_shakespeare']).model.init_from]))
 def run(cmd):

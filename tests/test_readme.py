@@ -5,7 +5,7 @@ import shlex
 
 from conftest import REPO
 
-from mingpt.compose import compose
+from mingpt.config.compose import compose
 
 
 def _readme_runs() -> list[list[str]]:

@@ -24,12 +24,12 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from mingpt import distributed
-from mingpt.compose import compose
-from mingpt.config import ConfigError
-from mingpt.console import quiet_on_closed_pipe
-from mingpt.distributed import DistInfo
-from mingpt.preflight import run_checks
+from mingpt.config.compose import compose
+from mingpt.config.schema import ConfigError
+from mingpt.runtime import distributed
+from mingpt.runtime.console import quiet_on_closed_pipe
+from mingpt.runtime.distributed import DistInfo
+from mingpt.runtime.preflight import run_checks
 from mingpt.snapshot import SnapshotError, open_store
 
 SIZES = (8, 1 << 20, 32 << 20)  # bytes: latency, then bandwidth

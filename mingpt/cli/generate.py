@@ -16,10 +16,10 @@ import sys
 import torch
 
 from mingpt.cli.snapshot import store_path
-from mingpt.console import quiet_on_closed_pipe
-from mingpt.model import GPT, GPTConfig
+from mingpt.model.gpt import GPT, GPTConfig
+from mingpt.model.tokenizer import TokenizerError, from_state
+from mingpt.runtime.console import quiet_on_closed_pipe
 from mingpt.snapshot.store import SnapshotError, load_from
-from mingpt.tokenizer import TokenizerError, from_state
 
 
 def load_model(path: str, storage_options: dict | None = None) -> tuple[GPT, dict]:

@@ -15,9 +15,9 @@ What it changes:
   or a store that another launch took over does not go away by trying again (torchrun would retry
   it --max-restarts times);
 - each worker is told its agent's pid (MINGPT_AGENT_PID), so that one whose agent died while it
-  started exits at once (mingpt/orphan.py);
+  started exits at once (mingpt/runtime/orphan.py);
 - a rendezvous that cannot form is one line saying what to check, and so is a value in its store
-  that was forged (mingpt.trust.SignedStore) or never came.
+  that was forged (mingpt.runtime.trust.SignedStore) or never came.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import socket
 import sys
 import uuid
 
-from mingpt.distributed import RESTART_SIGNAL
-from mingpt.orphan import AGENT_ENV
-from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SecretError, job_secret
+from mingpt.runtime.distributed import RESTART_SIGNAL
+from mingpt.runtime.orphan import AGENT_ENV
+from mingpt.runtime.trust import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SecretError, job_secret
 
 # A worker's exit codes that no restart can change (see the README's exit codes).
 PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved",

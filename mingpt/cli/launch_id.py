@@ -18,7 +18,7 @@ import secrets
 
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 
-from mingpt.trust import SecretError, derive
+from mingpt.runtime.trust import SecretError, derive
 
 
 def agreed_launch_id(store, secret: bytes, run_id: str) -> str:

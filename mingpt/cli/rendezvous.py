@@ -7,7 +7,7 @@ backend is the same rendezvous with these changes:
 
 - its state is signed with the job's secret (HMAC-SHA256) and verified before it is unpickled;
 - the values torch's agents take from the store (MASTER_ADDR, MASTER_PORT, the agents' ranks) are
-  signed too (mingpt.trust.SignedStore): a forged one is ignored, or waited out and refused in one line;
+  signed too (mingpt.runtime.trust.SignedStore): a forged one is ignored, or waited out and refused in one line;
 - its keys live under a prefix derived from the secret, which keeps jobs apart, not hidden: a
   TCPStore lists its keys (`list_keys()`) to anyone who reaches the port;
 - the agent that hosts the store listens on the --rdzv_endpoint address only.
@@ -18,7 +18,7 @@ or restart (gloo's addresses in the workers' store cannot be signed), but cannot
 with the network: one only the job's hosts reach, or a network namespace per job on shared nodes.
 
 It also makes the workers host their own store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, bound and
-prefixed the same way by mingpt.distributed) and gives them MINGPT_LAUNCH_ID, the same on every node
+prefixed the same way by mingpt.runtime.distributed) and gives them MINGPT_LAUNCH_ID, the same on every node
 and every restart of one launch. The secret comes from MINGPT_JOB_SECRET or MINGPT_JOB_SECRET_FILE
 (see README: two machines); `mingpt-torchrun --standalone` makes one for a one-machine job.
 
@@ -48,7 +48,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mingpt.cli.launch_id import agreed_launch_id
-from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, SignedStore, bound_store, derive, job_secret
+from mingpt.runtime.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, SignedStore, bound_store, derive, job_secret
 
 log = logging.getLogger("mingpt.rendezvous")
 

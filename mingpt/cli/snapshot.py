@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from mingpt.console import quiet_on_closed_pipe
+from mingpt.runtime.console import quiet_on_closed_pipe
+from mingpt.runtime.storage import is_local
 from mingpt.snapshot import SnapshotStore
 from mingpt.snapshot.nodecache import reclaim
 from mingpt.snapshot.store import SnapshotInfo
-from mingpt.storage import is_local
 
 
 def store_path(path: str) -> str:

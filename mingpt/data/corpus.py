@@ -17,17 +17,17 @@ from pathlib import Path
 import fsspec
 import numpy as np
 
-from mingpt.config import DataConfig, RunConfig
+from mingpt.config.schema import DataConfig, RunConfig
 from mingpt.data.datasets import DocumentDataset, StreamDataset, split_pieces
 from mingpt.data.encode import source_identity
 from mingpt.data.prepare import MANIFEST, Settings, prepare
 from mingpt.data.prepared import PreparedData, is_prepared
 from mingpt.data.samplers import LengthGroupedSampler, StreamSampler
 from mingpt.data.sources import DataError, document_files, raw_format
-from mingpt.distributed import default_threads
-from mingpt.model import GPT
-from mingpt.storage import file_lock
-from mingpt.tokenizer import Tokenizer, TokenizerError, build_bpe, from_state
+from mingpt.model.gpt import GPT
+from mingpt.model.tokenizer import Tokenizer, TokenizerError, build_bpe, from_state
+from mingpt.runtime.distributed import default_threads
+from mingpt.runtime.storage import file_lock
 
 log = logging.getLogger(__name__)
 

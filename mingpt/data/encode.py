@@ -10,8 +10,8 @@ import os
 import fsspec
 import numpy as np
 
-from mingpt.storage import is_local
-from mingpt.tokenizer import Tokenizer
+from mingpt.model.tokenizer import Tokenizer
+from mingpt.runtime.storage import is_local
 
 
 def token_dtype(tokenizer: Tokenizer) -> type:

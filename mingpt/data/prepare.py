@@ -32,8 +32,8 @@ import numpy as np
 
 from mingpt.data.encode import encode_array, token_dtype
 from mingpt.data.sources import DataError, Unit, expand_inputs, file_units, input_format, unit_documents, work_bytes
-from mingpt.storage import atomic_write_bytes, is_local
-from mingpt.tokenizer import CharTokenizer, Tokenizer, TokenizerError, build_bpe, from_state
+from mingpt.model.tokenizer import CharTokenizer, Tokenizer, TokenizerError, build_bpe, from_state
+from mingpt.runtime.storage import atomic_write_bytes, is_local
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class _pool:
 
 def default_workers() -> int:
     """The cores of this machine, shared by the processes torchrun started on it."""
-    from mingpt.distributed import default_threads  # imported here: the workers need no torch
+    from mingpt.runtime.distributed import default_threads  # imported here: the workers need no torch
 
     return default_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 

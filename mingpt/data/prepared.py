@@ -1,4 +1,4 @@
-"""Reading a prepared dataset (see prepare.py): start-up reads the manifest alone (and the index,
+"""Reading a prepared dataset (see data/prepare.py): start-up reads the manifest alone (and the index,
 for documents); local shards are memory-mapped; shards on S3 are copied by a background thread
 (parallel range reads) into a bounded node-local cache, and read by range until their copy is there."""
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from mingpt.data.prepare import MANIFEST, DatasetDir
 from mingpt.data.sources import DataError, unreachable
-from mingpt.storage import file_lock
+from mingpt.runtime.storage import file_lock
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import fsspec
 
-from mingpt.storage import atomic_write_bytes, file_lock, is_local
+from mingpt.runtime.storage import atomic_write_bytes, file_lock, is_local
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mingpt.replicas.link import Links, host_port
 from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, MemberEntry, Wait, WireError, parse
-from mingpt.trust import bound_store, derive
+from mingpt.runtime.trust import bound_store, derive
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from mingpt import distributed
-from mingpt.distributed import DistInfo
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError, host_port
 from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, ShareHeader, header_mac, set_grads, state_digest
+from mingpt.runtime import distributed
+from mingpt.runtime.distributed import DistInfo
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Replicas:
 
     @classmethod
     def build(cls, rc, info: DistInfo, secret: bytes | None, sharded: bool = False, tp: int = 1) -> Replicas:
-        """From the `replicas` config (mingpt.config.ReplicasConfig) of this process of a group (`info`:
+        """From the `replicas` config (mingpt.config.schema.ReplicasConfig) of this process of a group (`info`:
         its place in its torchrun; `sharded`: its processes split the model, trainer.parallel=fsdp or
         `tp` > 1, trainer.tensor_parallel); refused, in one line, where it cannot work."""
         member_view(info)  # one node per group

@@ -11,9 +11,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from mingpt.console import quiet_on_closed_pipe
 from mingpt.report.goodput import read_records
 from mingpt.report.summary import Run, summary
+from mingpt.runtime.console import quiet_on_closed_pipe
 
 
 @quiet_on_closed_pipe

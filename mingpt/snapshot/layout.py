@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mingpt.shards import rows_of  # the one cut rule, FSDP2's (torch.chunk's)
+from mingpt.parallel.shards import rows_of  # the one cut rule, FSDP2's (torch.chunk's)
 
 SHARD_FORMAT = "shard-{:05d}-of-{:05d}.bin"
 EXTRA_FILE = "extra.pt"

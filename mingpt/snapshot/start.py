@@ -10,7 +10,7 @@ import time
 import uuid
 from dataclasses import replace
 
-from mingpt.config import RunConfig, SnapshotConfig
+from mingpt.config.schema import RunConfig, SnapshotConfig
 from mingpt.snapshot.store import STEP_RE, MismatchError, SnapshotError, SnapshotStore, candidates
 
 log = logging.getLogger("mingpt")

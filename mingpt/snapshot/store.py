@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from mingpt.runtime.storage import is_local
 from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, sha256, split_fused, targets_of, whole_slots
 from mingpt.snapshot.layout import EXTRA_FILE
 from mingpt.snapshot.s3 import S3Objects
 from mingpt.snapshot.transport import Files, LocalFiles, damaged, join, retried
-from mingpt.storage import is_local
 
 log = logging.getLogger(__name__)
 

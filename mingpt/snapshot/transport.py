@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from mingpt.storage import atomic_write_bytes
+from mingpt.runtime.storage import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 

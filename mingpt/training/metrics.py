@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # the report reads metrics without importing torch
     import torch
 
-    from mingpt.config import TrainerConfig
-    from mingpt.distributed import DistInfo
+    from mingpt.config.schema import TrainerConfig
+    from mingpt.runtime.distributed import DistInfo
 
 log = logging.getLogger(__name__)
 

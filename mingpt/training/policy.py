@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from mingpt.distributed import PreemptionFlag, all_reduce_sum
+from mingpt.runtime.distributed import PreemptionFlag, all_reduce_sum
 
 
 def decide(step: int, last: bool, every_steps: int, timed: bool, preempted: bool) -> tuple[bool, bool]:

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from mingpt.config import OptimConfig, TrainerConfig
-from mingpt.distributed import DistInfo, all_gather_floats, all_reduce_sum
-from mingpt.parallel import Parallel
+from mingpt.config.schema import OptimConfig, TrainerConfig
+from mingpt.parallel.layouts import Parallel
+from mingpt.runtime.distributed import DistInfo, all_gather_floats, all_reduce_sum
 from mingpt.snapshot import SaveFailedError, Snapshotter
 from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter, StepTimer, duration, peak_flops, progress_bar, train_record

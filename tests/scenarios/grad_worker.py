@@ -8,9 +8,9 @@ import sys
 
 import torch
 
-from mingpt import distributed
-from mingpt.compose import compose
+from mingpt.config.compose import compose
 from mingpt.main import assemble, setup_logging
+from mingpt.runtime import distributed
 
 
 def whole(g: torch.Tensor) -> torch.Tensor:

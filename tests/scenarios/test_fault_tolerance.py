@@ -94,7 +94,7 @@ def test_documents_sigkill_recovery_is_exact_too(tmp_path):
 
     raw = make_docs_corpus(tmp_path)
     corpus = tmp_path / "prepared"
-    subprocess.run([sys.executable, "-m", "mingpt.prepare", str(raw), "--out", str(corpus), "--tokenizer.kind=char",
+    subprocess.run([sys.executable, "-m", "mingpt.cli.prepare", str(raw), "--out", str(corpus), "--tokenizer.kind=char",
                     "--separator", "\n\n", "--shard-mb", "0.002", "--unit-mb", "0.004"], cwd=REPO, check=True)
     assert len(json.loads((corpus / "manifest.json").read_text())["shards"]) > 5
     ref_dir = tmp_path / "ref"
@@ -233,7 +233,7 @@ def test_workers_of_an_agent_killed_while_they_start_die_too(reference, tmp_path
 def test_a_launcher_as_pid_1_is_not_taken_for_a_dead_agent():
     """torchrun as a container's entry point (the Dockerfile's) is PID 1: its workers' parent is 1
     and they must not take themselves for orphans; any other PID 1 (an init) means the agent died."""
-    from mingpt.orphan import _is_launcher
+    from mingpt.runtime.orphan import _is_launcher
 
     for argv0, launcher in (("/usr/local/bin/torchrun", True), ("/usr/bin/mingpt-torchrun", True),
                             ("/sbin/init", False), ("tini", False)):

@@ -48,7 +48,7 @@ def test_two_copies_of_the_code_that_differ_in_one_file_are_refused(tmp_path):
         shutil.copytree(REPO / "mingpt", tmp_path / name / "mingpt", ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copytree(REPO / "conf", tmp_path / name / "conf")
         copies.append(tmp_path / name)
-    with open(copies[1] / "mingpt" / "model.py", "a") as fh:
+    with open(copies[1] / "mingpt" / "model" / "gpt.py", "a") as fh:
         fh.write("\n# a local edit on one node\n")
     port = free_port()
     common = [*TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}"]
@@ -57,7 +57,7 @@ def test_two_copies_of_the_code_that_differ_in_one_file_are_refused(tmp_path):
     codes, out = both(*procs)
     assert codes[0] != 0 and codes[1] != 0
     text = "".join(out)
-    assert "mingpt's code differs between nodes" in text and "(mingpt/model.py)" in text, text[-3000:]
+    assert "mingpt's code differs between nodes" in text and "(mingpt/model/gpt.py)" in text, text[-3000:]
     assert "runs other files than rank 0" in text
 
 

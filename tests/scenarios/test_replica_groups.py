@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 GROUPS = 3
 STEPS = 200  # a killed group's restart (a new interpreter, about 5 s here) ends well before the last step
-SECRET = secrets.token_hex(32)  # random per run: a chosen string is refused (mingpt.trust.job_secret)
+SECRET = secrets.token_hex(32)  # random per run: a chosen string is refused (mingpt.runtime.trust.job_secret)
 CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "data.block_size=64",
        "model.dropout=0.1", "trainer.batch_size=12", "trainer.micro_batch_size=2", "trainer.log_every=1",
        "trainer.eval_every=0", "trainer.progress=false", "trainer.threads=1", f"trainer.max_steps={STEPS}",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, free_port_runs, make_corpus, records, torchrun_env
 
-from mingpt.config import DataConfig
+from mingpt.config.schema import DataConfig
 from mingpt.data import load_corpus
 
 pytestmark = pytest.mark.slow

@@ -204,7 +204,7 @@ def test_ranks_under_torchrun_prepare_one_dataset_together(inputs, tmp_path):
     from conftest import REPO, torchrun_cmd, torchrun_env
 
     prepare([str(inputs)], str(tmp_path / "one"), SMALL, ranks_file=RANKS, workers=1)
-    proc = subprocess.run(torchrun_cmd(2, "-m", "mingpt.prepare", str(inputs), "--out", str(tmp_path / "two"),
+    proc = subprocess.run(torchrun_cmd(2, "-m", "mingpt.cli.prepare", str(inputs), "--out", str(tmp_path / "two"),
                                        "--tokenizer.ranks_file", RANKS, "--unit-mb", str(SMALL.unit_bytes / 2**20),
                                        "--shard-mb", str(SMALL.shard_bytes / 2**20)),
                           cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)

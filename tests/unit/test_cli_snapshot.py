@@ -10,7 +10,7 @@ from conftest import REPO, save_state
 
 from mingpt.cli.snapshot import main as snapshot_cli
 from mingpt.cli.snapshot import weights_digest
-from mingpt.model import GPT, GPTConfig
+from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.snapshot import SnapshotStore
 
 SHAPE = GPTConfig(preset="gpt-nano", vocab_size=20, block_size=16)

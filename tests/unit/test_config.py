@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mingpt.compose import compose, config_dir
-from mingpt.config import ConfigError, from_dict
-from mingpt.model import PRESETS
+from mingpt.config.compose import compose, config_dir
+from mingpt.config.schema import ConfigError, from_dict
+from mingpt.model.gpt import PRESETS
 
 GROUPS = sorted(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
 OPTIONS = ([(g, p.stem) for g in GROUPS for p in sorted((Path(config_dir()) / g).glob("*.yaml"))]
@@ -14,7 +14,7 @@ OPTIONS = ([(g, p.stem) for g in GROUPS for p in sorted((Path(config_dir()) / g)
 
 
 def test_config_files_hold_only_what_differs_from_the_defaults():
-    """Every default is defined once, in config.py; the model presets once, in model.PRESETS."""
+    """Every default is defined once, in config/schema.py; the model presets once, in model/gpt.py's PRESETS."""
     assert GROUPS == ["data", "experiment", "snapshot", "trainer"]
     defaults = from_dict({})
     for group, option in OPTIONS:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import SHARED_DATA, load_documents, read_corpus
 
-from mingpt.config import DataConfig, TokenizerConfig
+from mingpt.config.schema import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
 from mingpt.data.datasets import StreamDataset
 
@@ -23,13 +23,13 @@ def test_a_raw_corpus_is_prepared_with_bpe_from_the_ranks_file_alone(corpus_file
     process that prepares the corpus too (before, its tokenizing worker went to the network)."""
     import tiktoken
 
-    import mingpt.tokenizer
+    import mingpt.model.tokenizer
 
     def offline(*_a, **_k):
         raise ConnectionError("no network on this node")
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    monkeypatch.setattr(mingpt.tokenizer, "_ranks_from_registry", offline)
+    monkeypatch.setattr(mingpt.model.tokenizer, "_ranks_from_registry", offline)
     c = load_corpus(data_config(corpus_file, kind="bpe", cache=tmp_path / "cache"))
     assert c.tokenizer.vocab_size == 50257
     assert corpus_file.read_text().startswith(c.tokenizer.decode(all_tokens(c.train)[:20]))

@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import RANKS, SMALL, dataset_files, texts
 
-from mingpt.config import DataConfig, TokenizerConfig
+from mingpt.config.schema import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
 from mingpt.data.prepare import Settings, prepare
 from mingpt.data.prepared import PreparedData
-from mingpt.tokenizer import TokenizerError, build_bpe
+from mingpt.model.tokenizer import TokenizerError, build_bpe
 
 
 def test_parallel_prepare_writes_the_bytes_of_one_process(inputs, tmp_path):
@@ -42,7 +42,7 @@ def test_a_prepare_killed_midway_continues_to_the_same_result(tmp_path):
     src.mkdir()
     for i in range(3):
         (src / f"part{i}.txt").write_text("\n".join(texts(20000, 10 + i)) + "\n")  # ~9 MB of text in all
-    cmd = [sys.executable, "-m", "mingpt.prepare", str(src), "--tokenizer.ranks_file", RANKS, "--workers", "1",
+    cmd = [sys.executable, "-m", "mingpt.cli.prepare", str(src), "--tokenizer.ranks_file", RANKS, "--workers", "1",
            "--unit-mb", "0.25"]
     out = tmp_path / "out"
     proc = subprocess.Popen([*cmd, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -73,9 +73,9 @@ TINY = ["model=custom", "model.n_layer=1", "model.n_head=2", "model.n_embd=16", 
 
 
 def train_weights(data_path: str, tmp_path: Path, name: str, *overrides: str) -> dict:
-    from mingpt.compose import compose
-    from mingpt.distributed import DistInfo
+    from mingpt.config.compose import compose
     from mingpt.main import assemble
+    from mingpt.runtime.distributed import DistInfo
 
     cfg = compose([*TINY, f"data.path={data_path}", f"data.cache_dir={tmp_path / ('cache-' + name)}",
                    "data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={RANKS}",

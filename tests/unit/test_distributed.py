@@ -1,4 +1,4 @@
-"""torchrun's environment, read once (mingpt/distributed.py): DistInfo, launch ids, the job's secret."""
+"""torchrun's environment, read once (mingpt/runtime/distributed.py): DistInfo, launch ids, the job's secret."""
 
 import os
 import secrets
@@ -6,7 +6,7 @@ import secrets
 import pytest
 import torch
 
-from mingpt.distributed import DistInfo, SecretError, default_threads, init, job_secret
+from mingpt.runtime.distributed import DistInfo, SecretError, default_threads, init, job_secret
 
 
 def test_dist_info_from_env_without_process_group():
@@ -98,7 +98,7 @@ def test_deterministic_kernels_are_switched_on_with_cublas_fixed_before_first_us
      "operation to complete", "a peer was lost during a collective (it did not answer in time)"),
 ])
 def test_a_lost_peer_is_named_in_our_words_by_host_and_rank(message, said):
-    from mingpt.distributed import lost_peer
+    from mingpt.runtime.distributed import lost_peer
 
     out = lost_peer(RuntimeError(message), ["nohost.invalid:0", "localhost:0", "localhost:1", "localhost:2"],
                     me=1)  # this rank shares the peers' address: it is not named

@@ -5,7 +5,7 @@ import pytest
 from conftest import SHARED_DATA, char_tokenizer
 
 from mingpt.data.encode import encode_array, safe_cuts
-from mingpt.tokenizer import build_bpe
+from mingpt.model.tokenizer import build_bpe
 
 
 @pytest.mark.parametrize("kind", ["bpe", "char"])

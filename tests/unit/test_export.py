@@ -9,12 +9,12 @@ import torch
 from conftest import BLOCK, RANKS, bpe_overrides, hf_logits, save_state
 
 from mingpt.cli.export import export
-from mingpt.compose import compose
-from mingpt.distributed import DistInfo
+from mingpt.config.compose import compose
 from mingpt.main import assemble
-from mingpt.model import GPT, GPTConfig
+from mingpt.model.gpt import GPT, GPTConfig
+from mingpt.model.tokenizer import build_bpe
+from mingpt.runtime.distributed import DistInfo
 from mingpt.snapshot import SnapshotStore
-from mingpt.tokenizer import build_bpe
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
 

@@ -7,10 +7,10 @@ import torch
 from conftest import REPO, save_state
 
 from mingpt.cli.generate import load_model
-from mingpt.compose import compose
-from mingpt.distributed import DistInfo
+from mingpt.config.compose import compose
 from mingpt.main import assemble
-from mingpt.model import GPT, GPTConfig
+from mingpt.model.gpt import GPT, GPTConfig
+from mingpt.runtime.distributed import DistInfo
 from mingpt.snapshot import SnapshotStore
 
 BLOCK = 16

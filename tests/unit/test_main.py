@@ -41,7 +41,7 @@ def test_replica_groups_are_refused_where_they_cannot_work(monkeypatch):
     one line that says what to do, before anything listens."""
     import pytest
 
-    from mingpt.compose import compose
+    from mingpt.config.compose import compose
     from mingpt.main import build_replicas
     from mingpt.replicas import ReplicaError
 
@@ -79,9 +79,9 @@ def test_a_replica_groups_process_initialises_its_model_even_when_a_snapshot_wai
 
     import torch
 
-    from mingpt.compose import compose
-    from mingpt.distributed import DistInfo
+    from mingpt.config.compose import compose
     from mingpt.main import build_model
+    from mingpt.runtime.distributed import DistInfo
 
     start = SimpleNamespace(candidates=["step_000000075"], manifest={"step": 75}, pretrained=None)
 

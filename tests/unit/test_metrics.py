@@ -59,8 +59,8 @@ def test_read_metrics_skips_a_line_cut_short_by_a_kill(tmp_path):
 def test_the_train_record_figures_mfu_and_the_slowest_rank():
     import torch
 
-    from mingpt.config import TrainerConfig
-    from mingpt.distributed import DistInfo
+    from mingpt.config.schema import TrainerConfig
+    from mingpt.runtime.distributed import DistInfo
     from mingpt.training.metrics import peak_flops, train_record
 
     # CPU: the peak is per machine (2 nodes of 4 processes: twice the configured figure)

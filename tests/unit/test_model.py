@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from mingpt.model import GPT, PRESETS, GPTConfig, pad_vocab
+from mingpt.model.gpt import GPT, PRESETS, GPTConfig, pad_vocab
 
 
 def tiny(**kw) -> GPT:
@@ -97,8 +97,8 @@ def test_one_initialisation_path_whatever_the_placement():
     """`init_weights(seed)` gives the same values to a model built in place and to one built on the
     meta device and materialised (the training path); another seed gives others; a model built in
     place is seeded from torch's generator."""
-    from mingpt.distributed import DistInfo
-    from mingpt.parallel import parallelize
+    from mingpt.parallel.layouts import parallelize
+    from mingpt.runtime.distributed import DistInfo
 
     cfg = GPTConfig(preset="gpt-nano", vocab_size=65, block_size=16)
     built = GPT(cfg)

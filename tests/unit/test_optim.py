@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mingpt.model import GPT, GPTConfig
+from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.training.optim import lr_at, param_groups
 
 

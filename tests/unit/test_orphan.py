@@ -1,4 +1,4 @@
-"""A torchrun worker dies with its agent, whoever adopts it (mingpt/orphan.py)."""
+"""A torchrun worker dies with its agent, whoever adopts it (mingpt/runtime/orphan.py)."""
 
 import contextlib
 import os
@@ -31,7 +31,7 @@ time.sleep(600)
 # killed in between, which the file `go` tells
 WORKER = """
 import os, sys, time
-from mingpt import orphan
+from mingpt.runtime import orphan
 print("worker", os.getpid(), flush=True)
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.01)
@@ -73,13 +73,13 @@ def test_a_worker_adopted_by_a_subreaper_after_its_agent_died_exits(tmp_path):
 # mingpt-torchrun's agent: it says its pid in the workers' environment (MINGPT_AGENT_PID)
 TOLD_AGENT = AGENT.replace('"TORCHELASTIC_RUN_ID": "test"',
                            '"TORCHELASTIC_RUN_ID": "test", "MINGPT_AGENT_PID": f"{os.getpid()}:test"')
-# the agent is killed while the worker's interpreter starts: before it imports mingpt.orphan
+# the agent is killed while the worker's interpreter starts: before it imports mingpt.runtime.orphan
 EARLY_WORKER = """
 import os, sys, time
 print("worker", os.getpid(), flush=True)
 while not os.path.exists(sys.argv[1]):
     time.sleep(0.01)
-from mingpt import orphan
+from mingpt.runtime import orphan
 print("parent", os.getppid(), flush=True)
 orphan.die_with_agent()
 print("survived", flush=True)
@@ -93,7 +93,7 @@ def test_a_worker_whose_agent_died_while_it_started_exits_under_mingpt_torchrun(
 
 
 def test_mingpt_torchrun_tells_its_workers_its_pid_for_their_run_only(monkeypatch):
-    from mingpt import orphan
+    from mingpt.runtime import orphan
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run1")
     monkeypatch.setenv("MINGPT_AGENT_PID", "4242:run1")
@@ -104,8 +104,8 @@ def test_mingpt_torchrun_tells_its_workers_its_pid_for_their_run_only(monkeypatc
 
 def test_a_workers_own_children_are_not_taken_for_orphans():
     """A spawned process pool re-runs main.py, die_with_agent included: its parent is the worker."""
-    child = "from mingpt import orphan; orphan.die_with_agent(); print('child alive', flush=True)"
-    worker = f"import subprocess, sys; from mingpt import orphan; orphan.die_with_agent(); " \
+    child = "from mingpt.runtime import orphan; orphan.die_with_agent(); print('child alive', flush=True)"
+    worker = f"import subprocess, sys; from mingpt.runtime import orphan; orphan.die_with_agent(); " \
              f"subprocess.run([sys.executable, '-c', {child!r}])"
     agent = f"import os, subprocess, sys; subprocess.run([sys.executable, '-c', {worker!r}], env={{**os.environ, " \
             "'TORCHELASTIC_RUN_ID': 'test', 'MINGPT_AGENT_PID': f'{os.getpid()}:test'})"

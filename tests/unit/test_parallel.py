@@ -1,10 +1,10 @@
-"""The parallel strategy seam (mingpt/parallel.py) in one process: the HSDP mesh."""
+"""The parallel strategy seam (mingpt/parallel/layouts.py) in one process: the HSDP mesh."""
 
 import pytest
 
 
 def test_the_hsdp_mesh_is_nodes_by_processes_and_odd_worlds_are_refused_in_one_line():
-    from mingpt.parallel import ParallelError, mesh_shape
+    from mingpt.parallel.layouts import ParallelError, mesh_shape
 
     two_by_two = [(0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]  # (torchrun node, local rank, rank) by rank
     assert mesh_shape(two_by_two, one_node_ok=False) == (2, 2)

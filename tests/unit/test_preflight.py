@@ -1,15 +1,15 @@
-"""Multi-node preflight (mingpt/preflight.py): the comparison as a table (no process group) and the code
+"""Multi-node preflight (mingpt/runtime/preflight.py): the comparison as a table (no process group) and the code
 fingerprint. The checks on real agents are scenarios/test_preflight_nodes.py."""
 
 import dataclasses
 
 import pytest
 
-from mingpt.preflight import Report, code_fingerprint, compare
+from mingpt.runtime.preflight import Report, code_fingerprint, compare
 
 
 def node(n: int, **changes) -> Report:
-    base = Report(host=f"host{n}", node=n, local_rank=0, local_world_size=1, code={"mingpt/model.py": "aaa"},
+    base = Report(host=f"host{n}", node=n, local_rank=0, local_world_size=1, code={"mingpt/model/gpt.py": "aaa"},
                   versions={"python": "3.11.7", "torch": "2.13.0", "nccl": "-"}, config="c1",
                   data="100 bytes, abc", sees_probe=True)
     return dataclasses.replace(base, **changes)
@@ -17,8 +17,8 @@ def node(n: int, **changes) -> Report:
 
 @pytest.mark.parametrize("other, expected", [
     ({}, None),
-    ({"code": {"mingpt/model.py": "bbb"}}, "mingpt's code differs between nodes: host1 (node 1) runs other files than "
-                                           "rank 0 on host0 (node 0) (mingpt/model.py); install the same version"),
+    ({"code": {"mingpt/model/gpt.py": "bbb"}}, "mingpt's code differs between nodes: host1 (node 1) runs other files than "
+                                           "rank 0 on host0 (node 0) (mingpt/model/gpt.py); install the same version"),
     ({"versions": {"python": "3.11.7", "torch": "2.12.0", "nccl": "-"}},
      "torch versions differ between nodes (2.13.0 on host0 (node 0); 2.12.0 on host1 (node 1))"),
     ({"config": "c2"}, "the resolved config differs between nodes: host1 (node 1) was started with other settings"),
@@ -47,4 +47,4 @@ def test_mixed_gpu_models_are_a_warning_not_a_failure():
 
 def test_the_code_fingerprint_covers_sources_and_configs():
     fp = code_fingerprint()
-    assert "mingpt/model.py" in fp and "mingpt/preflight.py" in fp and "conf/config.yaml" in fp
+    assert "mingpt/model/gpt.py" in fp and "mingpt/runtime/preflight.py" in fp and "conf/config.yaml" in fp

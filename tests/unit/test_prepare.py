@@ -1,4 +1,4 @@
-"""mingpt-prepare's command line (mingpt/prepare.py): its summary, its refusals, verify."""
+"""mingpt-prepare's command line (mingpt/cli/prepare.py): its summary, its refusals, verify."""
 
 import json
 import subprocess
@@ -11,7 +11,7 @@ from mingpt.data.prepare import prepare
 
 def test_the_command_prints_its_summary_once_and_refuses_a_ranks_file_for_char(tmp_path):
     (tmp_path / "a.txt").write_text("\n".join(texts(50)) + "\n")
-    cmd = [sys.executable, "-m", "mingpt.prepare", str(tmp_path / "a.txt"), "--workers", "1"]
+    cmd = [sys.executable, "-m", "mingpt.cli.prepare", str(tmp_path / "a.txt"), "--workers", "1"]
     done = subprocess.run([*cmd, "--out", str(tmp_path / "ds"), "--tokenizer.ranks_file", RANKS], capture_output=True,
                           text=True, timeout=120)
     tokens = json.loads((tmp_path / "ds" / "manifest.json").read_text())["tokens"]
@@ -24,7 +24,7 @@ def test_the_command_prints_its_summary_once_and_refuses_a_ranks_file_for_char(t
 
 
 def test_verify_names_a_damaged_local_shard(inputs, tmp_path, capsys):
-    from mingpt.prepare import main
+    from mingpt.cli.prepare import main
 
     m = prepare([str(inputs / "b.jsonl")], str(tmp_path / "ds"), SMALL, ranks_file=RANKS, workers=1)
     assert main(["--verify", str(tmp_path / "ds")]) == 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from conftest import RANKS, SMALL
 
-from mingpt.config import DataConfig, TokenizerConfig
+from mingpt.config.schema import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
 from mingpt.data.prepare import Settings, prepare
 from mingpt.data.prepared import PreparedData, ShardCache, StreamError

@@ -7,12 +7,12 @@ import pytest
 import torch
 from conftest import BLOCK, SHARED_DATA, bpe_overrides, hf_logits
 
-from mingpt.compose import compose
-from mingpt.config import ConfigError
-from mingpt.distributed import DistInfo
+from mingpt.config.compose import compose
+from mingpt.config.schema import ConfigError
 from mingpt.main import assemble
-from mingpt.model import GPT, GPTConfig
-from mingpt.pretrained import PretrainedError, locate, read_config, read_weights
+from mingpt.model.gpt import GPT, GPTConfig
+from mingpt.model.pretrained import PretrainedError, locate, read_config, read_weights
+from mingpt.runtime.distributed import DistInfo
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
 RANKS = SHARED_DATA / "r50k_base.tiktoken"
@@ -49,7 +49,7 @@ def test_kv_cache_greedy_generation_equals_recomputing_the_context():
 
 
 def test_top_p_keeps_the_smallest_set_that_reaches_p():
-    from mingpt.model import sample
+    from mingpt.model.gpt import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     seen = {int(sample(logits, 1.0, top_p=0.75, generator=torch.Generator().manual_seed(s))) for s in range(200)}

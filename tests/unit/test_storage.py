@@ -3,7 +3,7 @@ import stat
 
 import pytest
 
-from mingpt.storage import atomic_write_bytes
+from mingpt.runtime.storage import atomic_write_bytes
 
 
 def test_atomic_write_is_readable_like_any_file_and_leaves_no_temporary(tmp_path):

@@ -134,7 +134,7 @@ def sample_state(seed: int = 0) -> dict[str, torch.Tensor]:
 def rank_slots(tensors: dict, rank: int, ranks: int) -> list:
     """Rank `rank`'s empty slots in an FSDP-like world of `ranks`: its rows (torch.chunk's rule) of
     every tensor but the scalars, which it holds whole."""
-    from mingpt.shards import rows_of
+    from mingpt.parallel.shards import rows_of
     from mingpt.snapshot.layout import Slot, n_rows
 
     slots = []
@@ -202,7 +202,7 @@ def test_an_hsdp_snapshot_is_written_once_across_replicas_and_loads_at_any_size(
     """HSDP, 2 nodes x 2 processes: rank w = replica * 2 + shard holds its shard's rows (the same on
     both replicas). Each row is written once, every writer about the same bytes, and the snapshot
     loads whole (DDP, one process) and into FSDP-like worlds of 3 and 4 ranks, bitwise."""
-    from mingpt.shards import rows_of
+    from mingpt.parallel.shards import rows_of
     from mingpt.snapshot.layout import n_rows
     from mingpt.snapshot.restore import restore
     from mingpt.snapshot.snapshotter import ShardWriter

@@ -3,9 +3,10 @@ tests/scenarios/test_tp_jobs.py)."""
 
 import pytest
 
-from mingpt.compose import compose
-from mingpt.config import ConfigError
-from mingpt.tensor_parallel import PLAN, problem
+from mingpt.config.compose import compose
+from mingpt.config.schema import ConfigError
+from mingpt.model.plan import BLOCK, BLOCKS, TOP
+from mingpt.parallel.tensor import problem
 
 
 @pytest.mark.parametrize("n_head, block, vocab, size, per_node, message", [
@@ -20,7 +21,7 @@ from mingpt.tensor_parallel import PLAN, problem
     (4, 64, 65, 4, [2], "trainer.tensor_parallel=4 does not divide the processes per node (2 here)"),
 ])
 def test_impossible_shapes_are_named_with_the_fix(n_head, block, vocab, size, per_node, message):
-    from mingpt.model import GPTConfig
+    from mingpt.model.gpt import GPTConfig
 
     cfg = GPTConfig(preset=None, n_layer=1, n_head=n_head, n_embd=8 * n_head, block_size=block, vocab_size=vocab)
     got = problem(cfg, size, per_node)
@@ -42,10 +43,20 @@ def test_settings_that_cannot_go_with_tensor_parallelism_are_refused(overrides, 
 def test_the_plan_splits_every_projection_of_a_block_once():
     """Megatron's pairs: each column-split layer feeds a row-split one, so a block needs one
     all-reduce forward per sub-layer."""
-    from mingpt.model import GPT, GPTConfig
+    from mingpt.model.gpt import GPT, GPTConfig
 
     block = GPT(GPTConfig(preset="gpt-nano", vocab_size=10, block_size=8)).blocks[0]
     linears = {name for name, m in block.named_modules() if m.__class__.__name__ == "Linear"}
-    assert set(PLAN) == linears
-    assert [PLAN[n] for n in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj")] == ["colwise"] * 3 + ["rowwise"]
-    assert [PLAN[n] for n in ("mlp.c_fc", "mlp.c_proj")] == ["colwise", "rowwise"]
+    assert {n for n, kind in BLOCK.items() if kind in ("colwise", "rowwise")} == linears
+    assert [BLOCK[n] for n in ("attn.c_q", "attn.c_k", "attn.c_v", "attn.c_proj")] == ["colwise"] * 3 + ["rowwise"]
+    assert [BLOCK[n] for n in ("mlp.c_fc", "mlp.c_proj")] == ["colwise", "rowwise"]
+
+
+def test_the_plan_names_modules_the_model_has():
+    """A module renamed in gpt.py and not in model/plan.py fails here, not in a tensor-parallel job."""
+    from mingpt.model.gpt import GPT, GPTConfig
+
+    gpt = GPT(GPTConfig(preset="gpt-nano", vocab_size=10, block_size=8))
+    names = dict(gpt.named_modules())
+    assert all(name in names for name in TOP)
+    assert all(f"{BLOCKS}.{i}.{name}" in names for i in range(len(getattr(gpt, BLOCKS))) for name in BLOCK)

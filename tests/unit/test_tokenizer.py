@@ -1,7 +1,7 @@
 import pytest
 from conftest import SHARED_DATA, char_tokenizer, make_ranks_file
 
-from mingpt.tokenizer import GPT2_RANKS_SHA256, BPETokenizer, TokenizerError, build_bpe, encoding_from_ranks, from_state
+from mingpt.model.tokenizer import GPT2_RANKS_SHA256, BPETokenizer, TokenizerError, build_bpe, encoding_from_ranks, from_state
 
 
 def test_char_round_trip_and_state():

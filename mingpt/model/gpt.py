@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mingpt.shards import assign
+from mingpt.parallel.shards import assign
 
 # name -> (n_layer, n_head, n_embd)
 PRESETS: dict[str, tuple[int, int, int]] = {
@@ -200,7 +200,7 @@ class Block(nn.Module):
 class RealVocab(nn.Module):
     """The logits of the real vocabulary: the padded columns sliced off, so that padding ids can
     never be predicted or sampled. (Tensor parallelism swaps it for a mask of those columns, which
-    keeps logits split by vocabulary: mingpt/tensor_parallel.py.)"""
+    keeps logits split by vocabulary: mingpt/parallel/tensor.py.)"""
 
     def __init__(self, size: int):
         super().__init__()

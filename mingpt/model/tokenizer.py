@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from mingpt.registry import sdist_files
+from mingpt.runtime.registry import sdist_files
 
 log = logging.getLogger(__name__)
 

@@ -24,13 +24,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mingpt.shards import rows_of
+from mingpt.model.plan import BLOCK, BLOCKS, TOP
+from mingpt.parallel.shards import rows_of
 from mingpt.snapshot.layout import Slot
-
-# Megatron's plan for one GPT-2 block: "colwise" splits a Linear's output features, "rowwise" its
-# input features (its input arrives split; its output is summed over the group).
-PLAN = {"attn.c_q": "colwise", "attn.c_k": "colwise", "attn.c_v": "colwise", "attn.c_proj": "rowwise",
-        "mlp.c_fc": "colwise", "mlp.c_proj": "rowwise"}
 
 
 def problem(cfg, size: int, per_node: list[int]) -> str | None:
@@ -53,7 +49,7 @@ def problem(cfg, size: int, per_node: list[int]) -> str | None:
 
 
 def split(gpt: nn.Module, mesh) -> None:
-    """Apply PLAN to every block of `gpt` over the 1-D mesh `mesh`, the stream between the
+    """Apply the model's plan (model/plan.py) to every block of `gpt` over the 1-D mesh `mesh`, the stream between the
     sub-layers split by tokens (a row-split layer's bias stays whole: it is added once, after the
     sum), and the tied token embedding and LM head by vocabulary rows: the logits stay split by
     vocabulary into the loss (`loss_parallel`, entered by `TensorParallel`). A sequence the group
@@ -81,15 +77,18 @@ def split(gpt: nn.Module, mesh) -> None:
         return PrepareModuleInput(input_layouts=(tokens, *rest), desired_input_layouts=(whole, *rest),
                                   use_local_output=False)
 
-    styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=tokens)}
-    plan = {"wte": RowwiseParallel(input_layouts=whole, output_layouts=tokens),  # each its rows of the vocabulary
-            "wpe": PrepareModuleOutput(output_layouts=whole, desired_output_layouts=Shard(0), use_local_output=True),
-            "ln_f": SequenceParallel(use_local_output=True),
-            "lm_head": ColwiseParallel(input_layouts=tokens, output_layouts=Shard(-1), use_local_output=False)}
-    for i in range(len(gpt.blocks)):
-        plan |= {f"blocks.{i}.{name}": styles[kind]() for name, kind in PLAN.items()}
-        plan |= {f"blocks.{i}.ln_1": SequenceParallel(use_local_output=True), f"blocks.{i}.attn": gather(None, None),
-                 f"blocks.{i}.ln_2": SequenceParallel(use_local_output=True), f"blocks.{i}.mlp": gather()}
+    styles = {"colwise": ColwiseParallel, "rowwise": lambda: RowwiseParallel(output_layouts=tokens),
+              "sequence": lambda: SequenceParallel(use_local_output=True),
+              "vocab rows": lambda: RowwiseParallel(input_layouts=whole, output_layouts=tokens),
+              "positions": lambda: PrepareModuleOutput(output_layouts=whole, desired_output_layouts=Shard(0),
+                                                       use_local_output=True),
+              "vocab columns": lambda: ColwiseParallel(input_layouts=tokens, output_layouts=Shard(-1),
+                                                       use_local_output=False)}
+    plan = {name: styles[kind]() for name, kind in TOP.items()}
+    for i in range(len(getattr(gpt, BLOCKS))):
+        # attention takes (x, cache, layer): only x is split; the MLP takes x alone
+        plan |= {f"{BLOCKS}.{i}.{name}": gather(*((None, None) if name == "attn" else ())) if kind == "gather"
+                 else styles[kind]() for name, kind in BLOCK.items()}
     parallelize_module(gpt, mesh, plan)
     gpt.tie_weights()  # each style made its own split parameter of the tied matrix: one again
     cfg = gpt.config

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mingpt.config import ConfigError, RunConfig, from_dict, suggest_key
-from mingpt.model import CUSTOM, PRESETS, GPTConfig
+from mingpt.config.schema import ConfigError, RunConfig, from_dict, suggest_key
+from mingpt.model.gpt import CUSTOM, PRESETS, GPTConfig
 
 
 def config_dir() -> str:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from mingpt import distributed
-from mingpt.config import ConfigError, RunConfig
-from mingpt.distributed import DistInfo
-from mingpt.shards import assign
+from mingpt.config.schema import ConfigError, RunConfig
+from mingpt.parallel.shards import assign
+from mingpt.runtime import distributed
+from mingpt.runtime.distributed import DistInfo
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from mingpt.model import GPTConfig
+from mingpt.model.gpt import GPTConfig
 
 __all__ = ["GPTConfig", "TokenizerConfig", "DocumentsConfig", "DataConfig", "OptimConfig", "TrainerConfig", "SnapshotConfig",
            "DistConfig", "RunConfig", "ConfigError", "from_dict"]

@@ -24,12 +24,12 @@ import warnings
 import torch
 import torch.nn as nn
 
-from mingpt.distributed import DistInfo
-from mingpt.model import GPT, GPTConfig
-from mingpt.shards import local_rows
+from mingpt.model.gpt import GPT, GPTConfig
+from mingpt.parallel.shards import local_rows
+from mingpt.parallel.tensor import TensorParallel, split
+from mingpt.parallel.tensor import problem as tp_problem
+from mingpt.runtime.distributed import DistInfo
 from mingpt.snapshot.layout import Slot, n_rows
-from mingpt.tensor_parallel import TensorParallel, split
-from mingpt.tensor_parallel import problem as tp_problem
 
 log = logging.getLogger(__name__)
 

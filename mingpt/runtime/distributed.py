@@ -20,8 +20,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-# The job's secret and the stores it vouches for live in mingpt.trust; named here too, beside the environment.
-from mingpt.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, bound_store, derive, job_secret  # noqa: F401
+# The job's secret and the stores it vouches for live in mingpt.runtime.trust; named here too, beside the environment.
+from mingpt.runtime.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, bound_store, derive, job_secret  # noqa: F401
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`mingpt-prepare INPUT... --out DIR` (or `python -m mingpt.prepare`, also under torchrun for many
+"""`mingpt-prepare INPUT... --out DIR` (or `python -m mingpt.cli.prepare`, also under torchrun for many
 nodes): tokenize a corpus once, in parallel, into a prepared dataset; `--verify DATASET` checks one.
 The library is mingpt/data/prepare.py."""
 
@@ -9,11 +9,11 @@ import logging
 import os
 import sys
 
-from mingpt.console import quiet_on_closed_pipe
 from mingpt.data.prepare import Settings, prepare, verify
 from mingpt.data.prepare import __doc__ as prepare_doc
 from mingpt.data.sources import DataError
-from mingpt.tokenizer import TokenizerError
+from mingpt.model.tokenizer import TokenizerError
+from mingpt.runtime.console import quiet_on_closed_pipe
 
 
 def count(n: int, noun: str) -> str:

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from mingpt.data.prepare import MANIFEST
-from mingpt.distributed import DistInfo, all_gather_objects, broadcast_object
-from mingpt.storage import is_local
+from mingpt.runtime.distributed import DistInfo, all_gather_objects, broadcast_object
+from mingpt.runtime.storage import is_local
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def code_fingerprint() -> dict[str, str]:
     """sha256 (short) of every source file of the mingpt package that runs, and of its config files."""
     package = Path(__file__).resolve().parent
     files = sorted(package.rglob("*.py"))
-    from mingpt.compose import config_dir  # the conf/ this process composes from
+    from mingpt.config.compose import config_dir  # the conf/ this process composes from
 
     conf = Path(config_dir())
     files += sorted(conf.rglob("*.yaml"))
