@@ -14,12 +14,13 @@ import time
 
 import torch
 
+from mingpt.model.generate import stream
 from mingpt.model.gpt import GPT, PRESETS, GPTConfig
 
 
 def timed(model: GPT, idx: torch.Tensor, new_tokens: int, use_cache: bool) -> tuple[torch.Tensor, float]:
     t0 = time.perf_counter()
-    out = torch.cat([idx, *model.stream(idx, new_tokens, temperature=0, use_cache=use_cache)], dim=1)
+    out = torch.cat([idx, *stream(model, idx, new_tokens, temperature=0, use_cache=use_cache)], dim=1)
     return out, time.perf_counter() - t0
 
 
@@ -36,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(preset=args.shape, vocab_size=50257, block_size=args.block_size)).eval()
     idx = torch.randint(0, 50257, (1, args.prompt_tokens))
-    list(model.stream(idx, 4, temperature=0))  # warm-up
+    list(stream(model, idx, 4, temperature=0))  # warm-up
     cached, t_cache = timed(model, idx, args.new_tokens, use_cache=True)
     print(f"{args.shape}, {args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, greedy, "
           f"{torch.get_num_threads()} threads")

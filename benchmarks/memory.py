@@ -33,8 +33,9 @@ def worker(overrides: list[str]) -> None:
     import torch
 
     from mingpt.config.compose import compose
-    from mingpt.main import assemble, setup_logging
+    from mingpt.main import assemble
     from mingpt.runtime import distributed
+    from mingpt.runtime.console import setup_logging
 
     info = distributed.DistInfo.from_env()
     setup_logging(info)

@@ -17,8 +17,9 @@ import time
 import torch
 
 from mingpt.config.compose import compose
-from mingpt.main import assemble, setup_logging
+from mingpt.main import assemble
 from mingpt.runtime import distributed
+from mingpt.runtime.console import setup_logging
 from mingpt.training.metrics import peak_flops
 
 

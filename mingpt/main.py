@@ -10,9 +10,8 @@ import contextlib
 import logging
 import os
 import sys
-import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -30,25 +29,32 @@ from mingpt.config.schema import ConfigError, RunConfig, from_dict
 from mingpt.data import Corpus, DataError, build_samplers, load_corpus
 from mingpt.data.samplers import validation_batches
 from mingpt.model.gpt import GPT
-from mingpt.model.pretrained import PretrainedError, load_into, pretrained_checkpoint, read_config, with_pretrained_shape
+from mingpt.model.pretrained import PretrainedError, load_into, read_config
 from mingpt.model.tokenizer import TokenizerError
 from mingpt.parallel.layouts import Parallel, ParallelError, parallelize
 from mingpt.replicas import GroupRestart, ReplicaError, Replicas, member_view, one_launch
 from mingpt.runtime import distributed
+from mingpt.runtime.console import setup_logging
 from mingpt.runtime.distributed import DistInfo, PreemptionFlag
 from mingpt.runtime.preflight import PreflightError, run_checks
 from mingpt.runtime.storage import write_json_atomic
-from mingpt.snapshot import SaveFailedError, SnapshotError, SnapshotStore, Snapshotter, open_store
-from mingpt.snapshot.lease import EXIT_LEASE_LOST, Lease
-from mingpt.snapshot.nodecache import NodeCache
-from mingpt.snapshot.restore import restore
-from mingpt.snapshot.start import MismatchError, abort_unfinished, check_compatible, choose_start
-from mingpt.snapshot.store import newest_that_loads
+from mingpt.snapshot import SaveFailedError, SnapshotError
+from mingpt.snapshot.lease import Lease
+from mingpt.snapshot.start import MismatchError
 from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
 from mingpt.training.policy import SavePolicy
 from mingpt.training.replica_trainer import ReplicaTrainer
+from mingpt.training.snapshots import (
+    Start,
+    append_once,
+    build_snapshotter,
+    load_snapshot,
+    record_start,
+    take_lease,
+    where_to_start,
+)
 from mingpt.training.state import TrainData
 from mingpt.training.trainer import Trainer
 
@@ -58,91 +64,11 @@ USER_ERRORS = (ConfigError, DataError, ParallelError, distributed.ProcessGroupEr
                PreflightError, PretrainedError, ReplicaError, SnapshotError, TokenizerError)
 
 
-def setup_logging(info: DistInfo) -> None:
-    """One format naming host, local rank and current rank; INFO from rank 0 only, plus one line
-    from the first process of every other node (that it joined)."""
-    fmt = (f"%(asctime)s {info.hostname}:{info.local_rank} [rank {info.rank}/{info.world_size}] "
-           "%(levelname)s %(name)s: %(message)s")
-    logging.basicConfig(level=logging.INFO if info.is_rank0 else logging.WARNING, format=fmt,
-                        datefmt="%H:%M:%S", stream=sys.stderr, force=True)
-    if info.local_rank == 0:
-        logging.getLogger("mingpt.node").setLevel(logging.INFO)
-    for chatty in ("aiobotocore", "botocore", "s3fs"):  # their INFO lines ("Found credentials ...") are not ours
-        logging.getLogger(chatty).setLevel(logging.WARNING)
-
-
-def set_aside(store: SnapshotStore, others: list, run_dir: Path, launch_id: str, fresh: bool) -> None:
-    """Move another run's snapshots (`others`) and metrics out of the way, saying where to."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = [store.move_aside(others, stamp)] if others else []
-    foreign_metrics = MetricsWriter.existing(run_dir, launch_id) if fresh else None
-    if others or foreign_metrics:  # metrics describe the run whose snapshots moved, or an earlier one
-        moved += MetricsWriter.move_aside(run_dir, stamp)
-    if moved:
-        log.warning("moved an earlier run's files aside (nothing deleted): %s", ", ".join(moved))
-
-
-@dataclass(frozen=True)
-class Start:
-    """Where this run starts from, decided once by `where_to_start`."""
-    store: SnapshotStore  # where this run saves
-    source: SnapshotStore  # where its snapshot to continue is (the store, or one named by snapshot.resume)
-    candidates: list  # (path, manifest) of the snapshots to continue, newest first; [] = a new run
-    run_id: str
-    pretrained: Path | None  # GPT-2 weights to begin from (a snapshot to continue wins over them)
-
-    @property
-    def manifest(self) -> dict | None:
-        return self.candidates[0][1] if self.candidates else None
-
-
-def where_to_start(cfg: RunConfig, info: DistInfo, lease: Lease | None = None) -> tuple[RunConfig, Start]:
-    """The one decision of where a run starts: the newest good snapshot of its store (or one named by
-    snapshot.resume), GPT-2 weights, or nothing; its run id; which other run's files to set aside.
-    Rank 0 decides; every rank gets the same candidates (manifests only). Nothing is moved before
-    the snapshot to continue is known to fit. Returns the config with the shape of the weights."""
-    sc = cfg.snapshot  # the store the lease holds (rank 0), opened once
-    store = lease.store if lease is not None else open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader)
-    # a restart is told by its launch id where it has one that lasts (a retried refusal stays refused);
-    # under torchrun's default rendezvous id "none" each start's id is its own: only the count tells
-    restarted = info.restarted and info.job_id is None
-    source, found, run_id, others = distributed.on_rank0(lambda: choose_start(store, sc, info.launch_id, restarted))
-    if cfg.replicas.enabled and not found:  # every group's first start names one run: theirs is one launch id
-        run_id = f"replicas-{info.launch_id[:12]}"
-    pretrained = pretrained_checkpoint(cfg.model.init_from, info) if cfg.model.init_from else None
-    if pretrained is not None:
-        cfg = with_pretrained_shape(cfg, pretrained)
-    start = Start(store, store.other(source), found, run_id, pretrained)
-    if start.manifest:
-        check_compatible(cfg, start.manifest)
-    if info.is_rank0:
-        set_aside(store, others, Path(cfg.trainer.run_dir), info.launch_id, fresh=not found and not info.restarted)
-        if not cfg.replicas.enabled:  # a replica group starts while another may be saving: its upload is not an orphan
-            abort_unfinished(store)
-    return cfg, start
-
-
-def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
-    """Rank 0 holds the store's lease while the job runs (one live job per store), taken before the
-    store is read; a store that another live job holds is refused on every rank. A world that another
-    world of this launch superseded (a split brain of torchrun's rendezvous) ends at once, without
-    saving: its peers lose contact and torchrun restarts them, to rejoin."""
-    sc, held, secret = cfg.snapshot, [], distributed.job_secret()
-
-    def lost(why: str) -> None:  # another launch took the store over: stop now, without committing
-        distributed.exit_process(distributed.report_error(info, why, code=EXIT_LEASE_LOST), True)
-
-    distributed.on_rank0(lambda: held.append(
-        Lease(open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader), info.launch_id, sc.lease_s,
-              shared=cfg.replicas.enabled, on_superseded=lambda: distributed.exit_process(1, True),
-              job=distributed.derive(secret, "job")[:16] if secret else None, on_lost=lost).take()))
-    return held[0] if held else None
-
-
 def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None,
              ledger: Ledger | None = None, lease: Lease | None = None) -> Trainer:
     """Every object of the run, from the typed config: where it starts, then its data, model,
-    optimizer and training; it continues the snapshot it starts from."""
+    optimizer and training; it continues the snapshot it starts from. (`ledger`: the process's, made
+    at its start by main(); a tool or test that assembles a run itself gets a new one.)"""
     ledger = ledger or Ledger()
     ledger.switch("data_load")
     replicas = build_replicas(cfg)  # listening first: the other groups see this one starting
@@ -177,21 +103,6 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     if not replicas:
         started(metrics.write, trainer)
     return trainer
-
-
-def record_start(ledger: Ledger, info: DistInfo, start: Start, parallel: str, hosts: list[str], group: int | None,
-                 write, trainer: Trainer) -> None:
-    """The "start" record: this process's start-up time by state, at the step it starts from."""
-    ledger.record(write, trainer.progress.step, lambda v: distributed.all_gather_floats(v, info.device),
-                  kind="start", run_id=start.run_id, job_id=info.job_id, launch_id=info.launch_id,
-                  world_size=info.world_size, restart=info.restart_count, parallel=parallel, hosts=hosts,
-                  **({"group": group} if group is not None else {}))
-
-
-def append_once(run_dir: str, info: DistInfo, record: dict) -> None:
-    """A replica group's record, by the group's first process only (the job's writer is the epoch's leader)."""
-    if info.is_rank0:
-        MetricsWriter.append(run_dir, record)
 
 
 def build_replicas(cfg: RunConfig) -> Replicas | None:
@@ -273,39 +184,6 @@ def build_train_data(cfg: RunConfig, corpus: Corpus, parallel: Parallel) -> Trai
     return TrainData(corpus.train, corpus.val, sampler, val[rank] + [np.zeros(0, int)] * (longest - len(val[rank])), corpus)
 
 
-def build_snapshotter(cfg: RunConfig, info: DistInfo, start: Start, metrics: MetricsWriter,
-                      parallel: Parallel, lease: Lease | None = None) -> Snapshotter:
-    """Where and how snapshots are saved: every rank writes its share (HSDP, tensor parallel under
-    FSDP: its part of the rows that it and its copies hold), the first commits."""
-    sc = cfg.snapshot
-    cache = NodeCache(sc.node_cache_dir, start.store.url, info.launch_id) if sc.node_cache == "on" or (
-        sc.node_cache == "auto" and not start.store.local) else None
-    return Snapshotter(start.store, writer=parallel.writer, writers=info.world_size, replicas=parallel.copies,
-                       group=distributed.side_group(), keep_last=sc.keep_last, keep_every=sc.keep_every,
-                       retries=sc.retries, events=metrics.write, cache=cache, guard=lease.check if lease else None)
-
-
-def load_snapshot(cfg: RunConfig, trainer: Trainer, start: Start) -> None:
-    """Every rank loads its share of the newest good snapshot into the live tensors."""
-    info, first, snapshotter = trainer.info, start.manifest, trainer.snapshotter
-    slots = trainer.parallel.slots(trainer.optimizer)
-    t0 = time.perf_counter()
-    cache = snapshotter.cache if start.source is start.store else None
-
-    def load(path: str, manifest: dict) -> dict:
-        return restore(start.source, path, manifest, slots, rank=info.rank, world=info.world_size,
-                       layout=cfg.snapshot.load_layout, cache=cache)
-
-    manifest, extra = newest_that_loads(start.source, start.candidates, load,
-                                        lambda m: m is first or check_compatible(cfg, m), reject=info.rank == 0)
-    trainer.load_state(extra)
-    log.info("resumed from snapshot step %d in %.2fs (saved by %d rank%s with %s, now %d with %s; torchrun restart "
-             "%d here)", trainer.progress.step, time.perf_counter() - t0, manifest["world_size"],
-             "" if manifest["world_size"] == 1 else "s", manifest.get("parallel", "ddp"), info.world_size,
-             trainer.parallel.name, info.restart_count)
-    trainer.metrics.write({"kind": "resume", "step": trainer.progress.step, "world_size": info.world_size})
-
-
 def preflight(cfg: RunConfig, info: DistInfo) -> None:
     """The multi-node checks (code, versions, config, corpus, one snapshot store, devices), before any work."""
     _, _, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, cfg.snapshot_store)
@@ -330,9 +208,39 @@ def report_failure(e: Exception, info: DistInfo, trainer: Trainer | None, replic
                                     each_node=True, level=logging.WARNING)
 
 
-def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
+def start_process(cfg: RunConfig, info: DistInfo, ledger: Ledger) -> DistInfo:
+    """The process's one setup (device, threads, process group), the preflight checks and the settings."""
+    ledger.switch("process_group")
+    threads = cfg.trainer.threads or distributed.default_threads(info.local_world_size)
+    if cfg.replicas.enabled:  # each process of a replica group is a member, with no process group of its
+        # torchrun; with FSDP or tensor parallelism its torchrun's processes split the model between them
+        info = member_view(info, sharded=splits_the_model(cfg))
+    info = distributed.init(info, cfg.dist.timeout_s, threads, cfg.trainer.deterministic)
+    info = one_launch(info) if cfg.replicas.enabled else info
+    ledger.switch("preflight")
+    logging.getLogger("mingpt.node").info(
+        "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",
+        info.hostname, info.local_world_size, info.rank, info.world_size, info.restart_count)
+    preflight(cfg, info)
+    if info.restart_count == 0:  # once per launch, on the first rank; a record per line (grep, and
+        for line in cfg.summary():  # every line of the log starts alike)
+            log.info("settings: %s", line)
+    return info
+
+
+def finish(finished: bool, cache, info: DistInfo) -> int:
+    """The exit code of a training that returned: 0 when done (the node's snapshot cache given back),
+    75 when it stopped early and saved, whatever the signal (130 means nothing was saved)."""
+    if not finished:
+        return distributed.EXIT_PREEMPTED
+    if cache is not None:
+        distributed.barrier()
+        cache.clear() if info.local_rank == 0 else cache.close()
+    return 0
+
+
+def train_process(cfg: RunConfig, ledger: Ledger) -> int:
     """The whole job of one process; returns its exit code. Every error ends here, as one line."""
-    ledger = ledger or Ledger()
     info = env = DistInfo.from_env()  # env: its place in its torchrun (errors are reported by that)
     setup_logging(info)
     if cfg.replicas.enabled:  # each process of a replica group reports its own errors (one may be its own: a port)
@@ -340,32 +248,13 @@ def train_process(cfg: RunConfig, ledger: Ledger | None = None) -> int:
     preempt = PreemptionFlag(announce=info.is_rank0).install()
     trainer, lease, had_run_dir = None, None, os.path.isdir(cfg.trainer.run_dir)
     try:
-        ledger.switch("process_group")
-        threads = cfg.trainer.threads or distributed.default_threads(info.local_world_size)
-        if cfg.replicas.enabled:  # each process of a replica group is a member, with no process group of its
-            # torchrun; with FSDP or tensor parallelism its torchrun's processes split the model between them
-            info = member_view(info, sharded=splits_the_model(cfg))
-        info = distributed.init(info, cfg.dist.timeout_s, threads, cfg.trainer.deterministic)
-        info = one_launch(info) if cfg.replicas.enabled else info
-        ledger.switch("preflight")
-        logging.getLogger("mingpt.node").info(
-            "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",
-            info.hostname, info.local_world_size, info.rank, info.world_size, info.restart_count)
-        preflight(cfg, info)
-        if info.restart_count == 0:  # once per launch, on the first rank; a record per line (grep, and
-            for line in cfg.summary():  # every line of the log starts alike)
-                log.info("settings: %s", line)
+        info = start_process(cfg, info, ledger)
         lease = take_lease(cfg, info)
         trainer = assemble(cfg, info, preempt, ledger, lease)
         finished = trainer.train()
         trainer.close()
         cache, trainer = trainer.snapshotter.cache, None
-        if not finished:
-            return distributed.EXIT_PREEMPTED  # saved: 75 whatever the signal (130 means nothing was saved)
-        if cache is not None:  # the job is done: give the node's memory back
-            distributed.barrier()
-            cache.clear() if info.local_rank == 0 else cache.close()
-        return 0
+        return finish(finished, cache, info)
     except SaveFailedError as e:
         return distributed.report_error(env, str(e), code=distributed.EXIT_SAVE_FAILED)
     except USER_ERRORS as e:

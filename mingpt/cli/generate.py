@@ -16,6 +16,7 @@ import sys
 import torch
 
 from mingpt.cli.snapshot import store_path
+from mingpt.model.generate import stream
 from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.model.tokenizer import TokenizerError, from_state
 from mingpt.runtime.console import quiet_on_closed_pipe
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         sys.stdout.write(args.prompt)
         idx = torch.tensor([ids], dtype=torch.long, device=args.device)
-        for nxt in model.stream(idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+        for nxt in stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                                 tok.eot_id if args.stop_at_eot else None, gen, use_cache=not args.no_cache):
             token = int(nxt[0, 0])
             if args.stop_at_eot and token == tok.eot_id:

@@ -42,11 +42,11 @@ class Trainer:
     def __init__(self, *, cfg: TrainerConfig, optim_cfg: OptimConfig, parallel: Parallel,
                  optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, data: TrainData,
                  snapshotter: Snapshotter, policy: SavePolicy, meta: dict, metrics: MetricsWriter, info: DistInfo,
-                 hosts: list[str], ledger: Ledger | None = None):
+                 hosts: list[str], ledger: Ledger):
         self.cfg, self.optim_cfg, self.parallel, self.optimizer, self.scaler = cfg, optim_cfg, parallel, optimizer, scaler
         self.data, self.snapshotter, self.policy, self.meta = data, snapshotter, policy, meta
         self.metrics, self.info, self.hosts, self.progress = metrics, info, hosts, Progress()
-        self.ledger = ledger or Ledger()  # where this process's time goes (records: "time")
+        self.ledger = ledger  # where this process's time goes (records: "time")
         self.watchdog = Watchdog(cfg.watchdog_s, f"rank {info.rank} ({info.hostname}:{info.local_rank})")
         self.stateful = {"scaler": scaler, "sampler": data.sampler, "trainer": self.progress}
         self.device = torch.device(info.device)

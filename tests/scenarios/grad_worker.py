@@ -9,8 +9,9 @@ import sys
 import torch
 
 from mingpt.config.compose import compose
-from mingpt.main import assemble, setup_logging
+from mingpt.main import assemble
 from mingpt.runtime import distributed
+from mingpt.runtime.console import setup_logging
 
 
 def whole(g: torch.Tensor) -> torch.Tensor:

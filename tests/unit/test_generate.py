@@ -9,6 +9,7 @@ from conftest import REPO, save_state
 from mingpt.cli.generate import load_model
 from mingpt.config.compose import compose
 from mingpt.main import assemble
+from mingpt.model.generate import stream
 from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.runtime.distributed import DistInfo
 from mingpt.snapshot import SnapshotStore
@@ -35,7 +36,7 @@ def test_a_model_trained_at_a_short_context_is_sampled_at_that_context(corpus_fi
     model, manifest = load_model(str(run_dir / "snapshots"))
     assert model.config.block_size == BLOCK and model.wpe.weight.shape[0] == BLOCK
     seen = positions_fed(model)
-    new = list(model.stream(torch.zeros(1, 1, dtype=torch.long), max_new_tokens=5 * BLOCK, temperature=1.0,
+    new = list(stream(model, torch.zeros(1, 1, dtype=torch.long), max_new_tokens=5 * BLOCK, temperature=1.0,
                             generator=torch.Generator().manual_seed(0)))
     assert len(new) == 5 * BLOCK  # several times the context was sampled...
     assert max(seen) == BLOCK  # ...and never more positions than were trained

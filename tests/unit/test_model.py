@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from mingpt.model.generate import stream
 from mingpt.model.gpt import GPT, PRESETS, GPTConfig, pad_vocab
 
 
@@ -38,13 +39,13 @@ def test_weight_tying_and_padded_vocab_never_predicted():
     assert model.wte.weight.shape[0] == 64 == pad_vocab(50)
     logits, _ = model(torch.zeros(1, 4, dtype=torch.long))
     assert logits.shape == (1, 4, 50)
-    out = torch.cat(list(model.stream(torch.zeros(4, 1, dtype=torch.long), 30, temperature=1.5)), dim=1)
+    out = torch.cat(list(stream(model, torch.zeros(4, 1, dtype=torch.long), 30, temperature=1.5)), dim=1)
     assert out.max().item() < 50
 
 
 def test_generate_length_and_top_k():
     model = tiny()
-    new = list(model.stream(torch.zeros(3, 5, dtype=torch.long), max_new_tokens=20, temperature=1.0, top_k=5))
+    new = list(stream(model, torch.zeros(3, 5, dtype=torch.long), max_new_tokens=20, temperature=1.0, top_k=5))
     assert torch.cat(new, dim=1).shape == (3, 20)  # also exceeds block_size (16): context is cropped
 
 

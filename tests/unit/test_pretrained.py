@@ -10,6 +10,7 @@ from conftest import BLOCK, SHARED_DATA, bpe_overrides, hf_logits
 from mingpt.config.compose import compose
 from mingpt.config.schema import ConfigError
 from mingpt.main import assemble
+from mingpt.model.generate import stream
 from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.model.pretrained import PretrainedError, locate, read_config, read_weights
 from mingpt.runtime.distributed import DistInfo
@@ -43,13 +44,13 @@ def test_kv_cache_greedy_generation_equals_recomputing_the_context():
     model = GPT(GPTConfig(preset="gpt-nano", vocab_size=100, block_size=24)).eval()
     idx = torch.randint(0, 100, (3, 5))
     # 60 new tokens: the context fills up (24) and slides, both with and without the cache
-    plain = torch.cat([idx, *model.stream(idx, 60, temperature=0, use_cache=False)], dim=1)
-    cached = torch.cat([idx, *model.stream(idx, 60, temperature=0, use_cache=True)], dim=1)
+    plain = torch.cat([idx, *stream(model, idx, 60, temperature=0, use_cache=False)], dim=1)
+    cached = torch.cat([idx, *stream(model, idx, 60, temperature=0, use_cache=True)], dim=1)
     assert torch.equal(plain, cached) and cached.shape == (3, 65)
 
 
 def test_top_p_keeps_the_smallest_set_that_reaches_p():
-    from mingpt.model.gpt import sample
+    from mingpt.model.generate import sample
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     seen = {int(sample(logits, 1.0, top_p=0.75, generator=torch.Generator().manual_seed(s))) for s in range(200)}
