@@ -24,8 +24,8 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mingpt.config.compose import compose, config_dir, dashed_settings, register
-from mingpt.config.schema import ConfigError, RunConfig, from_dict
+from mingpt.config.compose import compose, config_dir, dashed_settings, from_dict, register
+from mingpt.config.schema import ConfigError, RunConfig
 from mingpt.data import Corpus, DataError, build_samplers, load_corpus
 from mingpt.data.samplers import validation_batches
 from mingpt.model.gpt import GPT

@@ -1,25 +1,29 @@
 """Hydra composition in one place: conf/ plus command-line overrides -> the typed RunConfig.
 
-Every default lives in the dataclasses of config.py, registered with Hydra's ConfigStore as the
+Every default lives in the dataclasses of schema.py, registered with Hydra's ConfigStore as the
 schema `mingpt` (so the YAML files in conf/ hold only what differs from the defaults, and an
-unknown key or a wrong type is refused when composing); the model presets are model.py's PRESETS
-table (and model.CUSTOM), registered as the options of the `model` group. main.py, the benchmarks and the tests all
+unknown key or a wrong type is refused when composing); the model presets are model/gpt.py's PRESETS
+table (and CUSTOM), registered as the options of the `model` group. main.py, the benchmarks and the tests all
 compose through `compose`; Hydra's errors become one `ConfigError` line that says what to type.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import re
+import typing
 from pathlib import Path
+from typing import Any
 
-from mingpt.config.schema import ConfigError, RunConfig, from_dict, suggest_key
+from mingpt.config.schema import ConfigError, RunConfig
 from mingpt.model.gpt import CUSTOM, PRESETS, GPTConfig
 
 
 def config_dir() -> str:
     """conf/ of a source checkout, else the copy installed inside the package."""
     here = Path(__file__).resolve().parent
-    for candidate in (here.parent / "conf", here / "conf"):
+    for candidate in (here.parent.parent / "conf", here.parent / "conf"):
         if (candidate / "config.yaml").is_file():
             return str(candidate)
     raise FileNotFoundError("mingpt's conf/ directory is missing from this installation")
@@ -107,3 +111,56 @@ def dashed_settings(overrides: list[str], refuse: bool = False) -> list[str]:
                           + (f" (did you mean {close}={value or '...'}?)" if close else
                              " (python -m mingpt.main --cfg job lists every key)"))
     return dashed
+
+
+def _build(cls, values: dict[str, Any], where: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    types = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        close = suggest_key(where + unknown[0])
+        raise ConfigError(f"unknown config key(s) {', '.join(where + k for k in unknown)}"
+                          + (f" (did you mean {close}?)" if close else ""))
+    kwargs = {}
+    for name, value in values.items():
+        if dataclasses.is_dataclass(types[name]):  # a nested section: its own dataclass
+            value = _build(types[name], dict(value or {}), f"{where}{name}.")
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:  # the component's own check: its message names the key
+        raise ConfigError(str(e)) from None
+    except TypeError as e:
+        raise ConfigError(f"{where.rstrip('.') or 'config'}: {e}") from None
+
+
+def known_keys(cls=None, prefix: str = "") -> list[str]:
+    """Every settable key of the run's config, dotted (e.g. data.documents.token_budget)."""
+    cls = cls or RunConfig
+    types = typing.get_type_hints(cls)
+    keys = []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(types[f.name]):
+            keys += known_keys(types[f.name], f"{prefix}{f.name}.")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def suggest_key(key: str) -> str | None:
+    """The key a mistyped or moved one probably means: the same name elsewhere, else the closest."""
+    keys = known_keys()
+    moved = [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+    if len(moved) == 1:
+        return moved[0]
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def from_dict(values: dict[str, Any]) -> RunConfig:
+    """Build and validate the run's config from plain (already resolved) containers."""
+    return _build(RunConfig, dict(values), "")

@@ -1,21 +1,18 @@
 """Typed configuration: one frozen dataclass per component, validation only.
 
-Hydra's DictConfig is turned into these once, in main.py (`from_dict`), and never passed further.
+Hydra's DictConfig is turned into these once, by compose.py (`compose`, `from_dict`), and never passed further.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
-import typing
 from dataclasses import dataclass, field
-from typing import Any
 
 from mingpt.model.gpt import GPTConfig
 
 __all__ = ["GPTConfig", "TokenizerConfig", "DocumentsConfig", "DataConfig", "OptimConfig", "TrainerConfig", "SnapshotConfig",
-           "DistConfig", "RunConfig", "ConfigError", "from_dict"]
+           "DistConfig", "ReplicasConfig", "RunConfig", "ConfigError"]
 
 
 class ConfigError(ValueError):
@@ -374,56 +371,3 @@ class RunConfig:
     def snapshot_store(self) -> str:
         """Where snapshots go: snapshot.dir, or run_dir/snapshots."""
         return self.snapshot.dir or os.path.join(self.trainer.run_dir, "snapshots")
-
-
-def _build(cls, values: dict[str, Any], where: str):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    types = typing.get_type_hints(cls)
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        close = suggest_key(where + unknown[0])
-        raise ConfigError(f"unknown config key(s) {', '.join(where + k for k in unknown)}"
-                          + (f" (did you mean {close}?)" if close else ""))
-    kwargs = {}
-    for name, value in values.items():
-        if dataclasses.is_dataclass(types[name]):  # a nested section: its own dataclass
-            value = _build(types[name], dict(value or {}), f"{where}{name}.")
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[name] = value
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except ValueError as e:  # the component's own check: its message names the key
-        raise ConfigError(str(e)) from None
-    except TypeError as e:
-        raise ConfigError(f"{where.rstrip('.') or 'config'}: {e}") from None
-
-
-def known_keys(cls=None, prefix: str = "") -> list[str]:
-    """Every settable key of the run's config, dotted (e.g. data.documents.token_budget)."""
-    cls = cls or RunConfig
-    types = typing.get_type_hints(cls)
-    keys = []
-    for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(types[f.name]):
-            keys += known_keys(types[f.name], f"{prefix}{f.name}.")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def suggest_key(key: str) -> str | None:
-    """The key a mistyped or moved one probably means: the same name elsewhere, else the closest."""
-    keys = known_keys()
-    moved = [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
-    if len(moved) == 1:
-        return moved[0]
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def from_dict(values: dict[str, Any]) -> RunConfig:
-    """Build and validate the run's config from plain (already resolved) containers."""
-    return _build(RunConfig, dict(values), "")

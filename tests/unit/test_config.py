@@ -4,8 +4,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mingpt.config.compose import compose, config_dir
-from mingpt.config.schema import ConfigError, from_dict
+from mingpt.config.compose import compose, config_dir, from_dict
+from mingpt.config.schema import ConfigError
 from mingpt.model.gpt import PRESETS
 
 GROUPS = sorted(p.name for p in Path(config_dir()).iterdir() if p.is_dir())
