@@ -34,8 +34,7 @@ def load_model(path: str, storage_options: dict | None = None) -> tuple[GPT, dic
     return model.eval(), manifest
 
 
-@quiet_on_closed_pipe
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mingpt-generate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("snapshot", help="run directory, snapshot store or snapshot folder (local path or s3://)")
@@ -55,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (default: 1 for a model under 50M "
                     "parameters, whose small matrices gain nothing from more and lose much beside a training run; "
                     "else every core)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+@quiet_on_closed_pipe
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
         model, manifest = load_model(args.snapshot, {"endpoint_url": args.endpoint_url} if args.endpoint_url else None)
         tok = from_state(manifest["tokenizer"], args.ranks_file)
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(args.prompt)
         idx = torch.tensor([ids], dtype=torch.long, device=args.device)
         for nxt in stream(model, idx, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                                tok.eot_id if args.stop_at_eot else None, gen, use_cache=not args.no_cache):
+                          tok.eot_id if args.stop_at_eot else None, gen, use_cache=not args.no_cache):
             token = int(nxt[0, 0])
             if args.stop_at_eot and token == tok.eot_id:
                 break

@@ -145,6 +145,22 @@ def exit_code_of_failures(failures: list) -> int:
     return 128 - first.exitcode
 
 
+def _set_up(argv: list[str], torchrun, launcher):
+    """torchrun's arguments with our rendezvous, the workers' parent named for them, and our agent."""
+    args = torchrun.parse_args(argv)
+    with_our_rendezvous(args, argv, os.environ)
+    os.environ[AGENT_ENV] = f"{os.getpid()}:{args.rdzv_id}"  # the workers' parent, checked as they start
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    launcher.LocalElasticAgent = _agent_class()
+    # torchrun's own lines (the thread-count banner, the agent's progress, its tables of failures) repeat
+    # what the workers say in one line; its restarts stay visible as the workers' start lines. Its
+    # modules set their loggers' levels themselves, so each one is quieted here, once all are imported.
+    for name in [*logging.root.manager.loggerDict, "torch.distributed"]:
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed import DistNetworkError, DistStoreError
     from torch.distributed import run as torchrun
@@ -158,18 +174,8 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.launcher import api as launcher
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = torchrun.parse_args(argv)
-    with_our_rendezvous(args, argv, os.environ)
-    os.environ[AGENT_ENV] = f"{os.getpid()}:{args.rdzv_id}"  # the workers' parent, checked as they start
+    args = _set_up(argv, torchrun, launcher)
     endpoint = args.rdzv_endpoint
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
-    launcher.LocalElasticAgent = _agent_class()
-    # torchrun's own lines (the thread-count banner, the agent's progress, its tables of failures) repeat
-    # what the workers say in one line; its restarts stay visible as the workers' start lines. Its
-    # modules set their loggers' levels themselves, so each one is quieted here, once all are imported.
-    for name in [*logging.root.manager.loggerDict, "torch.distributed"]:
-        if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         if args.rdzv_backend == "mingpt":
             job_secret()  # a missing or unsafe secret: one line here, before any rendezvous

@@ -113,8 +113,21 @@ def _uploads(store: SnapshotStore, older_than_s: float, abort: bool) -> int:
     return 0
 
 
-@quiet_on_closed_pipe
-def main(argv: list[str] | None = None) -> int:
+def _table(rows: list[dict]) -> None:
+    """One line per snapshot: step, state, size, files, world size, when saved, the check."""
+    print(f"{'step':>10}  {'state':<11} {'size MB':>9} {'files':>5} {'world':>5}  {'saved at':<19}  check")
+    for r in rows:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if "time" in r else "-"
+        state = ("damaged" if r.get("error") else "committed") if r["committed"] else "incomplete"
+        size = f"{r['size'] / 1e6:9.2f}" if "size" in r else f"{'-':>9}"
+        check = r.get("error") or r.get("checksum", "")
+        if r.get("weights"):
+            check += f"  weights {r['weights']}"
+        print(f"{r['step']:>10}  {state:<11} {size} {r.get('files', '-'):>5} {r.get('world_size') or '-':>5}  "
+              f"{when:<19}  {check}")
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="mingpt-snapshot", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=["list", "show", "verify", "uploads", "clean-cache"],
@@ -133,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--full", action="store_true", help="with show: every tensor and file, one line each")
     ap.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint")
     ap.add_argument("--json", action="store_true", help="machine-readable output")
+    return ap
+
+
+@quiet_on_closed_pipe
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.command == "clean-cache":
         gone = reclaim(args.dir)
@@ -170,16 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'step':>10}  {'state':<11} {'size MB':>9} {'files':>5} {'world':>5}  {'saved at':<19}  check")
-        for r in rows:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["time"])) if "time" in r else "-"
-            state = ("damaged" if r.get("error") else "committed") if r["committed"] else "incomplete"
-            size = f"{r['size'] / 1e6:9.2f}" if "size" in r else f"{'-':>9}"
-            check = r.get("error") or r.get("checksum", "")
-            if r.get("weights"):
-                check += f"  weights {r['weights']}"
-            print(f"{r['step']:>10}  {state:<11} {size} {r.get('files', '-'):>5} {r.get('world_size') or '-':>5}  "
-                  f"{when:<19}  {check}")
+        _table(rows)
     bad = any(r.get("error") or str(r.get("checksum", "ok")) != "ok" for r in rows if r["committed"])
     return 1 if (args.command == "verify" and bad) else 0
 

@@ -49,12 +49,12 @@ def problem(cfg, size: int, per_node: list[int]) -> str | None:
 
 
 def split(gpt: nn.Module, mesh) -> None:
-    """Apply the model's plan (model/plan.py) to every block of `gpt` over the 1-D mesh `mesh`, the stream between the
-    sub-layers split by tokens (a row-split layer's bias stays whole: it is added once, after the
+    """Apply the model's plan (model/plan.py) to `gpt` over the 1-D mesh `mesh`, the stream between
+    the sub-layers split by tokens (a row-split layer's bias stays whole: it is added once, after the
     sum), and the tied token embedding and LM head by vocabulary rows: the logits stay split by
     vocabulary into the loss (`loss_parallel`, entered by `TensorParallel`). A sequence the group
     cannot split evenly is padded at its end (the earlier positions never see it: attention is
-    causal; its targets do not count) and cut back."""
+    causal; its targets do not count) and cut back: `_pad_to_the_group`."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -94,7 +94,13 @@ def split(gpt: nn.Module, mesh) -> None:
     cfg = gpt.config
     if cfg.padded_vocab_size > cfg.vocab_size:
         gpt.real_vocab = MaskedVocab(cfg.vocab_size, cfg.padded_vocab_size, mesh)
-    size, rank = mesh.size(), mesh.get_local_rank()
+    _pad_to_the_group(gpt, mesh.size(), mesh.get_local_rank())
+
+
+def _pad_to_the_group(gpt: nn.Module, size: int, rank: int) -> None:
+    """Hooks that pad a sequence the group cannot split evenly at its end (the earlier positions never
+    see it: attention is causal; its targets do not count) and cut the logits back; and give each
+    process its own dropout noise."""
     cut: list[int] = []
 
     def pad(module, args, kwargs):

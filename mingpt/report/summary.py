@@ -87,6 +87,61 @@ def _starts(run: Run) -> list[str]:
     return lines
 
 
+def _time_lines(run: Run, acc) -> list[str]:
+    """Goodput, where the rest of the wall time went (a bar per category) and start-up by phase."""
+    lines = []
+    lines.append(f"  goodput {100 * acc.goodput:.1f}% of {_s(acc.wall)} wall time")
+    replicas = any(r.get("kind") == "epoch" for r in run.records)
+    shown = [c for c in CATEGORIES if replicas or c not in ("regroup", "other")]  # replica jobs' own lines
+    width = max(len(LABELS[c]) for c in shown)
+    for c in shown:
+        v = acc.seconds[c]
+        share = v / acc.wall if acc.wall else 0.0
+        bar = "#" * round(30 * share)
+        lines.append(f"    {LABELS[c]:<{width}} {_s(v):>9} {100 * share:5.1f}% {bar}")
+    phases = " | ".join(f"{PHASES[p]} {acc.startup[p]:.1f}" for p in PHASES if acc.startup[p] >= 0.05)
+    lines.append("    start-up by phase, all starts (s):")
+    lines.append(f"      {phases}")
+    return lines
+
+
+def _restart_lines(acc) -> list[str]:
+    """The last few restarts: a replica group's (it healed) and the job's (down, start-up, steps again)."""
+    lines, attempts = [], acc.attempts
+    restarts = [(i, a) for i, a in enumerate(attempts) if acc.gaps[i] > 0]
+    if acc.replicas and acc.restarts:
+        lines.append("")
+        lines.append("  restarts (a group's process started again; it healed from a live group):")
+        for i in acc.restarts[-5:]:
+            a = attempts[i]
+            lines.append(f"    group {a.start.get('group')}: back at step {a.first_step:,}, start-up {a.startup_s:.1f} s")
+    if restarts:
+        lines.append("")
+        lines.append("  restarts (from the last record before it to the first step after it):")
+        for i, a in restarts[-5:]:
+            prev = attempts[i - 1]
+            lines.append(f"    at step {prev.last_step:,} (world {prev.start['world_size']} -> "
+                         f"{a.start['world_size']}): down {acc.gaps[i]:.1f} s, start-up {a.startup_s:.1f} s, resumed "
+                         f"at step {a.first_step:,}, {acc.lost_steps[i - 1]} step(s) trained again")
+        if len(restarts) > 5:
+            lines.append(f"    ... and {len(restarts) - 5} earlier")
+    return lines
+
+
+def _snapshot_lines(run: Run) -> list[str]:
+    """Snapshots committed, failed and retried; how long saving blocked the loop."""
+    if not run.snapshots:
+        return []
+    done = [s for s in run.snapshots if s["status"] == "committed"]
+    failed = sum(s["status"] == "failed" for s in run.snapshots)
+    retries = sum(s["status"] == "retry" for s in run.snapshots)
+    line = f"  snapshots: {len(done)} committed, {failed} failed, {retries} retried attempt(s)"
+    if done:
+        line += (f"; blocking {1000 * np.mean([s['blocking_s'] for s in done]):.0f} ms, committed "
+                 f"{np.mean([s['total_s'] for s in done]):.2f} s after the copy (means)")
+    return ["", line]
+
+
 def summary(run: Run, name: str) -> str:
     """The text a person reads first: progress, restarts, goodput and where the rest went."""
     acc, lines = run.account, []
@@ -105,49 +160,12 @@ def summary(run: Run, name: str) -> str:
         return "\n".join(lines)
     lines += _starts(run)
     lines.append("")
-    lines.append(f"  goodput {100 * acc.goodput:.1f}% of {_s(acc.wall)} wall time")
-    replicas = any(r.get("kind") == "epoch" for r in run.records)
-    shown = [c for c in CATEGORIES if replicas or c not in ("regroup", "other")]  # replica jobs' own lines
-    width = max(len(LABELS[c]) for c in shown)
-    for c in shown:
-        v = acc.seconds[c]
-        share = v / acc.wall if acc.wall else 0.0
-        bar = "#" * round(30 * share)
-        lines.append(f"    {LABELS[c]:<{width}} {_s(v):>9} {100 * share:5.1f}% {bar}")
-    phases = " | ".join(f"{PHASES[p]} {acc.startup[p]:.1f}" for p in PHASES if acc.startup[p] >= 0.05)
-    lines.append("    start-up by phase, all starts (s):")
-    lines.append(f"      {phases}")
-    restarts = [(i, a) for i, a in enumerate(attempts) if acc.gaps[i] > 0]
-    if acc.replicas and acc.restarts:
-        lines.append("")
-        lines.append("  restarts (a group's process started again; it healed from a live group):")
-        for i in acc.restarts[-5:]:
-            a = attempts[i]
-            lines.append(f"    group {a.start.get('group')}: back at step {a.first_step:,}, start-up {a.startup_s:.1f} s")
-    if restarts:
-        lines.append("")
-        lines.append("  restarts (from the last record before it to the first step after it):")
-        for i, a in restarts[-5:]:
-            prev = attempts[i - 1]
-            lines.append(f"    at step {prev.last_step:,} (world {prev.start['world_size']} -> "
-                         f"{a.start['world_size']}): down {acc.gaps[i]:.1f} s, start-up {a.startup_s:.1f} s, resumed "
-                         f"at step {a.first_step:,}, {acc.lost_steps[i - 1]} step(s) trained again")
-        if len(restarts) > 5:
-            lines.append(f"    ... and {len(restarts) - 5} earlier")
+    lines += _time_lines(run, acc) + _restart_lines(acc)
     slow = run.slowest()
     if slow:
         lines.append("")
         lines.append("  slowest ranks (step compute against the step's median):")
         for host, share, ratio in slow:
             lines.append(f"    {host:<20} {ratio:.2f}x median, slowest in {100 * share:.0f}% of logged steps")
-    if run.snapshots:
-        done = [s for s in run.snapshots if s["status"] == "committed"]
-        failed = sum(s["status"] == "failed" for s in run.snapshots)
-        retries = sum(s["status"] == "retry" for s in run.snapshots)
-        line = f"  snapshots: {len(done)} committed, {failed} failed, {retries} retried attempt(s)"
-        if done:
-            line += (f"; blocking {1000 * np.mean([s['blocking_s'] for s in done]):.0f} ms, committed "
-                     f"{np.mean([s['total_s'] for s in done]):.2f} s after the copy (means)")
-        lines.append("")
-        lines.append(line)
+    lines += _snapshot_lines(run)
     return "\n".join(lines)

@@ -38,7 +38,7 @@ class PreflightError(RuntimeError):
 @lru_cache(maxsize=1)
 def code_fingerprint() -> dict[str, str]:
     """sha256 (short) of every source file of the mingpt package that runs, and of its config files."""
-    package = Path(__file__).resolve().parent
+    package = Path(__file__).resolve().parent.parent  # mingpt/ (this file is in mingpt/runtime/)
     files = sorted(package.rglob("*.py"))
     from mingpt.config.compose import config_dir  # the conf/ this process composes from
 
@@ -110,6 +110,22 @@ def report(info: DistInfo, config: dict, data_path: str, store_root: str | None,
                   digest, data, probe, info.device.split(":")[0], gpus)
 
 
+def _corpus_problems(firsts: list[Report], data_path: str) -> list[str]:
+    """The corpus is the same on every node (missing everywhere is left to the data loader)."""
+    problems: list[str] = []
+    seen: dict[str, list[str]] = {}
+    for r in firsts:
+        if r.data is not None:
+            seen.setdefault(r.data, []).append(r.where)
+    if len(seen) > 1 and "missing" in seen:
+        problems.append(f"data.path={data_path} is missing on {', '.join(seen['missing'])} but present on the other "
+                        "nodes; copy the corpus there (or read it from a shared file system or s3://)")
+    elif len(seen) > 1:
+        found = "; ".join(f"{fingerprint} on {', '.join(where)}" for fingerprint, where in seen.items())
+        problems.append(f"data.path={data_path} differs between nodes ({found}); copy the same corpus to every node")
+    return problems
+
+
 def compare(reports: list[Report], data_path: str = "", store_url: str = "") -> tuple[list[str], list[str]]:
     """(problems, warnings): one line each. reports[0] is rank 0's, the reference."""
     problems, warnings = [], []
@@ -135,17 +151,7 @@ def compare(reports: list[Report], data_path: str = "", store_url: str = "") -> 
     if odd:
         problems.append(f"the resolved config differs between nodes: {odd[0].where} was started with other settings "
                         "than rank 0; give every node the same command line")
-    # the corpus: the same on every node (missing everywhere is left to the data loader)
-    seen: dict[str, list[str]] = {}
-    for r in firsts:
-        if r.data is not None:
-            seen.setdefault(r.data, []).append(r.where)
-    if len(seen) > 1 and "missing" in seen:
-        problems.append(f"data.path={data_path} is missing on {', '.join(seen['missing'])} but present on the other "
-                        "nodes; copy the corpus there (or read it from a shared file system or s3://)")
-    elif len(seen) > 1:
-        found = "; ".join(f"{fingerprint} on {', '.join(where)}" for fingerprint, where in seen.items())
-        problems.append(f"data.path={data_path} differs between nodes ({found}); copy the same corpus to every node")
+    problems += _corpus_problems(firsts, data_path)
     # one store: every node must read what rank 0 wrote
     blind = [r.where for r in firsts if r.sees_probe is False]
     if blind:
