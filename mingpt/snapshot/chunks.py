@@ -5,8 +5,8 @@ The manifest (format 3) gives each shard file's size and the sha256 of each of i
 `layout.cut` of the tensors' names, shapes and dtypes and the number of writers. So the manifest
 grows with the bytes and the number of files, not with tensors x writers. A reader reads whole
 chunks (from the node cache when it holds them), checks each, and copies the bytes it needs into
-its tensors; a snapshot of format 2 (a sha256 per piece) reads the same way with its pieces as the
-chunks.
+its tensors. (Formats 1 and 2 and the fused `c_attn` of the project's first week are refused in
+one line by store.read_manifest.)
 
 A `Target` is a byte range of one shard file and the uint8 view of the tensor rows it fills.
 """
@@ -17,13 +17,12 @@ import bisect
 import hashlib
 import logging
 import math
-import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
-from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Piece, Slot, as_rows, cut, dtype_of, n_rows
+from mingpt.snapshot.layout import EXTRA_FILE, SHARD_FORMAT, Piece, Slot, as_rows, cut, dtype_of
 from mingpt.snapshot.transport import Files, join, pread_into
 
 log = logging.getLogger(__name__)
@@ -57,44 +56,9 @@ class Target:
 
 
 def layout_of(manifest: dict) -> dict[str, list[Piece]]:
-    """{tensor name: its pieces}: recomputed from the tensors (format 3), or as listed (format 2)."""
-    tensors = manifest["fused"]["tensors"] if "fused" in manifest else manifest["tensors"]
-    if manifest["format_version"] == 2:
-        layout = {name: [Piece(*p) for p in e["pieces"]] for name, e in tensors.items()}
-    else:
-        specs = [(name, tuple(e["shape"]), dtype_of(e["dtype"])) for name, e in tensors.items()]
-        layout = cut(specs, manifest["writers"], manifest.get("replicas", 1))[0]
-    for name, (source, first) in manifest.get("fused", {}).get("parts", {}).items():
-        rows, per_row = n_rows(manifest["tensors"][name]["shape"]), row_bytes(tensors[source])
-        layout[name] = [Piece(p.writer, p.offset + (max(p.start, first) - p.start) * per_row,
-                              max(p.start, first) - first, min(p.stop, first + rows) - first, p.sha256)
-                        for p in layout[source] if p.start < first + rows and p.stop > first]
-    for source in {source for source, _ in manifest.get("fused", {}).get("parts", {}).values()}:
-        del layout[source]
-    return layout
-
-
-FUSED = re.compile(r"^(model|optim)\.(blocks\.\d+\.attn\.)c_attn\.(weight|bias)(\..+)?$")
-
-
-def split_fused(manifest: dict) -> dict:
-    """A snapshot from before attention's input projection was split (one c_attn: the q, k and v rows
-    one after the other) read as one of c_q, c_k and c_v: each part is rows of the stored tensor
-    (an optimizer's step count, a scalar, is each part's)."""
-    tensors, parts, out = manifest["tensors"], {}, {}
-    if not any(FUSED.match(name) for name in tensors):
-        return manifest
-    for name, e in tensors.items():
-        m = FUSED.match(name)
-        if not m:
-            out[name] = e
-            continue
-        rows = n_rows(e["shape"]) // 3 if e["shape"] else 0
-        for i, part in enumerate("qkv"):
-            new = f"{m[1]}.{m[2]}c_{part}.{m[3]}{m[4] or ''}"
-            out[new] = {**e, "shape": [rows, *e["shape"][1:]] if e["shape"] else []}
-            parts[new] = (name, i * rows)
-    return {**manifest, "tensors": out, "fused": {"tensors": tensors, "parts": parts}}
+    """{tensor name: its pieces}, recomputed from the tensors: `layout.cut`, as the writers cut them."""
+    specs = [(name, tuple(e["shape"]), dtype_of(e["dtype"])) for name, e in manifest["tensors"].items()]
+    return cut(specs, manifest["writers"], manifest.get("replicas", 1))[0]
 
 
 def row_bytes(entry: dict) -> int:
@@ -103,12 +67,6 @@ def row_bytes(entry: dict) -> int:
 
 def chunks_of(manifest: dict) -> list[Chunk]:
     """Every checksummed byte range of the shard files, in file order."""
-    writers = manifest["writers"]
-    if manifest["format_version"] == 2:
-        tensors = manifest["fused"]["tensors"] if "fused" in manifest else manifest["tensors"]
-        out = [Chunk(SHARD_FORMAT.format(p.writer, writers), p.offset, (p.stop - p.start) * row_bytes(e), p.sha256)
-               for name, e in tensors.items() for p in map(Piece.from_json, e["pieces"])]
-        return sorted(out, key=lambda c: (c.file, c.start))
     size = manifest["chunk_bytes"]
     return [Chunk(name, i * size, min(size, f["size"] - i * size), digest)
             for name, f in sorted(manifest["files"].items()) if name != EXTRA_FILE

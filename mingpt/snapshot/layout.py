@@ -78,11 +78,6 @@ class Piece:
     offset: int
     start: int
     stop: int
-    sha256: str = ""
-
-    @classmethod
-    def from_json(cls, row: list) -> Piece:
-        return cls(*row)
 
 
 def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int, replicas: int = 1

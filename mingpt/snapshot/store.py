@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mingpt.runtime.storage import is_local
-from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, sha256, split_fused, targets_of, whole_slots
+from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, sha256, targets_of, whole_slots
 from mingpt.snapshot.layout import EXTRA_FILE
 from mingpt.snapshot.s3 import S3Objects
 from mingpt.snapshot.transport import Files, LocalFiles, damaged, join, retried
@@ -28,7 +28,6 @@ from mingpt.snapshot.transport import Files, LocalFiles, damaged, join, retried
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
 MANIFEST_FILE = "manifest.json"
 REJECTED_FILE = "rejected.txt"
 STEP_RE = re.compile(r"^step_(\d{9})$")
@@ -160,10 +159,15 @@ class SnapshotStore:
         if not isinstance(manifest, dict):
             raise SnapshotError(f"snapshot {self.url_of(path)} has a manifest that is not a JSON object")
         version = manifest.get("format_version")
-        if version not in READABLE_VERSIONS:
+        if version != FORMAT_VERSION:
             raise SnapshotError(f"snapshot {self.url_of(path)} has format version {version}; this mingpt reads "
-                                f"{', '.join(map(str, READABLE_VERSIONS))}: use the mingpt that wrote it")
-        return split_fused(manifest)
+                                f"{FORMAT_VERSION}: continue it with the mingpt that wrote it (format 2: before 2026-11-24)")
+        fused = next((name for name in manifest["tensors"] if ".attn.c_attn." in name), None)
+        if fused:
+            raise SnapshotError(f"snapshot {self.url_of(path)} holds attention's fused input projection ({fused}), "
+                                "saved before it was split into c_q, c_k, c_v (2026-11-26): continue it with the "
+                                "mingpt that wrote it")
+        return manifest
 
     def missing_files(self, path: str, manifest: dict, sizes: dict[str, int] | None = None) -> list[str]:
         """The files a manifest lists that are absent or of another size (one listing, no reads;

@@ -100,16 +100,17 @@ def test_all_snapshots_broken_is_an_error_not_a_fresh_start(tmp_path):
         store.load_latest()
 
 
-@pytest.mark.parametrize("version", [1, 99])
+@pytest.mark.parametrize("version", [1, 2, 99])
 def test_format_version_is_checked(tmp_path, version):
-    """Another format (1: the single state.pt of this project's first weeks, no longer read) is
-    refused in one line that says which mingpt to use."""
+    """Another format (1: the single state.pt of this project's first week; 2: a checksum per piece,
+    before 2026-11-24; both no longer read) is refused in one line that says which mingpt to use."""
     store = SnapshotStore(str(tmp_path))
     p = save_state(store, 1, state(1), {})
     m = json.load(open(f"{p}/manifest.json"))
     m["format_version"] = version
     json.dump(m, open(f"{p}/manifest.json", "w"))
-    with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 2, 3: use the mingpt that wrote it"):
+    with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 3: continue it with the "
+                                             r"mingpt that wrote it \(format 2: before 2026-11-24\)"):
         store.load(p)
 
 
@@ -260,57 +261,6 @@ def test_a_damaged_piece_is_named_by_its_shard(tmp_path):
     assert store.missing_files(path, store.read_manifest(path)) == ["shard-00001-of-00002.bin is missing"]
 
 
-def as_format_2(path: str) -> None:
-    """Rewrite a snapshot's manifest as this project's format 2 wrote it: every tensor's pieces
-    (writer, offset, first row, end row, sha256 of its bytes), no chunk checksums."""
-    import hashlib
-    import math
-    from pathlib import Path
-
-    from mingpt.snapshot.layout import SHARD_FORMAT, cut, dtype_of
-
-    m = json.loads(Path(path, "manifest.json").read_text())
-    specs = [(name, tuple(e["shape"]), dtype_of(e["dtype"])) for name, e in m["tensors"].items()]
-    pieces, _ = cut(specs, m["writers"])
-    for name, shape, dtype in specs:
-        row = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
-        rows = []
-        for p in pieces[name]:
-            data = Path(path, SHARD_FORMAT.format(p.writer, m["writers"])).read_bytes()
-            rows.append([p.writer, p.offset, p.start, p.stop,
-                         hashlib.sha256(data[p.offset:p.offset + (p.stop - p.start) * row]).hexdigest()])
-        m["tensors"][name]["pieces"] = rows
-    m["format_version"] = 2
-    del m["chunk_bytes"]
-    for f in m["files"].values():
-        if isinstance(f.get("sha256"), list):
-            del f["sha256"]
-    Path(path, "manifest.json").write_text(json.dumps(m))
-
-
-@pytest.mark.parametrize("writers,readers", [(3, 2), (2, 1)])
-def test_a_format_2_snapshot_still_loads_and_its_pieces_are_still_checked(tmp_path, writers, readers):
-    from mingpt.snapshot.restore import restore
-
-    tensors = sample_state(writers)
-    store = SnapshotStore(str(tmp_path))
-    path = write_sharded(store, 4, tensors, writers)
-    as_format_2(path)
-    manifest = store.read_manifest(path)
-    assert manifest["format_version"] == 2 and "pieces" in manifest["tensors"]["model.wte.weight"]
-    loaded, _ = store.load(path)
-    assert all(torch.equal(loaded["model"][k.partition(".")[2]], v) for k, v in tensors.items() if k.startswith("model"))
-    for rank in range(readers):
-        slots = rank_slots(tensors, rank, readers)
-        restore(store, path, manifest, slots, rank=0, world=1)
-        assert all(torch.equal(s.local, tensors[s.name] if s.local.dim() == 0 else tensors[s.name][s.start:s.stop])
-                   for s in slots)
-    shard = tmp_path / "step_000000004" / f"shard-00000-of-{writers:05d}.bin"
-    data = bytearray(shard.read_bytes())
-    data[3] ^= 0xFF
-    shard.write_bytes(bytes(data))
-    with pytest.raises(SnapshotError, match=f"shard-00000-of-{writers:05d}.bin fails its checksum"):
-        store.load(path)
 
 
 def test_the_manifest_does_not_grow_with_tensors_times_writers(tmp_path):
