@@ -26,6 +26,7 @@ import torch
 from benchmarks import children, die_with_bench
 from mingpt.report.goodput import account, read_records
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_newest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,7 +69,7 @@ def job(run_dir: Path, corpus: str, steps: int, every: int, kill_every: float, r
     if agent.returncode != 0:
         raise RuntimeError(f"the job failed ({agent.returncode}):\n{log.read_text()[-3000:]}")
     acc = account(read_records(run_dir / "metrics.jsonl"))
-    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    state, manifest = read_newest(SnapshotStore(str(run_dir / "snapshots")))
     return {"kills": kills, "wall_outside": wall_outside, "account": acc, "weights": state["model"],
             "step": manifest["step"]}
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from benchmarks import children
+from mingpt.snapshot.restore import read_newest
 
 REPO = Path(__file__).resolve().parents[1]
 FAULT_CFG = ["data.block_size=256", "trainer.batch_size=32", "trainer.micro_batch_size=16",
@@ -135,7 +136,7 @@ def train(checks: Checks, name: str, run_dir: Path, cfg: list[str], kill_at: int
 def final_model(run_dir: Path) -> dict:
     from mingpt.snapshot import SnapshotStore
 
-    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    state, manifest = read_newest(SnapshotStore(str(run_dir / "snapshots")))
     return {"step": manifest["step"], "model": state["model"]}
 
 

@@ -24,6 +24,7 @@ import torch
 
 from benchmarks import alive, children, die_with_bench
 from benchmarks.seaweed import SeaweedFS
+from mingpt.snapshot.restore import read_newest
 
 REPO = Path(__file__).resolve().parents[1]
 # 12.7M parameters: 152 MB of state, 76 MB a writer: a multipart upload of 3 parts per writer
@@ -124,8 +125,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit("the job under faults failed:\n"
                                  + (tmp / "faulty" / "console.log").read_text()[-3000:])
             wall = time.time() - t0
-            want, _ = SnapshotStore("s3://soak/ref").load_latest()
-            got, manifest = store.load_latest()
+            want, _ = read_newest(SnapshotStore("s3://soak/ref"))
+            got, manifest = read_newest(store)
             a, b = tensors(want), tensors(got)
             same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
             unfinished = store.uploads()

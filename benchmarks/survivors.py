@@ -43,6 +43,7 @@ import torch
 from benchmarks import children, die_with_bench, free_port, free_port_runs
 from benchmarks.netns import NoNamespaces, bridged_nodes
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_newest
 from mingpt.training.metrics import read_records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,7 +126,7 @@ def final(run_dir: Path) -> dict:
     ends = sorted(run_dir.glob("final-*.pt"))  # torchft's groups
     if ends:
         return torch.load(ends[0], weights_only=True)
-    state, _ = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    state, _ = read_newest(SnapshotStore(str(run_dir / "snapshots")))
     return state["model"]
 
 

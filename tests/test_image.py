@@ -19,6 +19,7 @@ from conftest import REPO, free_port, make_corpus, read_metrics, records
 from image_base import PODMAN, ULIMITS, image_fixture  # noqa: F401 - the session's image
 
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_newest
 
 pytestmark = pytest.mark.slow
 
@@ -195,7 +196,7 @@ def test_two_containers_as_two_nodes_lose_one_and_take_it_back(image, s3, tmp_pa
     # one saved by node a alone
     starts = [r["step"] for r in records(metrics) if r["kind"] == "resume"]
     assert 0 < starts[0] < starts[1], starts
-    _, manifest = SnapshotStore(f"s3://{bucket}/run2").load_latest()
+    _, manifest = read_newest(SnapshotStore(f"s3://{bucket}/run2"))
     assert manifest["step"] >= starts[1]
     for n in "ab":
         assert env["MINGPT_JOB_SECRET"] not in logs[n] and os.environ["AWS_SECRET_ACCESS_KEY"] not in logs[n]

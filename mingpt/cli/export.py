@@ -20,7 +20,8 @@ from mingpt.cli.snapshot import store_path
 from mingpt.model.pretrained import write_gpt2
 from mingpt.model.tokenizer import EOT, TokenizerError, from_state
 from mingpt.runtime.console import quiet_on_closed_pipe
-from mingpt.snapshot.store import SnapshotError, load_from
+from mingpt.snapshot.restore import load_from
+from mingpt.snapshot.store import SnapshotError
 
 
 def export(source: str, out: Path, storage_options: dict | None = None, ranks_file: str | None = None) -> str:

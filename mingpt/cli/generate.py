@@ -20,7 +20,8 @@ from mingpt.model.generate import stream
 from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.model.tokenizer import TokenizerError, from_state
 from mingpt.runtime.console import quiet_on_closed_pipe
-from mingpt.snapshot.store import SnapshotError, load_from
+from mingpt.snapshot.restore import load_from
+from mingpt.snapshot.store import SnapshotError
 
 
 def load_model(path: str, storage_options: dict | None = None) -> tuple[GPT, dict]:

@@ -22,6 +22,7 @@ from mingpt.runtime.console import quiet_on_closed_pipe
 from mingpt.runtime.storage import is_local
 from mingpt.snapshot import SnapshotStore
 from mingpt.snapshot.nodecache import reclaim
+from mingpt.snapshot.restore import read_whole
 from mingpt.snapshot.store import SnapshotInfo
 
 
@@ -59,7 +60,7 @@ def _describe(store: SnapshotStore, info: SnapshotInfo, verify: bool) -> dict:
         return row
     if verify:
         try:  # every shard, every chunk against its sha256
-            state, _ = store.load(info.path)
+            state, _ = read_whole(store, info.path)
             row["checksum"] = "ok"
             row["weights"] = weights_digest(state["model"]) if "model" in state else None
         except Exception as e:  # noqa: BLE001

@@ -1,6 +1,7 @@
-"""Loading a snapshot into the live tensors of every rank at once, at any world size and into either
-strategy (main.py passes `restore` to store.newest_that_loads); the layouts, `exchange` and
-`direct`: docs/snapshots.md ("Load").
+"""The one snapshot reader: a snapshot into the live tensors of every rank at once, at any world size
+and into any layout (training passes `restore` to store.newest_that_loads; its layouts, `exchange`
+and `direct`: docs/snapshots.md, "Load"), and the same read by one process into whole tensors for
+the offline tools and tests (`read_whole`, `read_newest`, `load_from`).
 
 The ranks agree on success (one all-reduce) before anything moves between them, so a damaged chunk
 makes every rank give up on that snapshot together; a read that failed for a reason that may pass
@@ -15,9 +16,27 @@ import logging
 import torch
 import torch.distributed as dist
 
-from mingpt.snapshot.chunks import BATCH_BYTES, Chunk, Copier, Target, chunks_of, needed, read_chunks, targets_of
+from mingpt.snapshot.chunks import (
+    BATCH_BYTES,
+    Chunk,
+    Copier,
+    Target,
+    chunks_of,
+    needed,
+    read_chunks,
+    targets_of,
+    whole_slots,
+)
 from mingpt.snapshot.layout import EXTRA_FILE, Slot
-from mingpt.snapshot.store import DamagedError, SnapshotError, SnapshotStore, TransientError
+from mingpt.snapshot.store import (
+    STEP_RE,
+    DamagedError,
+    SnapshotError,
+    SnapshotStore,
+    TransientError,
+    candidates,
+    newest_that_loads,
+)
 from mingpt.snapshot.transport import TRANSIENT, failure
 
 log = logging.getLogger("mingpt")
@@ -61,6 +80,51 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
         if slot.load_back is not None:
             slot.load_back()
     return extra
+
+
+def read_whole(store: SnapshotStore, path: str) -> tuple[dict, dict]:
+    """(state, manifest) of one committed snapshot read whole by this process, every checksum
+    verified: {"model": {name: tensor}, "optimizer": {param: {key: tensor}}, "scaler", "sampler",
+    "trainer"}. The offline tools' and the tests' reader: `restore` with one rank."""
+    manifest = store.read_manifest(path)
+    missing = store.missing_files(path, manifest)
+    if missing:
+        raise SnapshotError(f"snapshot {store.url_of(path)} is incomplete: {', '.join(missing)}")
+    slots = whole_slots(manifest)
+    state = {"model": {}, "optimizer": {}, **restore(store, path, manifest, slots, rank=0, world=1)}
+    for slot in slots:
+        kind, _, rest = slot.name.partition(".")
+        if kind == "model":
+            state["model"][rest] = slot.local
+        else:
+            param, _, key = rest.rpartition(".")
+            state["optimizer"].setdefault(param, {})[key] = slot.local
+    for alias, target in manifest.get("aliases", {}).items():
+        state["model"][alias.partition(".")[2]] = state["model"][target.partition(".")[2]]
+    return state, manifest
+
+
+def read_newest(store: SnapshotStore) -> tuple[dict, dict] | None:
+    """(state, manifest) of the store's newest snapshot that loads, read whole; None when it holds
+    no committed snapshot."""
+    committed = [s for s in store.list() if s.committed]
+    if not committed:
+        return None
+    manifest, state = newest_that_loads(store, candidates(store, committed, limit=len(committed)),
+                                        lambda path, _: read_whole(store, path)[0])
+    return state, manifest
+
+
+def load_from(path: str, storage_options: dict | None = None) -> tuple[dict, dict]:
+    """(state, manifest) of a snapshot folder, or of the newest good snapshot of a store."""
+    parent, _, name = path.rstrip("/").rpartition("/")
+    if STEP_RE.match(name):
+        store = SnapshotStore(parent or ".", storage_options)
+        return read_whole(store, store._path(name))
+    found = read_newest(SnapshotStore(path, storage_options))
+    if found is None:
+        raise SnapshotError(f"no committed snapshot in {path}")
+    return found
 
 
 def _shares(chunks: list[Chunk], world: int) -> list[list[Chunk]]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mingpt.runtime.storage import is_local
-from mingpt.snapshot.chunks import Copier, chunks_of, needed, read_chunks, sha256, targets_of, whole_slots
+from mingpt.snapshot.chunks import sha256
 from mingpt.snapshot.layout import EXTRA_FILE
 from mingpt.snapshot.s3 import S3Objects
 from mingpt.snapshot.transport import Files, LocalFiles, damaged, join, retried
@@ -209,41 +209,6 @@ class SnapshotStore:
             raise SnapshotError(f"snapshot {self.url_of(path)}: {EXTRA_FILE} does not match its manifest checksum")
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
-    def load(self, path: str) -> tuple[dict, dict]:
-        """(state, manifest) of one committed snapshot read whole by this process, every checksum
-        verified: {"model": {name: tensor}, "optimizer": ..., "scaler", "sampler", "trainer"}.
-        Training loads its share through mingpt.snapshot.restore instead."""
-        manifest = self.read_manifest(path)
-        missing = self.missing_files(path, manifest)
-        if missing:
-            raise SnapshotError(f"snapshot {self.url_of(path)} is incomplete: {', '.join(missing)}")
-        slots = whole_slots(manifest)
-        copier = Copier(targets_of(manifest, slots))
-        errors = read_chunks(self.files, path, needed(chunks_of(manifest), copier), copier)
-        if errors:
-            raise SnapshotError(f"snapshot {self.url_of(path)}: {'; '.join(errors)}")
-        state = {"model": {}, "optimizer": {}, **self.read_extra(path, manifest)}
-        for slot in slots:
-            kind, _, rest = slot.name.partition(".")
-            if kind == "model":
-                state["model"][rest] = slot.local
-            else:
-                param, _, key = rest.rpartition(".")
-                state["optimizer"].setdefault(param, {})[key] = slot.local
-        for alias, target in manifest.get("aliases", {}).items():
-            state["model"][alias.partition(".")[2]] = state["model"][target.partition(".")[2]]
-        return state, manifest
-
-    def load_latest(self) -> tuple[dict, dict] | None:
-        """(state, manifest) of the newest snapshot that loads, read whole; None when the store holds
-        no committed snapshot."""
-        committed = [s for s in self.list() if s.committed]
-        if not committed:
-            return None
-        manifest, state = newest_that_loads(self, candidates(self, committed, limit=len(committed)),
-                                            lambda path, _: self.load(path)[0])
-        return state, manifest
-
     def run_id_of(self, info: SnapshotInfo) -> str | None:
         """The run a committed snapshot belongs to (None for snapshots older than run ids)."""
         try:
@@ -346,15 +311,3 @@ def open_store(url: str, endpoint_url: str | None, uploader: str = "s3fs") -> Sn
             "snapshot.endpoint_url and the AWS credentials / region in the environment"
         ) from None
     return store
-
-
-def load_from(path: str, storage_options: dict | None = None) -> tuple[dict, dict]:
-    """(state, manifest) of a snapshot folder, or of the newest good snapshot of a store."""
-    parent, _, name = path.rstrip("/").rpartition("/")
-    if STEP_RE.match(name):
-        store = SnapshotStore(parent or ".", storage_options)
-        return store.load(store._path(name))
-    found = SnapshotStore(path, storage_options).load_latest()
-    if found is None:
-        raise SnapshotError(f"no committed snapshot in {path}")
-    return found

@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, free_port, make_corpus, read_metrics, records, torchrun_env
 
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_newest
 
 pytestmark = pytest.mark.slow
 
@@ -148,6 +149,6 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
     worst = max(abs(train[s]["loss"] - ref[s]["loss"]) for s in ref)
     assert worst < 2e-3, f"loss curve differs from the uninterrupted run by {worst}"
     # same data consumed, in global units: nothing repeated or skipped
-    _, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
-    _, ref_manifest = SnapshotStore(str(ref_dir / "snapshots")).load_latest()
+    _, manifest = read_newest(SnapshotStore(str(run_dir / "snapshots")))
+    _, ref_manifest = read_newest(SnapshotStore(str(ref_dir / "snapshots")))
     assert manifest["step"] == steps and manifest["tokens_seen"] == ref_manifest["tokens_seen"]

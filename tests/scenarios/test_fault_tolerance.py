@@ -15,6 +15,7 @@ from conftest import REPO, read_metrics, records, torchrun_cmd, torchrun_env
 from benchmarks import alive
 from benchmarks.soak import outlived
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_newest
 from mingpt.training.metrics import read_records
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,7 @@ def args(corpus, tmp_path, run_dir, every=10, docs=False):
 
 
 def final_weights(run_dir: Path, steps: int = MAX_STEPS) -> dict:
-    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    state, manifest = read_newest(SnapshotStore(str(run_dir / "snapshots")))
     assert manifest["step"] == steps
     return state["model"]
 

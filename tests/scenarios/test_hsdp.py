@@ -16,6 +16,7 @@ from test_elastic import wait_until
 from benchmarks.netns import NoNamespaces, agent_cmd, link_bytes, two_nodes
 from benchmarks.soak import tensors
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_newest
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +64,7 @@ def finish(procs, tmp: Path, name: str, timeout: float = 240) -> None:
 
 
 def final_state(run_dir: Path) -> dict:
-    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()  # whole, as one process reads it
+    state, manifest = read_newest(SnapshotStore(str(run_dir / "snapshots")))  # whole, as one process reads it
     assert manifest["step"] == STEPS and manifest["parallel"] == "hsdp"
     return state
 

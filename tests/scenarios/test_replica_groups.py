@@ -18,6 +18,7 @@ import torch
 from conftest import REPO, free_port_runs, make_corpus, records, torchrun_cmd, torchrun_env
 
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_newest
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def wait_for_step(run_dir: Path, step: int, agents, timeout: float = 120) -> int
 
 
 def final(run_dir: Path, steps: int = STEPS) -> dict:
-    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    state, manifest = read_newest(SnapshotStore(str(run_dir / "snapshots")))
     assert manifest["step"] == steps
     return state["model"]
 
@@ -246,7 +247,7 @@ def test_groups_sharding_the_model_heal_each_shard_from_the_process_holding_it(r
     # (each shard healed right: a wrong one would change the sum of every later step, on every group)
     weights, expected = final(run_dir, steps), final(ref_dir, steps)
     assert all(torch.equal(weights[k], expected[k]) for k in weights)
-    _, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    _, manifest = read_newest(SnapshotStore(str(run_dir / "snapshots")))
     assert (manifest["parallel"], manifest["world_size"]) == (shown.split()[0], 2)  # saved by one group, a shard each
     back = [e for e in recs if e.get("kind") == "epoch" and e["time"] > fault_t and e["healed"]]
     assert back and back[0]["healed"] == [2, 3], back  # both processes of group 1, each its own shard

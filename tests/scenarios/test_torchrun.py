@@ -27,6 +27,7 @@ from conftest import (
 
 from mingpt.data.prepare import prepare
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_newest
 
 pytestmark = pytest.mark.slow
 
@@ -224,7 +225,7 @@ def test_a_few_finetuning_steps_under_torchrun(hf_dir, corpus_file, tmp_path):
                           cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "initialised from" in proc.stderr and "model shape from" in proc.stderr
-    state, manifest = SnapshotStore(str(run_dir / "snapshots")).load_latest()
+    state, manifest = read_newest(SnapshotStore(str(run_dir / "snapshots")))
     assert manifest["step"] == 4 and manifest["model_shape"]["n_layer"] == 2
 
 

@@ -10,7 +10,7 @@ from conftest import fs_of
 from mingpt.snapshot import SnapshotError, SnapshotStore, Snapshotter
 from mingpt.snapshot.layout import Slot
 from mingpt.snapshot.nodecache import NodeCache, reclaim, user_dir
-from mingpt.snapshot.restore import restore
+from mingpt.snapshot.restore import read_whole, restore
 
 SHARD = "shard-00000-of-00001.bin"
 
@@ -74,7 +74,7 @@ def test_a_node_without_room_turns_the_cache_off_and_saves_go_on(tmp_path, caplo
     with caplog.at_level(logging.WARNING):
         manifest, path = save(store, cache, 4)
     assert not cache.enabled and "node cache off: cannot use" in caplog.text
-    assert store.list()[-1].committed and store.load(path)
+    assert store.list()[-1].committed and read_whole(store, path)
     _, got = load(store, path, manifest, cache)
     assert all(torch.equal(got[k], v) for k, v in tensors(4).items())
 
@@ -137,7 +137,7 @@ def test_a_path_planted_by_another_user_is_refused_and_nothing_is_written_throug
         manifest, path = save(store, cache, 1)
     assert not cache.enabled and "belongs to uid 65534" in caplog.text
     assert victim.read_bytes() == b"precious"
-    assert store.load(path)
+    assert read_whole(store, path)
 
 
 def test_stale_copies_are_reclaimed_by_the_next_job_and_by_the_command(shm, tmp_path):

@@ -13,7 +13,7 @@ from conftest import free_port, save_state
 from mingpt.snapshot import SnapshotError, SnapshotStore, Snapshotter
 from mingpt.snapshot import snapshotter as snapshotter_module
 from mingpt.snapshot.layout import Slot
-from mingpt.snapshot.restore import restore
+from mingpt.snapshot.restore import read_whole, restore
 
 
 def test_a_snapshot_on_s3_that_does_not_fit_or_is_damaged_is_named_by_its_url(s3):
@@ -166,4 +166,4 @@ def test_a_snapshot_with_attentions_fused_c_attn_is_refused_in_one_line(tmp_path
     with pytest.raises(SnapshotError, match=r"holds attention's fused input projection \(model.blocks.0.attn.c_attn"
                                             r".weight\), saved before it was split into c_q, c_k, c_v \(2026-11-26\): "
                                             "continue it with the mingpt that wrote it"):
-        store.load(store.list()[-1].path)
+        read_whole(store, store.list()[-1].path)

@@ -8,6 +8,7 @@ import torch
 from conftest import fs_of, save_state
 
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_whole
 
 
 def test_multipart_sized_snapshot_on_s3(s3):
@@ -18,7 +19,7 @@ def test_multipart_sized_snapshot_on_s3(s3):
     for uploader in ("s3fs", "boto3"):
         store = SnapshotStore(f"s3://multipart/{uploader}", uploader=uploader)
         path = save_state(store, 3, big, {})
-        loaded, manifest = store.load(path)
+        loaded, manifest = read_whole(store, path)
         assert manifest["files"]["shard-00000-of-00001.bin"]["size"] == 80_000_000
         assert torch.equal(loaded["model"]["w"], big["model"]["w"])
         key = path.split("/", 1)[1] + "/shard-00000-of-00001.bin"

@@ -8,6 +8,7 @@ from conftest import fs_of, save_state
 
 from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.layout import Slot
+from mingpt.snapshot.restore import read_newest
 
 
 def save(snap: Snapshotter, step: int) -> bool:
@@ -32,7 +33,7 @@ def test_a_failed_prune_does_not_fail_the_committed_save(tmp_path, monkeypatch, 
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert warnings == [(f"snapshot step 2 committed, but pruning older snapshots failed (PermissionError: [Errno 13] "
                          f"Permission denied: '{tmp_path / 'step_000000001'}'); the next save prunes again")]
-    assert store.load_latest()[1]["step"] == 2
+    assert read_newest(store)[1]["step"] == 2
 
 
 def test_a_save_to_a_full_disk_is_reported_once_and_never_says_training_goes_on(tmp_path, monkeypatch, caplog):
@@ -66,7 +67,7 @@ def test_async_save_copies_state_before_training_goes_on(store_url):
     snap.save(1, [Slot("model.w", w, (1000,))], {}, {})
     w.add_(1.0)  # training continues and changes the live tensor
     snap.close()
-    loaded, _ = store.load_latest()
+    loaded, _ = read_newest(store)
     assert torch.equal(loaded["model"]["w"], torch.zeros(1000))
     assert [s.step for s in store.list() if s.committed] == [1] and len(snap.blocking_s) == 1
 
@@ -95,7 +96,7 @@ def test_endpoint_going_away_mid_run_is_reported_and_training_goes_on(s3_server,
         s3_server["server"].start()
     fs_of(store).invalidate_cache()
     assert [s.step for s in store.list() if s.committed] == [1]
-    assert store.load_latest()[1]["step"] == 1
+    assert read_newest(store)[1]["step"] == 1
     snap.close()
 
 

@@ -15,6 +15,7 @@ from mingpt.main import assemble
 from mingpt.model.gpt import GPTConfig
 from mingpt.runtime.distributed import DistInfo
 from mingpt.snapshot import SnapshotError, SnapshotStore
+from mingpt.snapshot.restore import read_newest
 from mingpt.snapshot.start import MismatchError, check_compatible
 from mingpt.training.metrics import read_records
 
@@ -72,7 +73,7 @@ def test_move_aside_starts_clean_and_keeps_the_earlier_run_whole(job, tmp_path):
     (aside,) = [p for p in run_dir.iterdir() if p.name.startswith("snapshots.aside-")]
     kept = SnapshotStore(str(aside))
     assert {s.step: kept.read_manifest(s.path)["run_id"] for s in kept.list()} == old
-    assert kept.load_latest()[1]["step"] == 20  # loadable, checksums intact
+    assert read_newest(kept)[1]["step"] == 20  # loadable, checksums intact
     starts = [r for r in read_records(run_dir / "metrics.jsonl") if r["kind"] == "start"]
     assert [r["run_id"] for r in starts] == [new[10]]  # the new metrics hold the new run only
     (old_metrics,) = run_dir.glob("metrics.aside-*.jsonl")

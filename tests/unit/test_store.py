@@ -11,6 +11,7 @@ from conftest import fs_of, save_state
 
 from mingpt.snapshot import SnapshotError, SnapshotStore, open_store
 from mingpt.snapshot.layout import Slot
+from mingpt.snapshot.restore import read_newest, read_whole
 
 SHARD = "shard-00000-of-00001.bin"
 
@@ -22,7 +23,7 @@ def state(v: float) -> dict:
 def test_round_trip_and_manifest(store_url):
     store = SnapshotStore(store_url)
     path = save_state(store, 10, state(10), {"config": {"a": 1}})
-    loaded, manifest = store.load(path)
+    loaded, manifest = read_whole(store, path)
     assert torch.equal(loaded["model"]["w"], torch.full((4, 4), 10.0)) and loaded["trainer"] == {"step": 10}
     assert manifest["step"] == 10 and manifest["format_version"] == 3 and manifest["config"] == {"a": 1}
     assert set(manifest["files"]) == {SHARD, "extra.pt"}
@@ -37,7 +38,7 @@ def test_uncommitted_write_is_invisible(store_url):
     fs_of(store).pipe(f"{store.root}/step_000000002/state.pt", b"half a write")  # no manifest: not committed
     assert [s.step for s in store.list()] == [1, 2]
     assert [s.step for s in store.list() if s.committed] == [1]
-    assert store.load_latest()[1]["step"] == 1
+    assert read_newest(store)[1]["step"] == 1
 
 
 def test_writer_killed_mid_write_leaves_previous_snapshot_valid(store_url):
@@ -65,9 +66,9 @@ def test_writer_killed_mid_write_leaves_previous_snapshot_valid(store_url):
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
     assert [s.step for s in store.list() if s.committed] == [1]
-    assert store.load_latest()[1]["step"] == 1
+    assert read_newest(store)[1]["step"] == 1
     save_state(store, 3, state(3), {})  # and the store goes on working
-    assert store.load_latest()[1]["step"] == 3
+    assert read_newest(store)[1]["step"] == 3
 
 
 def mid_write(store: SnapshotStore) -> bool:
@@ -87,7 +88,7 @@ def test_corrupt_latest_falls_back_with_warning(store_url, caplog, damage):
     f = f"{p2}/{SHARD}"
     data = fs_of(store).cat(f)
     fs_of(store).pipe(f, data[: len(data) // 2] if damage == "truncate" else data[:-8] + b"XXXXXXXX")
-    loaded, manifest = store.load_latest()
+    loaded, manifest = read_newest(store)
     assert manifest["step"] == 1 and loaded["trainer"]["step"] == 1
     assert "falling back" in caplog.text
 
@@ -97,7 +98,7 @@ def test_all_snapshots_broken_is_an_error_not_a_fresh_start(tmp_path):
     p = save_state(store, 1, state(1), {})
     open(f"{p}/{SHARD}", "wb").write(b"garbage")
     with pytest.raises(SnapshotError, match="snapshot.resume=never"):
-        store.load_latest()
+        read_newest(store)
 
 
 @pytest.mark.parametrize("version", [1, 2, 99])
@@ -111,7 +112,7 @@ def test_format_version_is_checked(tmp_path, version):
     json.dump(m, open(f"{p}/manifest.json", "w"))
     with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 3: continue it with the "
                                              r"mingpt that wrote it \(format 2: before 2026-11-24\)"):
-        store.load(p)
+        read_whole(store, p)
 
 
 def test_retention_keeps_last_k_after_commit(store_url):
@@ -173,7 +174,7 @@ def test_each_byte_is_written_once_by_balanced_writers(tmp_path):
     path = write_sharded(SnapshotStore(str(tmp_path)), 4, tensors, writers=3)
     assert sorted(p.name for p in (tmp_path / "step_000000004").iterdir()) == [
         "extra.pt", "manifest.json", "shard-00000-of-00003.bin", "shard-00001-of-00003.bin", "shard-00002-of-00003.bin"]
-    SnapshotStore(str(tmp_path)).load(path)  # every piece read and checked
+    read_whole(SnapshotStore(str(tmp_path)), path)  # every piece read and checked
 
 
 @pytest.mark.parametrize("writers,readers", [(1, 3), (3, 2), (2, 2), (4, 1)])
@@ -256,7 +257,7 @@ def test_a_damaged_piece_is_named_by_its_shard(tmp_path):
     with pytest.raises(SnapshotError, match="shard-00001-of-00002.bin fails its checksum"):
         restore(store, path, store.read_manifest(path), slots, rank=0, world=1)
     with pytest.raises(SnapshotError, match="shard-00001-of-00002.bin fails its checksum"):
-        store.load(path)
+        read_whole(store, path)
     shard.unlink()
     assert store.missing_files(path, store.read_manifest(path)) == ["shard-00001-of-00002.bin is missing"]
 
