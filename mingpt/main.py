@@ -250,7 +250,9 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
     parallel = parallelize(gpt, cfg.trainer.parallel, info, seed=seed,
                            compile=cfg.trainer.compile,  # HSDP on one node only to carry on an HSDP run
                            one_node_ok=(start.manifest or {}).get("parallel") == "hsdp",
-                           tensor_parallel=cfg.trainer.tensor_parallel)
+                           tensor_parallel=cfg.trainer.tensor_parallel,
+                           pipeline_parallel=cfg.trainer.pipeline_parallel, schedule=cfg.trainer.pipeline_schedule,
+                           micro_batches=partial(micro_batches_per_rank, cfg))
     if start.pretrained is not None and fresh:
         checkpoint_vocab = read_config(start.pretrained)["vocab_size"]
         if checkpoint_vocab != cfg.model.vocab_size:
@@ -261,6 +263,15 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
     log.info("model %s: %.2fM parameters, context %d, %s", cfg.model.preset or "custom", gpt.num_params() / 1e6,
              cfg.model.block_size, parallel)
     return parallel
+
+
+def micro_batches_per_rank(cfg: RunConfig, data_world: int) -> int:
+    """The micro-batches of one data rank in a full step (the sampler's split: samplers.split_evenly,
+    LengthGroupedSampler.split)."""
+    if cfg.data.kind == "stream":
+        per_rank = -(-cfg.trainer.batch_size // data_world)
+        return max(1, -(-per_rank // cfg.trainer.micro_batch))
+    return -(-cfg.data.documents.micro_batches_per_step // data_world)
 
 
 def build_train_data(cfg: RunConfig, corpus: Corpus, parallel: Parallel) -> TrainData:
@@ -281,6 +292,7 @@ def build_snapshotter(cfg: RunConfig, info: DistInfo, start: Start, metrics: Met
     cache = NodeCache(sc.node_cache_dir, start.store.url, info.launch_id) if sc.node_cache == "on" or (
         sc.node_cache == "auto" and not start.store.local) else None
     return Snapshotter(start.store, writer=parallel.writer, writers=info.world_size, replicas=parallel.copies,
+                       stages=parallel.stages,
                        group=distributed.side_group(), keep_last=sc.keep_last, keep_every=sc.keep_every,
                        retries=sc.retries, events=metrics.write, cache=cache, guard=lease.check if lease else None)
 

@@ -63,7 +63,8 @@ def layout_of(manifest: dict) -> dict[str, list[Piece]]:
         layout = {name: [Piece(*p) for p in e["pieces"]] for name, e in tensors.items()}
     else:
         specs = [(name, tuple(e["shape"]), dtype_of(e["dtype"])) for name, e in tensors.items()]
-        layout = cut(specs, manifest["writers"], manifest.get("replicas", 1))[0]
+        stage_of = {name: e["stage"] for name, e in tensors.items() if "stage" in e}
+        layout = cut(specs, manifest["writers"], manifest.get("replicas", 1), manifest.get("stages", 1), stage_of)[0]
     for name, (source, first) in manifest.get("fused", {}).get("parts", {}).items():
         rows, per_row = n_rows(manifest["tensors"][name]["shape"]), row_bytes(tensors[source])
         layout[name] = [Piece(p.writer, p.offset + (max(p.start, first) - p.start) * per_row,

@@ -28,7 +28,9 @@ from mingpt.snapshot.transport import Files, LocalFiles, damaged, join, retried
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+PIPELINE_VERSION = 4  # a pipeline's snapshot: each tensor cut among its stage's writers (layout.cut); an
+# older mingpt refuses it by its version rather than read its rows from the wrong files
+READABLE_VERSIONS = (2, 3, 4)
 MANIFEST_FILE = "manifest.json"
 REJECTED_FILE = "rejected.txt"
 STEP_RE = re.compile(r"^step_(\d{9})$")
@@ -137,7 +139,8 @@ class SnapshotStore:
     def commit(self, step: int, manifest: dict) -> str:
         """Write the manifest, last: the snapshot of `step` exists from this moment. Returns its path."""
         folder = self._path(self.name(step))
-        manifest = {**manifest, "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+        version = PIPELINE_VERSION if manifest.get("stages", 1) > 1 else FORMAT_VERSION
+        manifest = {**manifest, "format_version": version, "step": step, "time": time.time(),
                     "versions": {"torch": torch.__version__}}
         self.files.put(join(folder, MANIFEST_FILE), json.dumps(manifest, indent=1, default=str).encode())
         self.files.sync_dir(folder)

@@ -109,7 +109,7 @@ def test_format_version_is_checked(tmp_path, version):
     m = json.load(open(f"{p}/manifest.json"))
     m["format_version"] = version
     json.dump(m, open(f"{p}/manifest.json", "w"))
-    with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 2, 3: use the mingpt that wrote it"):
+    with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 2, 3, 4: use the mingpt that wrote it"):
         store.load(p)
 
 
