@@ -150,7 +150,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     cfg, corpus = build_data(cfg, start, info)
     ledger.switch("model")
     parallel = build_model(cfg, info, start)
-    optimizer = build_optimizer(parallel.gpt, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
+    optimizer = build_optimizer(parallel.local, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
     init_state(optimizer)
     metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard)
     hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]

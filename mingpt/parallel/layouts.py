@@ -65,6 +65,7 @@ class Parallel:
         # The strategy runs a step's micro-batches itself, in its schedule's order (`accumulate`), and
         # evaluates through `evaluator` (called as the GPT: model(x, y, reduction=...)).
         self.orders_micro_batches = pp is not None
+        self.local = pp.module if pp else gpt  # what this process holds and trains: the optimizer's parameters
         self.evaluator = pp.evaluator() if pp else gpt
         # This rank's own compute time per step ends when the gradient reaches the token embedding,
         # the last computation of the backward pass: the gradient all-reduce that follows makes
