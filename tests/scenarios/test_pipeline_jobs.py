@@ -144,3 +144,22 @@ def test_a_pipeline_run_evaluates_as_one_process_and_snapshots_go_both_ways(tmp_
     run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(out), "--state", *common,
                      f"trainer.run_dir={tmp_path / 'one'}", "trainer.pipeline_parallel=2"))
     assert_same(held_state(out, 2), stored_state(tmp_path / "one"))
+
+
+def test_documents_through_a_pipeline_train_as_one_process(tmp_path):
+    """Length-grouped document batches (3 micro-batches a step of varying B and T, so the stages meet a
+    new shape at most steps) through 2 stages: the loss curve of 4 steps is one process's, to float32
+    rounding (each step's micro-batches are padded to one shape; the padding counts nothing)."""
+    from conftest import make_docs_corpus, read_metrics
+
+    corpus = make_docs_corpus(tmp_path)
+    args = [*TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data=shakespeare_speeches",
+            "data.block_size=32", "data.documents.token_budget=128", "data.documents.micro_batches_per_step=3",
+            "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=0"]
+    run([sys.executable, "mingpt/main.py", *args, f"trainer.run_dir={tmp_path / 'one'}"])
+    log = run(torchrun_cmd(2, "mingpt/main.py", *args, "trainer.pipeline_parallel=2", f"trainer.run_dir={tmp_path / 'pp'}"))
+    assert "length_grouped batching" in log
+    one, pp = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "pp" / "metrics.jsonl")
+    assert sorted(one) == sorted(pp) == [1, 2, 3, 4]
+    for step in one:
+        assert pp[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), step
