@@ -103,7 +103,7 @@ def test_each_padded_micro_batch_keeps_the_samplers_real_tokens():
     x, y = padded(batches, at_least=8)
     B, T = max(b[0].size(0) for b in batches), max(b[0].size(1) for b in batches)
     assert x.shape == y.shape == (8 * B, T)
-    for i, (bx, by, weight) in enumerate(batches):
+    for i, (bx, _, weight) in enumerate(batches):
         px, py = x[i * B:(i + 1) * B], y[i * B:(i + 1) * B]
         assert torch.equal(px[: bx.size(0), : bx.size(1)], bx)
         real = int((py != -100).sum())
