@@ -1,8 +1,9 @@
 """Pipeline parallelism against the other layouts at one model and one global batch, on this machine
 (gloo): per schedule and micro-batch count, the bubble (the share of a step a stage waits) against
-its theory (p-1)/(m+p-1), tokens/s against DDP, the bytes a process holds (parameters, gradients,
-optimizer state; the activations kept for the backward at their peak) against DDP, FSDP and tensor
-parallelism, and the bytes each step sends between stages against what DDP and FSDP send.
+its theory (p-1)/(m+p-1) (interleaved, v stages per process: (p-1)/(v m+p-1)), tokens/s against DDP,
+the bytes a process holds (parameters, gradients, optimizer state; the activations kept for the
+backward at their peak) against DDP, FSDP and tensor parallelism, and the bytes each step sends
+between stages against what DDP and FSDP send.
 
     python -m benchmarks pipeline [--model gpt-mini] [--nproc 2] [--micro 2 4 8] [--block 64] [--steps 4]
 
@@ -12,7 +13,8 @@ forward or a backward of the schedule (PipelineStage.forward_one_chunk / backwar
 the bubble is 1 - busy / the schedule's step time (its sends and receives, waits and Python included),
 the mean over the stages. Activations: the bytes saved for the
 backward by one micro-batch (every tensor saved, counted once by storage, weights left out), times
-the micro-batches a stage holds at once: GPipe all m, 1F1B at most p (stage 0's count).
+the micro-batches a stage holds at once: GPipe all m, 1F1B at most p, interleaved its warm-up
+(stage 0's count).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def worker(steps: int, warmup: int, overrides: list[str]) -> None:
     """One process: assemble the run, train warmup + steps, report its figures (rank 0 prints them all)."""
     import torch
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
     from mingpt.config.compose import compose
     from mingpt.main import assemble, setup_logging
@@ -58,6 +60,7 @@ def worker(steps: int, warmup: int, overrides: list[str]) -> None:
     PipelineStage.forward_one_chunk = timed(PipelineStage.forward_one_chunk, busy)
     PipelineStage.backward_one_chunk = timed(PipelineStage.backward_one_chunk, busy)
     PipelineScheduleSingle.step = timed(PipelineScheduleSingle.step, scheduled)
+    PipelineScheduleMulti.step = timed(PipelineScheduleMulti.step, scheduled)
     info = distributed.DistInfo.from_env()
     setup_logging(info)
     cfg = compose(overrides)
@@ -98,7 +101,7 @@ def worker(steps: int, warmup: int, overrides: list[str]) -> None:
     distributed.exit_process(0, had_process_group=True)
 
 
-def layouts(nproc: int, micro: list[int]) -> list[tuple[str, list[str], int]]:
+def layouts(nproc: int, micro: list[int], n_layer: int) -> list[tuple[str, list[str], int]]:
     """(row name, its settings, micro-batches of the pipeline): FSDP and TP at the smallest count, then
     at each count DDP (at the same global batch) and each schedule."""
     m0 = micro[0]
@@ -107,8 +110,8 @@ def layouts(nproc: int, micro: list[int]) -> list[tuple[str, list[str], int]]:
         rows.append(("ddp", [], m))
         if m == m0:
             rows += [("fsdp", ["trainer.parallel=fsdp"], m0), (f"tp{nproc}", [f"trainer.tensor_parallel={nproc}"], m0)]
-        for schedule in ("gpipe", "1f1b"):
-            if schedule == "1f1b" and m < nproc:
+        for schedule in ("gpipe", "1f1b", "interleaved"):
+            if (schedule == "1f1b" and m < nproc) or (schedule == "interleaved" and n_layer < 2 * nproc):
                 continue
             rows.append((f"pp{nproc} {schedule}", [f"trainer.pipeline_parallel={nproc}",
                                                    f"trainer.pipeline_schedule={schedule}"], m))
@@ -139,7 +142,11 @@ def main(argv: list[str] | None = None) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     ddp = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, settings, m in layouts(p, args.micro):
+        from mingpt.model.gpt import PRESETS
+
+        n_layer = next((int(o.split("=")[1]) for o in args.overrides if o.startswith("model.n_layer=")),
+                       PRESETS[args.model][0])
+        for name, settings, m in layouts(p, args.micro, n_layer):
             pp = "pipeline" in " ".join(settings)
             data_ranks = 1 if pp else (1 if name.startswith("tp") else p)
             # one global batch for every row of a micro-batch count: m micro-batches of --micro-size per pipeline
@@ -162,10 +169,16 @@ def main(argv: list[str] | None = None) -> None:
             state = max(r["parameters"] + r["gradients"] + r["optimizer"] for r in ranks) / 2**20
             if pp:
                 bubble = sum(1 - r["busy"] / r["scheduled"] for r in ranks) / len(ranks)
-                in_flight = m if "gpipe" in name else min(m, p)
-                acts = max(r["saved_per_step"] / m * in_flight for r in ranks) / 2**20
+                v = 2 if "interleaved" in name else 1  # stages per process
+                if v > 1:  # rank 0's warm-up forwards (of one stage's micro-batch each) before its first backward
+                    from torch.distributed.pipelining.schedules import _get_warmup_ops
+
+                    in_flight = _get_warmup_ops(0, v, m // max(1, m // p), p, m) + 1
+                else:
+                    in_flight = m if "gpipe" in name else min(m, p)
+                acts = max(r["saved_per_step"] / (m * v) * in_flight for r in ranks) / 2**20
                 sent = max(r["sent_per_step"] for r in ranks) / 2**20
-                theory = f"{(p - 1) / (m + p - 1):.3f}"
+                theory = f"{(p - 1) / (v * m + p - 1):.3f}"
                 bub = f"{bubble:.3f}"
             else:
                 bub, theory = "-", "-"

@@ -192,8 +192,10 @@ class TrainerConfig:
     size. docs/pipeline.md."""
     pipeline_schedule: str = "1f1b"
     """The schedule of a step's micro-batches through the stages: "1f1b" (one forward, one backward: at most
-    `pipeline_parallel` micro-batches' activations held; needs that many micro-batches per data rank) or
-    "gpipe" (every forward, then every backward). Their bubble is the same: docs/pipeline.md."""
+    `pipeline_parallel` micro-batches' activations held; needs that many micro-batches per data rank),
+    "gpipe" (every forward, then every backward; the same bubble) or "interleaved" (1F1B with two stages on
+    each process, stage s on process s % pipeline_parallel: a smaller bubble for more sends; needs
+    2 x pipeline_parallel blocks). docs/pipeline.md."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")
@@ -205,8 +207,8 @@ class TrainerConfig:
         _check(self.tensor_parallel >= 1, f"trainer.tensor_parallel must be >= 1 (1 = off), got {self.tensor_parallel}")
         _check(self.pipeline_parallel >= 1,
                f"trainer.pipeline_parallel must be >= 1 (1 = off), got {self.pipeline_parallel}")
-        _check(self.pipeline_schedule in ("1f1b", "gpipe"),
-               f"trainer.pipeline_schedule={self.pipeline_schedule!r}: use 1f1b or gpipe")
+        _check(self.pipeline_schedule in ("1f1b", "gpipe", "interleaved"),
+               f"trainer.pipeline_schedule={self.pipeline_schedule!r}: use 1f1b, gpipe or interleaved")
         _check(self.eval_every >= 0 and self.eval_iters > 0, "trainer.eval_every must be >= 0 and eval_iters > 0")
         _check(self.threads >= 0, f"trainer.threads must be >= 0, got {self.threads}")
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism: the blocks split into `stages` consecutive groups, one per process of a
-pipeline, driven by a schedule of torch.distributed.pipelining (GPipe or 1F1B) over the step's
-micro-batches; docs/pipeline.md.
+pipeline, driven by a schedule of torch.distributed.pipelining (GPipe, 1F1B, or interleaved 1F1B
+with two stages on each process) over the step's micro-batches; docs/pipeline.md.
 
 The processes are numbered stage-major: rank = stage * data_world + data_rank, so the processes of
 one stage (the data-parallel copies, which average their gradients) are consecutive, on one node
@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.snapshot.layout import Slot, dtype_name, dtype_of
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+CHUNKS = 2  # stages per process under the interleaved schedule
 
 
 def stage_layers(n_layer: int, stages: int, stage: int) -> range:
@@ -39,14 +40,16 @@ def stage_layers(n_layer: int, stages: int, stage: int) -> range:
     return range(start, start + base + (stage < extra))
 
 
-def stage_of(name: str, n_layer: int, stages: int) -> int:
-    """The stage that holds (and writes) parameter `name` of the GPT (also `optim.<name>.<state>`)."""
+def stage_of(name: str, n_layer: int, stages: int, chunks: int = 1) -> int:
+    """The process of a pipeline (of `stages` processes, each running `chunks` stages: stage s on
+    process s % stages) that holds and writes parameter `name` of the GPT (also
+    `optim.<name>.<state>`)."""
     name = name.removeprefix("model.").removeprefix("optim.")
     if name.startswith(("wte.", "wpe.")):
         return 0
     if name.startswith("blocks."):
-        layer = int(name.split(".")[1])
-        return next(s for s in range(stages) if layer in stage_layers(n_layer, stages, s))
+        layer, total = int(name.split(".")[1]), stages * chunks
+        return next(s for s in range(total) if layer in stage_layers(n_layer, total, s)) % stages
     return stages - 1  # ln_f, lm_head (tied to wte: written as wte, by stage 0)
 
 
@@ -57,6 +60,10 @@ def problem(model: GPTConfig, stages: int, world: int, schedule: str, micro_batc
     if stages > n_layer:
         return (f"trainer.pipeline_parallel={stages} needs at least one block per stage, the model has {n_layer}: "
                 f"use at most {n_layer} stages")
+    if schedule == "interleaved" and CHUNKS * stages > n_layer:
+        return (f"trainer.pipeline_schedule=interleaved runs {CHUNKS} stages on each of the {stages} processes, the "
+                f"model has {n_layer} blocks for {CHUNKS * stages}: use pipeline_parallel={n_layer // CHUNKS} or less, "
+                "or pipeline_schedule=1f1b")
     if world % stages:
         return (f"trainer.pipeline_parallel={stages} needs a multiple of {stages} processes, this start has {world}: "
                 f"launch {world - world % stages or stages} (or another multiple), or use pipeline_parallel that "
@@ -126,11 +133,16 @@ class Pipeline:
     def __init__(self, gpt: GPT, stage: int, stages: int, schedule: str, device: torch.device,
                  pp_group, dp_group, tied_group, data_world: int):
         self.gpt, self.stage, self.stages, self.schedule_name = gpt, stage, stages, schedule
-        self.first, self.last = stage == 0, stage == stages - 1
+        self.first, self.last = stage == 0, stage == stages - 1  # the embedding's process, the head's
+        self.chunks = CHUNKS if schedule == "interleaved" else 1
+        total = stages * self.chunks  # stage s on process s % stages (torch's loop order)
+        self.stage_ids = [stage + k * stages for k in range(self.chunks)]
         self.device, self.data_world = device, data_world
         self.pp_group, self.dp_group, self.tied_group = pp_group, dp_group, tied_group
         self.n_layer = gpt.config.n_layer
-        self.module = Stage(gpt, stage_layers(self.n_layer, stages, stage), self.first, self.last)
+        parts = [Stage(gpt, stage_layers(self.n_layer, total, s), s == 0, s == total - 1) for s in self.stage_ids]
+        self.module = parts[0] if len(parts) == 1 else nn.ModuleList(parts)
+        self.parts = parts
         self._schedules: dict[tuple, object] = {}  # (micro-batches, B, T, dtype) -> a schedule of that shape
         self._token_losses: list[torch.Tensor] = []
         self._scale = None
@@ -156,27 +168,34 @@ class Pipeline:
         dtype = torch.get_autocast_dtype(self.device.type) if torch.is_autocast_enabled(self.device.type) else None
         key = (micro_batches, B, T, dtype)
         if key not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-            C, V = self.gpt.config.n_embd, self.gpt.config.vocab_size
+            C, V, total = self.gpt.config.n_embd, self.gpt.config.vocab_size, self.stages * self.chunks
             # (B, T, C): the residual stream between stages, with a gradient back (what STATIC mode's buffers copy)
             stream = torch.empty((B, T, C), device="meta", requires_grad=True)
-            inputs = torch.empty((B, T), dtype=torch.long, device="meta") if self.first else stream
-            outputs = torch.empty((B, T, V), dtype=dtype or torch.float32, device="meta") if self.last else stream
-            stage = PipelineStage(self.module, self.stage, self.stages, self.device, input_args=inputs,
-                                  output_args=outputs, group=self.pp_group)
-            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
+            stages = [PipelineStage(part, s, total, self.device, group=self.pp_group,
+                                    input_args=torch.empty((B, T), dtype=torch.long, device="meta") if s == 0 else stream,
+                                    output_args=torch.empty((B, T, V), dtype=dtype or torch.float32, device="meta")
+                                    if s == total - 1 else stream)
+                      for part, s in zip(self.parts, self.stage_ids)]
             if len(self._schedules) >= 8:  # documents: a few shapes recur; forget the oldest
                 self._schedules.pop(next(iter(self._schedules)))
-            self._schedules[key] = kind(stage, micro_batches, loss_fn=self._loss, scale_grads=False)
+            if self.chunks > 1:
+                self._schedules[key] = ScheduleInterleaved1F1B(stages, micro_batches, loss_fn=self._loss,
+                                                               scale_grads=False)
+            else:
+                kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[self.schedule_name]
+                self._schedules[key] = kind(stages[0], micro_batches, loss_fn=self._loss, scale_grads=False)
         return self._schedules[key]
 
     def run(self, batches: list[tuple[torch.Tensor, torch.Tensor, float]], scale) -> torch.Tensor:
         """Forward and backward of the step's micro-batches through the schedule, the gradients then
         summed between the tied copies and averaged over the data ranks; the summed token loss of
         this data rank (the same on every stage)."""
-        x, y = padded(batches, self.stages if self.schedule_name == "1f1b" else 1)
         micro = max(len(batches), self.stages if self.schedule_name == "1f1b" else 1)
+        while self.chunks > 1 and micro % max(1, micro // self.stages):  # interleaved: whole rounds
+            micro += 1
+        x, y = padded(batches, micro)
         B, T = x.size(0) // micro, x.size(1)
         schedule = self._schedule(micro, B, T)
         self._token_losses, self._scale = [], scale
@@ -186,7 +205,8 @@ class Pipeline:
         else:
             schedule.step(*args, return_outputs=False)
         C = self.gpt.config.n_embd
-        self.sent_bytes += micro * B * T * C * 4 * ((not self.last) + (not self.first))  # fp32 activations, gradients
+        total = self.stages * self.chunks  # fp32 activations forward, their gradients back
+        self.sent_bytes += micro * B * T * C * 4 * sum((s < total - 1) + (s > 0) for s in self.stage_ids)
         loss = torch.stack(self._token_losses).sum() if self.last else torch.zeros((), device=self.device)
         self._token_losses = []
         if self.stages > 1:
@@ -240,7 +260,7 @@ class Pipeline:
         held = self._tensors(optimizer)
         if self._specs is None:  # the other stages' names and shapes, gathered once
             mine = [(n, tuple(t.shape), dtype_name(t.dtype), s) for n, t in held.items()
-                    for s in [stage_of(n, self.n_layer, self.stages)] if s == self.stage]
+                    for s in [stage_of(n, self.n_layer, self.stages, self.chunks)] if s == self.stage]
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
             self._specs = [spec for s in range(self.stages) for spec in every[s * self.data_world]]
@@ -280,18 +300,19 @@ class PipelineForward:
         self.pp.module.train()
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "sum") -> tuple[None, torch.Tensor]:
-        pp = self.pp
-        h = x
-        if not pp.first:
-            h = torch.empty((*x.shape, pp.gpt.config.n_embd), device=pp.device)  # (B, T, C)
-            dist.recv(h, group_src=pp.stage - 1, group=pp.pp_group)
-        h = pp.module(h)
-        if not pp.last:
-            dist.send(h.float().contiguous(), group_dst=pp.stage + 1, group=pp.pp_group)
-            loss = torch.zeros((), device=pp.device)
-        else:
-            loss = F.cross_entropy(h.reshape(-1, h.size(-1)).float(), y.reshape(-1), ignore_index=-100,  # (B*T, V)
-                                   reduction=reduction)
+        pp, total = self.pp, self.pp.stages * self.pp.chunks
+        loss = torch.zeros((), device=pp.device)
+        for part, s in zip(pp.parts, pp.stage_ids):  # stage s on process s % stages, in order
+            h = x
+            if s > 0:
+                h = torch.empty((*x.shape, pp.gpt.config.n_embd), device=pp.device)  # (B, T, C)
+                dist.recv(h, group_src=(s - 1) % pp.stages, group=pp.pp_group)
+            h = part(h)
+            if s < total - 1:
+                dist.send(h.float().contiguous(), group_dst=(s + 1) % pp.stages, group=pp.pp_group)
+            else:
+                loss = F.cross_entropy(h.reshape(-1, h.size(-1)).float(), y.reshape(-1),  # (B*T, V)
+                                       ignore_index=-100, reduction=reduction)
         if pp.stages > 1:
             dist.broadcast(loss, group_src=pp.stages - 1, group=pp.pp_group)
         return None, loss

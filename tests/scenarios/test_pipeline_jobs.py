@@ -38,10 +38,12 @@ def one_process_grads(tmp_path_factory):
     return torch.load(tmp / "g.pt"), corpus_file
 
 
-@pytest.mark.parametrize("nproc, stages, schedule", [(2, 2, "1f1b"), (4, 2, "gpipe")], ids=["pp2-1f1b", "pp2-ddp2-gpipe"])
+@pytest.mark.parametrize("nproc, stages, schedule", [(2, 2, "1f1b"), (4, 2, "gpipe"), (2, 2, "interleaved")],
+                         ids=["pp2-1f1b", "pp2-ddp2-gpipe", "pp2-interleaved"])
 def test_pipeline_gradients_equal_one_process_and_the_tied_matrix_stays_tied(tmp_path, one_process_grads, nproc,
                                                                              stages, schedule):
-    """One step (6 sequences, micro-batches of 2: 3 micro-batches, over 2 data ranks uneven), clipped:
+    """One step (6 sequences, micro-batches of 2: 3 micro-batches, over 2 data ranks uneven; interleaved:
+    4 stages of one block, two on each process), clipped:
     every gradient, from the stage that holds it, equals one process's within float32 rounding
     (rtol 1e-4, atol 1e-6, as for DDP against one process: the tied matrix's two parts are added in
     another order, the norm is summed by stage). The tied matrix: its gradient and its updated

@@ -33,6 +33,12 @@ def test_every_tensor_has_the_stage_that_holds_it(name, stage):
     assert stage_of(name, 5, 3) == stage  # blocks 0-1, 2-3, 4
 
 
+def test_interleaved_stages_take_turns_on_the_processes():
+    """Two stages per process, stage s on process s % 2: 8 blocks in 4 stages of 2, processes 0 1 0 1."""
+    assert [stage_of(f"model.blocks.{i}.ln_1.weight", 8, 2, chunks=2) for i in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert stage_of("model.wte.weight", 8, 2, chunks=2) == 0 and stage_of("model.ln_f.bias", 8, 2, chunks=2) == 1
+
+
 @pytest.mark.parametrize("layers, stages, world, schedule, micro, message", [
     (4, 2, 4, "1f1b", 2, None),
     (4, 4, 4, "gpipe", 1, None),
@@ -41,6 +47,9 @@ def test_every_tensor_has_the_stage_that_holds_it(name, stage):
     (4, 4, 6, "gpipe", 4, "trainer.pipeline_parallel=4 needs a multiple of 4 processes, this start has 6: launch 4"),
     (4, 4, 4, "1f1b", 3, "trainer.pipeline_schedule=1f1b over 4 stages needs at least 4 micro-batches per data rank "
                          "a step, this step has 3"),
+    (4, 2, 2, "interleaved", 3, None),
+    (6, 4, 4, "interleaved", 4, "trainer.pipeline_schedule=interleaved runs 2 stages on each of the 4 processes, "
+                                "the model has 6 blocks for 8: use pipeline_parallel=3 or less"),
 ])
 def test_impossible_pipelines_are_named_with_the_fix(layers, stages, world, schedule, micro, message):
     """A world the stages do not divide (an elastic restart after losing a node) and a step with fewer
@@ -53,7 +62,7 @@ def test_impossible_pipelines_are_named_with_the_fix(layers, stages, world, sche
 
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.pipeline_parallel=0"], "trainer.pipeline_parallel must be >= 1 (1 = off), got 0"),
-    (["trainer.pipeline_schedule=zb"], "trainer.pipeline_schedule='zb': use 1f1b or gpipe"),
+    (["trainer.pipeline_schedule=zb"], "trainer.pipeline_schedule='zb': use 1f1b, gpipe or interleaved"),
     (["trainer.pipeline_parallel=2", "trainer.parallel=fsdp"],
      "trainer.pipeline_parallel=2 composes with trainer.parallel=ddp only"),
     (["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"],
