@@ -83,8 +83,9 @@ def held_state(out, nproc: int) -> dict:
 
 def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path):
     """Written by a pipeline of 2 stages x 2 data ranks (each stage's processes write its tensors),
-    the snapshot holds the whole tensors once: one process (as DDP: every tensor whole), FSDP over 2
-    and a pipeline of 4 stages start from exactly the stored weights and optimizer state. (A
+    the snapshot holds the whole tensors once: one process (as DDP: every tensor whole), FSDP over 2,
+    tensor parallelism over 2 and a pipeline of 4 stages (a world the 4 processes of 2 x 2 fit again)
+    start from exactly the stored weights and optimizer state. (A
     snapshot of one process into a pipeline: test_a_pipeline_run_evaluates_...)"""
     corpus_file = make_corpus(tmp_path)
     data = [*TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.batch_size=8",
@@ -98,11 +99,11 @@ def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path)
     stored |= {f"optim.{p}.{k}": v for p, moments in state["optimizer"].items() for k, v in moments.items()}
     tensor_bytes = sum(v.numel() * v.element_size() for v in stored.values())  # every byte written once
     assert sum(f["size"] for name, f in manifest["files"].items() if name.startswith("shard-")) == tensor_bytes
-    for nproc, layout in [(1, []), (2, ["trainer.parallel=fsdp"])]:
+    for nproc, layout in [(1, []), (2, ["trainer.parallel=fsdp"]), (2, ["trainer.tensor_parallel=2"])]:
         out = tmp_path / f"{nproc}-{layout}.pt"
         cmd = ["tests/scenarios/grad_worker.py", str(out), "--state", *data, *layout]
         run([sys.executable, *cmd] if nproc == 1 else torchrun_cmd(nproc, *cmd))
-        loaded = torch.load(out)
+        loaded = torch.load(out)  # whole tensors (FSDP's and TP's gathered)
         assert loaded.keys() == stored.keys(), (nproc, layout)
         for name, t in stored.items():
             assert torch.equal(loaded[name], t), (nproc, layout, name)
