@@ -222,8 +222,11 @@ class Pipeline:
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
             dist.all_reduce(tied.grad, group=self.tied_group)
-        if self.data_world > 1:
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if self.data_world > 1:  # one flat all-reduce (a transient copy of the stage's gradients)
+            for p in self.module.parameters():
+                if p.grad is None:  # every copy sends the same tensors, in one order
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in self.module.parameters()]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.dp_group)
             flat /= self.data_world
