@@ -86,7 +86,7 @@ def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path)
     the snapshot holds the whole tensors once: one process (as DDP: every tensor whole), FSDP over 2,
     tensor parallelism over 2 and a pipeline of 4 stages (a world the 4 processes of 2 x 2 fit again)
     start from exactly the stored weights and optimizer state. (A
-    snapshot of one process into a pipeline: test_a_pipeline_run_evaluates_...)"""
+    snapshot of one process into a pipeline: test_documents_through_a_pipeline_...)"""
     corpus_file = make_corpus(tmp_path)
     data = [*TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.batch_size=8",
             "trainer.micro_batch_size=2", f"trainer.run_dir={tmp_path / 'run'}"]
@@ -126,43 +126,32 @@ def assert_same(loaded: dict, stored: dict) -> None:
         assert torch.equal(loaded[name], t), name
 
 
-def test_a_pipeline_run_evaluates_as_one_process_and_snapshots_go_both_ways(tmp_path):
-    """Validation through the stages gives one process's loss (the same batches, the loss sent back to
-    every stage); the pipeline's snapshot samples text with mingpt-generate (one process); and one
-    process's snapshot loads into a pipeline of 2 stages bitwise."""
-    corpus_file = make_corpus(tmp_path)
-    common = [*TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.batch_size=4",
-              "trainer.micro_batch_size=2", "trainer.max_steps=3", "trainer.eval_every=3", "trainer.eval_iters=2"]
-    logs = {}
-    for name, cmd in [("one", [sys.executable, "mingpt/main.py"]),
-                      ("pp", [*torchrun_cmd(2, "mingpt/main.py"), "trainer.pipeline_parallel=2"])]:
-        logs[name] = run([*cmd, *common, f"trainer.run_dir={tmp_path / name}"])
-    val = {name: [line.split("val loss ")[1].split(" ")[0] for line in log.splitlines() if "val loss" in line]
-           for name, log in logs.items()}
-    assert val["one"] and val["pp"] == val["one"]  # 4 decimals
-    out = run([sys.executable, "-m", "mingpt.cli.generate", str(tmp_path / "pp"), "--max-new-tokens", "20",
-               "--temperature", "0"])
-    assert len(out.strip()) >= 20, out
-    out = tmp_path / "into-pp.pt"
-    run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(out), "--state", *common,
-                     f"trainer.run_dir={tmp_path / 'one'}", "trainer.pipeline_parallel=2"))
-    assert_same(held_state(out, 2), stored_state(tmp_path / "one"))
-
-
-def test_documents_through_a_pipeline_train_as_one_process(tmp_path):
+def test_documents_through_a_pipeline_train_and_evaluate_as_one_process_and_snapshots_go_both_ways(tmp_path):
     """Length-grouped document batches (3 micro-batches a step of varying B and T, so the stages meet a
-    new shape at most steps) through 2 stages: the loss curve of 4 steps is one process's, to float32
-    rounding (each step's micro-batches are padded to one shape; the padding counts nothing)."""
+    new shape at most steps) through 2 stages: the loss curve of 4 steps and the validation loss (the
+    activations sent through the stages, the loss back to every stage) are one process's, to float32
+    rounding (each step's micro-batches are padded to one shape; the padding counts nothing). The
+    pipeline's snapshot samples text with mingpt-generate (one process), and one process's snapshot
+    loads into a pipeline of 2 stages bitwise."""
     from conftest import make_docs_corpus, read_metrics
 
     corpus = make_docs_corpus(tmp_path)
     args = [*TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data=shakespeare_speeches",
             "data.block_size=32", "data.documents.token_budget=128", "data.documents.micro_batches_per_step=3",
-            "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=0"]
+            "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=4", "trainer.eval_iters=2"]
     run([sys.executable, "mingpt/main.py", *args, f"trainer.run_dir={tmp_path / 'one'}"])
     log = run(torchrun_cmd(2, "mingpt/main.py", *args, "trainer.pipeline_parallel=2", f"trainer.run_dir={tmp_path / 'pp'}"))
     assert "length_grouped batching" in log
-    one, pp = read_metrics(tmp_path / "one" / "metrics.jsonl"), read_metrics(tmp_path / "pp" / "metrics.jsonl")
-    assert sorted(one) == sorted(pp) == [1, 2, 3, 4]
-    for step in one:
-        assert pp[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), step
+    for kind, key in [("train", "loss"), ("eval", "val_loss")]:
+        one = read_metrics(tmp_path / "one" / "metrics.jsonl", kind)
+        pp = read_metrics(tmp_path / "pp" / "metrics.jsonl", kind)
+        assert sorted(one) == sorted(pp) == ([1, 2, 3, 4] if kind == "train" else [4])
+        for step in one:
+            assert pp[step][key] == pytest.approx(one[step][key], rel=1e-5), (kind, step)
+    out = run([sys.executable, "-m", "mingpt.cli.generate", str(tmp_path / "pp"), "--max-new-tokens", "20",
+               "--temperature", "0"])
+    assert len(out.strip()) >= 20, out
+    out = tmp_path / "into-pp.pt"
+    run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(out), "--state", *args,
+                     f"trainer.run_dir={tmp_path / 'one'}", "trainer.pipeline_parallel=2"))
+    assert_same(held_state(out, 2), stored_state(tmp_path / "one"))
