@@ -14,6 +14,7 @@
     gpu         the GPU path on one CUDA device: flash attention, bf16/fp16, compile, MFU, a SIGKILL resumed
     survivors   3 replica groups, one SIGKILLed every T s or cut off: goodput, survivor gap, rejoin; vs one torchrun
     memory      memory per process (parameters, gradients, optimizer state, activations) by layout, tensor parallel too
+    pipeline    pipeline schedules: bubble against theory, tokens/s against DDP, memory and bytes sent against the layouts
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import importlib
 import sys
 
 BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput", "scale", "internode", "s3tune", "soak",
-              "survivors", "gpu", "memory")
+              "survivors", "gpu", "memory", "pipeline")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from mingpt.config.compose import compose, config_dir, dashed_settings, from_dict, register
+from mingpt.config.compose import compose, config_dir, dashed_settings, from_dict, register, summary
 from mingpt.config.schema import ConfigError, RunConfig
 from mingpt.data import Corpus, DataError, build_samplers, load_corpus
 from mingpt.data.samplers import validation_batches
@@ -76,7 +76,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     cfg, corpus = build_data(cfg, start, info)
     ledger.switch("model")
     parallel = build_model(cfg, info, start)
-    optimizer = build_optimizer(parallel.gpt, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
+    optimizer = build_optimizer(parallel.local, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
     init_state(optimizer)
     metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard)
     hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]
@@ -161,7 +161,9 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
     parallel = parallelize(gpt, cfg.trainer.parallel, info, seed=seed,
                            compile=cfg.trainer.compile,  # HSDP on one node only to carry on an HSDP run
                            one_node_ok=(start.manifest or {}).get("parallel") == "hsdp",
-                           tensor_parallel=cfg.trainer.tensor_parallel)
+                           tensor_parallel=cfg.trainer.tensor_parallel,
+                           pipeline_parallel=cfg.trainer.pipeline_parallel, schedule=cfg.trainer.pipeline_schedule,
+                           micro_batches=partial(micro_batches_per_rank, cfg))
     if start.pretrained is not None and fresh:
         checkpoint_vocab = read_config(start.pretrained)["vocab_size"]
         if checkpoint_vocab != cfg.model.vocab_size:
@@ -172,6 +174,15 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
     log.info("model %s: %.2fM parameters, context %d, %s", cfg.model.preset or "custom", gpt.num_params() / 1e6,
              cfg.model.block_size, parallel)
     return parallel
+
+
+def micro_batches_per_rank(cfg: RunConfig, data_world: int) -> int:
+    """The micro-batches of one data rank in a full step (the sampler's split: samplers.split_evenly,
+    LengthGroupedSampler.split)."""
+    if cfg.data.kind == "stream":
+        per_rank = -(-cfg.trainer.batch_size // data_world)
+        return max(1, -(-per_rank // cfg.trainer.micro_batch))
+    return -(-cfg.data.documents.micro_batches_per_step // data_world)
 
 
 def build_train_data(cfg: RunConfig, corpus: Corpus, parallel: Parallel) -> TrainData:
@@ -223,7 +234,7 @@ def start_process(cfg: RunConfig, info: DistInfo, ledger: Ledger) -> DistInfo:
         info.hostname, info.local_world_size, info.rank, info.world_size, info.restart_count)
     preflight(cfg, info)
     if info.restart_count == 0:  # once per launch, on the first rank; a record per line (grep, and
-        for line in cfg.summary():  # every line of the log starts alike)
+        for line in summary(cfg):  # every line of the log starts alike)
             log.info("settings: %s", line)
     return info
 

@@ -129,3 +129,17 @@ def test_memory(corpus_file):
     assert rows.keys() == {"ddp", "tp2-ddp"}, out
     (p1, g1, o1, a1, _), (p2, g2, o2, a2, _) = rows["ddp"], rows["tp2-ddp"]
     assert p2 < p1 and g2 < g1 and o2 < o1 and 0 < a2 < a1, out
+
+
+def test_pipeline(corpus_file):
+    """Two stages against DDP, FSDP and TP2 over 2 processes: each schedule's bubble is measured and set
+    beside its theory, 1/3 for 2 stages and 2 micro-batches; a stage sends less than DDP's all-reduce."""
+    out = bench("pipeline", "--model", "gpt-nano", "--block", "32", "--micro", "2", "--steps", "1",
+                "--data", str(corpus_file), "model.n_head=2")
+    rows = {r.split("|")[1].strip(): [c.strip() for c in r.split("|")[2:-1]] for r in out.splitlines()
+            if r.startswith("| ") and not r.startswith(("| layout", "| ---"))}
+    assert rows.keys() == {"ddp", "fsdp", "tp2", "pp2 gpipe", "pp2 1f1b"}, out
+    for name in ("pp2 gpipe", "pp2 1f1b"):
+        _, rate, _, bubble, theory, _, _, sent = rows[name]
+        assert theory == "0.333" and 0 < float(bubble) < 1 and float(rate.replace(",", "")) > 0, out
+        assert 0 < float(sent) < float(rows["ddp"][7]), out

@@ -113,6 +113,30 @@ def dashed_settings(overrides: list[str], refuse: bool = False) -> list[str]:
     return dashed
 
 
+def summary(cfg: RunConfig) -> list[str]:
+    """The settings a user checks before a long run, on one screen (`--cfg job` prints every key)."""
+    m, d, o, t, s, r = cfg.model, cfg.data, cfg.optim, cfg.trainer, cfg.snapshot, cfg.replicas
+    steps = f"{t.max_steps} steps, evaluated every {t.eval_every} on {t.eval_iters} batches" if t.eval_every else \
+        f"{t.max_steps} steps, no evaluation"
+    batch = (f"{t.batch_size} sequences of {d.block_size} tokens a step, micro-batches of {t.micro_batch_size}"
+             if d.kind == "stream" else f"documents, {d.documents.micro_batches_per_step} micro-batches of "
+             f"{d.documents.token_budget} tokens a step")
+    layers, heads, width = m.shape
+    return [f"model     {m.preset or 'custom'}: {layers} layers, {heads} heads, {width} wide"
+            + (f", from {m.init_from}" if m.init_from else ""),
+            f"data      {d.path} ({d.tokenizer.kind} tokens), {d.val_fraction:.0%} held out for validation",
+            f"batch     {batch}", f"steps     {steps}, logged every {t.log_every}",
+            f"optimizer AdamW, lr {o.lr:g} (warm-up {o.warmup_steps} steps, cosine to {o.min_lr:g}), weight decay "
+            f"{o.weight_decay:g}, clip {o.grad_clip:g}",
+            f"layout    {t.parallel}" + (f", tensor parallel {t.tensor_parallel}" if t.tensor_parallel > 1 else "")
+            + (f", pipeline {t.pipeline_parallel} ({t.pipeline_schedule})" if t.pipeline_parallel > 1 else "")
+            + f", precision {t.precision}" + (", compiled" if t.compile else "")
+            + (f", replica group {r.group} of {len(r.peers)}" if r.enabled else ""),
+            f"snapshots {cfg.snapshot_store}, every {s.every_steps} steps"
+            + (f" or {s.every_seconds:g} s" if s.every_seconds else "") + f", keep {s.keep_last}, resume {s.resume}",
+            f"run       {t.run_dir} (metrics.jsonl; a report: mingpt-report {t.run_dir})"]
+
+
 def _build(cls, values: dict[str, Any], where: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     types = typing.get_type_hints(cls)

@@ -1,6 +1,7 @@
 """Typed configuration: one frozen dataclass per component, validation only.
 
-Hydra's DictConfig is turned into these once, by compose.py (`compose`, `from_dict`), and never passed further.
+Hydra's DictConfig is turned into these once, by compose.py (`compose`, `from_dict`; `summary` says them
+in a few lines), and never passed further.
 """
 
 from __future__ import annotations
@@ -182,6 +183,17 @@ class TrainerConfig:
     """Tensor parallelism: each block (heads, MLP columns), the sequence between blocks and the vocabulary
     split over this many processes of one node, with `parallel` across the groups; 1 = off. Must divide
     the processes per node, model.n_head, data.block_size and the vocabulary padded to a multiple of 64."""
+    pipeline_parallel: int = 1
+    """Pipeline parallelism: the blocks split into this many stages, one per process (the embedding on the
+    first, the final norm and head on the last; the tied matrix held by both), the processes numbered
+    stage by stage, with DDP across the pipelines; 1 = off. At most model.n_layer; must divide the world
+    size. docs/pipeline.md."""
+    pipeline_schedule: str = "1f1b"
+    """The schedule of a step's micro-batches through the stages: "1f1b" (one forward, one backward: at most
+    `pipeline_parallel` micro-batches' activations held; needs that many micro-batches per data rank),
+    "gpipe" (every forward, then every backward; the same bubble) or "interleaved" (1F1B with two stages on
+    each process, stage s on process s % pipeline_parallel: a smaller bubble for more sends; needs
+    2 x pipeline_parallel blocks). docs/pipeline.md."""
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")
@@ -191,6 +203,10 @@ class TrainerConfig:
         _check(self.log_every > 0, f"trainer.log_every must be positive, got {self.log_every}")
         _check(self.parallel in ("ddp", "fsdp", "hsdp"), f"trainer.parallel={self.parallel!r}: use ddp, fsdp or hsdp")
         _check(self.tensor_parallel >= 1, f"trainer.tensor_parallel must be >= 1 (1 = off), got {self.tensor_parallel}")
+        _check(self.pipeline_parallel >= 1,
+               f"trainer.pipeline_parallel must be >= 1 (1 = off), got {self.pipeline_parallel}")
+        _check(self.pipeline_schedule in ("1f1b", "gpipe", "interleaved"),
+               f"trainer.pipeline_schedule={self.pipeline_schedule!r}: use 1f1b, gpipe or interleaved")
         _check(self.eval_every >= 0 and self.eval_iters > 0, "trainer.eval_every must be >= 0 and eval_iters > 0")
         _check(self.threads >= 0, f"trainer.threads must be >= 0, got {self.threads}")
 
@@ -336,6 +352,22 @@ class RunConfig:
                "trainer.parallel=hsdp inside replica groups (replicas.peers) is not supported: a group is one node; "
                "use trainer.parallel=fsdp (sharded inside each group, replicated across the groups: a "
                "fault-tolerant HSDP)")
+        pp, t = self.trainer.pipeline_parallel, self.trainer
+        if pp > 1:
+            _check(t.parallel == "ddp" and t.tensor_parallel == 1,
+                   f"trainer.pipeline_parallel={pp} composes with trainer.parallel=ddp only (not yet with fsdp, hsdp or "
+                   "tensor_parallel): set trainer.parallel=ddp and tensor_parallel=1; its snapshots load under those")
+            _check(not t.compile, f"trainer.compile with trainer.pipeline_parallel={pp} is not supported: set "
+                   "trainer.compile=false")
+            _check(self.model.dropout == 0, f"model.dropout with trainer.pipeline_parallel={pp} is not supported (the "
+                   "schedule's order would change the dropout noise): set model.dropout=0")
+            _check(t.precision != "fp16", f"trainer.precision=fp16 with trainer.pipeline_parallel={pp} is not "
+                   "supported (each stage's GradScaler would skip steps on its own): use bf16 or fp32")
+            _check(self.model.init_from is None, f"model.init_from with trainer.pipeline_parallel={pp} is not "
+                   "supported: start from GPT-2's weights without it, and continue that run's snapshot with "
+                   "pipeline_parallel (snapshots load under any layout)")
+            _check(not self.replicas.enabled, f"trainer.pipeline_parallel={pp} inside replica groups (replicas.peers) "
+                   "is not supported: use replica groups without a pipeline")
         fixed = (TrainerConfig.batch_size, TrainerConfig.micro_batch_size)  # the defaults: not set
         _check(self.data.kind == "stream" or (self.trainer.batch_size, self.trainer.micro_batch_size) == fixed,
                "trainer.batch_size and trainer.micro_batch_size size batches of fixed blocks; documents are "
@@ -344,28 +376,6 @@ class RunConfig:
     def to_dict(self) -> dict:
         """Plain containers (no tensors), for manifests and snapshots."""
         return dataclasses.asdict(self)
-
-    def summary(self) -> list[str]:
-        """The settings a user checks before a long run, on one screen (`--cfg job` prints every key)."""
-        m, d, o, t, s, r = self.model, self.data, self.optim, self.trainer, self.snapshot, self.replicas
-        steps = f"{t.max_steps} steps, evaluated every {t.eval_every} on {t.eval_iters} batches" if t.eval_every else \
-            f"{t.max_steps} steps, no evaluation"
-        batch = (f"{t.batch_size} sequences of {d.block_size} tokens a step, micro-batches of {t.micro_batch_size}"
-                 if d.kind == "stream" else f"documents, {d.documents.micro_batches_per_step} micro-batches of "
-                 f"{d.documents.token_budget} tokens a step")
-        layers, heads, width = m.shape
-        return [f"model     {m.preset or 'custom'}: {layers} layers, {heads} heads, {width} wide"
-                + (f", from {m.init_from}" if m.init_from else ""),
-                f"data      {d.path} ({d.tokenizer.kind} tokens), {d.val_fraction:.0%} held out for validation",
-                f"batch     {batch}", f"steps     {steps}, logged every {t.log_every}",
-                f"optimizer AdamW, lr {o.lr:g} (warm-up {o.warmup_steps} steps, cosine to {o.min_lr:g}), weight decay "
-                f"{o.weight_decay:g}, clip {o.grad_clip:g}",
-                f"layout    {t.parallel}" + (f", tensor parallel {t.tensor_parallel}" if t.tensor_parallel > 1 else "")
-                + f", precision {t.precision}" + (", compiled" if t.compile else "")
-                + (f", replica group {r.group} of {len(r.peers)}" if r.enabled else ""),
-                f"snapshots {self.snapshot_store}, every {s.every_steps} steps"
-                + (f" or {s.every_seconds:g} s" if s.every_seconds else "") + f", keep {s.keep_last}, resume {s.resume}",
-                f"run       {t.run_dir} (metrics.jsonl; a report: mingpt-report {t.run_dir})"]
 
     @property
     def snapshot_store(self) -> str:

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 
 from mingpt.model.gpt import GPT, GPTConfig
+from mingpt.parallel.pipeline import Pipeline
+from mingpt.parallel.pipeline import problem as pp_problem
 from mingpt.parallel.shards import local_rows
 from mingpt.parallel.tensor import TensorParallel, split
 from mingpt.parallel.tensor import problem as tp_problem
@@ -37,8 +39,8 @@ class Parallel:
     """One strategy's answers to the Trainer's questions; see `parallelize`."""
 
     def __init__(self, name: str, model: nn.Module, gpt: GPT, replicas: int = 1, shards: int = 1,
-                 tp: TensorParallel | None = None, rank: int = 0, world: int = 1):
-        self.name, self.model, self.gpt = name, model, gpt
+                 tp: TensorParallel | None = None, rank: int = 0, world: int = 1, pp: Pipeline | None = None):
+        self.name, self.model, self.gpt, self.pp = name, model, gpt, pp
         self.sharded = name in ("fsdp", "hsdp") or tp is not None  # tensor parallel: FSDP2 for the data (parallelize)
         self.replicas = replicas  # HSDP: the nodes, each holding the whole state sharded over its ranks
         self.shards = shards
@@ -55,6 +57,16 @@ class Parallel:
             node_replica, shard = divmod(self.data_rank, shards)
             self.copies = replicas * n
             self.writer = (node_replica * n + tp.rank) * shards + shard
+        # A pipeline: ranks are stage-major (rank = stage * data world + data rank); its stages train one
+        # share of the batch together. Each stage's processes write that stage's tensors (stages).
+        self.stages = pp.stages if pp else 1
+        if pp:
+            self.data_rank, self.data_world, self.data_copies = rank % pp.data_world, pp.data_world, pp.stages
+        # The strategy runs a step's micro-batches itself, in its schedule's order (`accumulate`), and
+        # evaluates through `evaluator` (called as the GPT: model(x, y, reduction=...)).
+        self.orders_micro_batches = pp is not None
+        self.local = pp.module if pp else gpt  # what this process holds and trains: the optimizer's parameters
+        self.evaluator = pp.evaluator() if pp else gpt
         # This rank's own compute time per step ends when the gradient reaches the token embedding,
         # the last computation of the backward pass: the gradient all-reduce that follows makes
         # every rank look as slow as the slowest. (A tensor hook, not a DDP comm hook: a Python
@@ -65,6 +77,7 @@ class Parallel:
 
     def __str__(self) -> str:
         tp = f" x tensor parallel {self.tp.size}" if self.tp else ""
+        tp += f" x {self.pp}" if self.pp else ""
         if self.name != "hsdp":
             return self.name + tp
         return f"hsdp ({self.replicas} node{'s' if self.replicas > 1 else ''} x {self.shards} processes{tp})"
@@ -80,6 +93,8 @@ class Parallel:
     def sync(self, last: bool):
         """The context of one micro-batch's backward: gradients are reduced across ranks only after
         the last micro-batch of a step."""
+        if self.pp:  # its schedule runs every micro-batch of the step (accumulate)
+            return contextlib.nullcontext()
         if self.name == "ddp" and not self.tp and not last:
             return self.model.no_sync()
         if self.sharded:
@@ -91,17 +106,23 @@ class Parallel:
         the device (reading it on the host would wait for the step)."""
         if self.tp:
             return self.tp.clip_grad_norm(self.gpt, max_norm)
+        if self.pp:
+            return self.pp.clip_grad_norm(max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), max_norm if max_norm > 0 else math.inf)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def slots(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
         """Every tensor of the model and the optimizer as this rank holds it, by a name that does not
         depend on the strategy: `model.<parameter>`, `optim.<parameter>.<state>`."""
+        if self.pp:  # every stage's, the others' as placeholders (a collective the first time)
+            return self.pp.slots(optimizer)
         return [(self.tp and self.tp.slot(name, t)) or _slot(name, t) for name, t in self._tensors(optimizer)]
 
     def held(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
         """The tensors of `slots`, by the same names, exactly as this process holds them (its FSDP rows,
         its tensor-parallel part; nothing gathered): for a process that holds the same parts (healing)."""
+        if self.pp:
+            raise ParallelError("a pipeline's processes cannot heal from replica groups (refused in the config)")
         return [Slot(name, local, tuple(local.shape)) for name, t in self._tensors(optimizer)
                 for local in [t.to_local() if hasattr(t, "to_local") else t]]
 
@@ -131,8 +152,18 @@ class Parallel:
                 first[p] = name
         return out
 
+    def accumulate(self, batches: list[tuple[torch.Tensor, torch.Tensor, float]], scale) -> torch.Tensor:
+        """Forward and backward of one rank's micro-batches (x, y, weight) of a step, in the strategy's
+        own order (`orders_micro_batches`), each micro-batch's summed token loss through `scale` before
+        its backward; the gradients reduced across ranks. Its summed token loss, weighted."""
+        loss = self.pp.run(batches, scale)
+        self.grads_ready_t = time.perf_counter()
+        return loss
+
     def close(self) -> None:
         self._hook.remove()
+        if self.pp:
+            self.pp.close()
         if self.tp:
             self.tp.close()
 
@@ -231,16 +262,21 @@ def device_mesh(info: DistInfo, strategy: str, tp: int, model: GPTConfig, one_no
 
 
 def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False,
-                one_node_ok: bool = False, tensor_parallel: int = 1) -> Parallel:
+                one_node_ok: bool = False, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                schedule: str = "1f1b", micro_batches=None) -> Parallel:
     """Wrap a model built on the meta device for `strategy` ("ddp", "fsdp" or "hsdp"; one process
     runs it plainly) and `tensor_parallel` (the processes that split each block; 1: none),
     materialise it on this rank's device, and initialise it from `seed` (None: leave it
     uninitialised, for a snapshot that overwrites every value). `one_node_ok`: see `mesh_shape`.
+    `pipeline_parallel` > 1: the blocks in that many stages, run by `schedule`; `micro_batches(data
+    world)`: the micro-batches of a data rank a step (a schedule may need more).
 
     With tensor parallelism FSDP2 takes the data dimensions under every strategy (DDP as FSDP2 over
     a mesh whose "shard" dimension is 1: replicated, as DDP's, with gradients all-reduced), so every
     split parameter is one DTensor over the whole mesh."""
     device = torch.device(info.device)
+    if pipeline_parallel > 1:
+        return _pipeline(gpt, info, pipeline_parallel, schedule, micro_batches, seed)
     replicas, shards, tp = 1, 1, None
     if tensor_parallel > 1 and not info.distributed:
         raise ParallelError(f"trainer.tensor_parallel={tensor_parallel} needs that many processes: launch with "
@@ -289,3 +325,36 @@ def _settle_buckets(ddp: nn.Module, gpt: GPT, device: torch.device) -> None:
         _, loss = ddp(x, x, reduction="sum")
         loss.backward()
     gpt.zero_grad(set_to_none=True)
+
+
+def _pipeline(gpt: GPT, info: DistInfo, stages: int, schedule: str, micro_batches, seed: int | None) -> Parallel:
+    """`stages` pipeline stages over the processes, stage-major, data-parallel (as DDP) across the
+    pipelines: this process's stage materialised and initialised (the same values as one process's:
+    every parameter is drawn, the other stages' into meta tensors that hold nothing)."""
+    if not info.distributed:
+        raise ParallelError(f"trainer.pipeline_parallel={stages} needs that many processes: launch with torchrun "
+                            f"--nproc_per_node={stages} (or a multiple of it)")
+    data = info.world_size // stages
+    problem = pp_problem(gpt.config, stages, info.world_size, schedule, micro_batches(max(data, 1)) if micro_batches else stages)
+    if problem:
+        raise ParallelError(problem)
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device = torch.device(info.device)
+    mesh = init_device_mesh(device.type, (stages, data), mesh_dim_names=("pp", "dp"))
+    stage, data_rank = divmod(info.rank, data)
+    tied = None
+    for d in range(data):  # every process joins the creation of every group, in one order
+        group = dist.new_group([d, (stages - 1) * data + d])
+        tied = group if d == data_rank else tied
+    pp = Pipeline(gpt, stage, stages, schedule, device, mesh.get_group("pp"), mesh.get_group("dp"), tied, data)
+    _materialise(pp.module, device)
+    # the tied matrix: one parameter again where this stage holds either end of it
+    if not gpt.wte.weight.is_meta:
+        gpt.lm_head.weight = gpt.wte.weight
+    elif not gpt.lm_head.weight.is_meta:
+        gpt.wte.weight = gpt.lm_head.weight
+    if seed is not None:
+        gpt.init_weights(seed)
+    return Parallel("ddp", pp.module, gpt, rank=info.rank, world=info.world_size, pp=pp)

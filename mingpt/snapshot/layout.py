@@ -61,6 +61,14 @@ class Slot:
     load_back: Callable[[], None] | None = None
     """Set when `local` is a copy (gathered from a tensor-parallel split): after a load, copies it into
     the tensor it stands for. Every rank calls its slots' in the same order (it may communicate)."""
+    stage: int = 0
+    """The pipeline stage whose processes write it (`cut`); 0 without a pipeline. A tensor that this
+    process does not hold (another stage's) has a `local` on the meta device: a placeholder."""
+
+    @property
+    def held(self) -> bool:
+        """This process holds the tensor (it is no other pipeline stage's placeholder)."""
+        return not self.local.is_meta
 
     @property
     def stop(self) -> int:
@@ -80,27 +88,32 @@ class Piece:
     stop: int
 
 
-def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int, replicas: int = 1
-        ) -> tuple[dict[str, list[Piece]], list[int]]:
+def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int, replicas: int = 1,
+        stages: int = 1, stage_of: dict[str, int] | None = None) -> tuple[dict[str, list[Piece]], list[int]]:
     """({tensor name: its pieces}, each writer's file size) for tensors given as (name, shape, dtype),
     in the order given (the same on every rank).
 
     `replicas` > 1 (HSDP): writer w is rank w of a mesh of `replicas` rows of writers // replicas
     shards (w = replica * shards + shard); each tensor is cut into the shards' row ranges, and each
     shard's range into one part per replica, so the replicas of a shard write its rows once between
-    them, each about the same number of bytes."""
-    shards = writers // replicas
+    them, each about the same number of bytes.
+
+    `stages` > 1 (a pipeline): the writers are `stages` consecutive groups, and each tensor is cut as
+    above among the writers of its stage (`stage_of`) alone: each stage writes its own tensors."""
+    per_stage = writers // stages
+    shards = per_stage // replicas
     sizes = [0] * writers
     pieces: dict[str, list[Piece]] = {}
     for name, shape, dtype in specs:
         rows = n_rows(shape)
         row_bytes = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        base = (stage_of or {}).get(name, 0) * per_stage
         pieces[name] = []
         for s in range(shards):
             first, last = rows_of(rows, shards, s)
             for r in range(replicas):
                 start, stop = rows_of(last - first, replicas, r)
-                w = r * shards + s
+                w = base + r * shards + s
                 if stop > start:
                     pieces[name].append(Piece(w, sizes[w], first + start, first + stop))
                     sizes[w] += (stop - start) * row_bytes

@@ -50,6 +50,10 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
     """Fill every slot from the committed snapshot `path`; returns its small state (sampler,
     counters, GradScaler). Raises SnapshotError, on every rank alike, naming the damaged shard."""
     entries = manifest["tensors"]
+    # a pipeline's process holds its stage's tensors; the other stages' are placeholders. Its ranks
+    # need different tensors, so each reads its own (no exchange of tensors every rank holds).
+    pipeline = any(not s.held for s in slots)
+    slots = [s for s in slots if s.held]
     problems = [f"{s.name} is not in it" for s in slots if s.name not in entries]
     problems += [f"{s.name} is {entries[s.name]['shape']} in it, {list(s.shape)} here" for s in slots
                  if s.name in entries and entries[s.name]["shape"] != list(s.shape)]
@@ -57,7 +61,7 @@ def restore(store: SnapshotStore, path: str, manifest: dict, slots: list[Slot], 
         raise SnapshotError(f"snapshot {store.url_of(path)} does not fit this model and optimizer: "
                             f"{'; '.join(problems[:5])}")
     targets, chunks = targets_of(manifest, slots), chunks_of(manifest)
-    exchange = layout == "exchange" and world > 1
+    exchange = layout == "exchange" and world > 1 and not pipeline
     if exchange:  # the chunks of this rank's own rows, and its share of the replicated ones
         replicated = Copier([t for t in targets if t.replicated])
         shares = _shares(needed(chunks, replicated), world)

@@ -28,6 +28,9 @@ from mingpt.snapshot.transport import Files, LocalFiles, damaged, join, retried
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 3
+PIPELINE_VERSION = 4  # a pipeline's snapshot: each tensor cut among its stage's writers (layout.cut); an
+# older mingpt refuses it by its version rather than read its rows from the wrong files
+READABLE_VERSIONS = (FORMAT_VERSION, PIPELINE_VERSION)
 MANIFEST_FILE = "manifest.json"
 REJECTED_FILE = "rejected.txt"
 STEP_RE = re.compile(r"^step_(\d{9})$")
@@ -136,7 +139,8 @@ class SnapshotStore:
     def commit(self, step: int, manifest: dict) -> str:
         """Write the manifest, last: the snapshot of `step` exists from this moment. Returns its path."""
         folder = self._path(self.name(step))
-        manifest = {**manifest, "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+        version = PIPELINE_VERSION if manifest.get("stages", 1) > 1 else FORMAT_VERSION
+        manifest = {**manifest, "format_version": version, "step": step, "time": time.time(),
                     "versions": {"torch": torch.__version__}}
         self.files.put(join(folder, MANIFEST_FILE), json.dumps(manifest, indent=1, default=str).encode())
         self.files.sync_dir(folder)
@@ -159,9 +163,10 @@ class SnapshotStore:
         if not isinstance(manifest, dict):
             raise SnapshotError(f"snapshot {self.url_of(path)} has a manifest that is not a JSON object")
         version = manifest.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise SnapshotError(f"snapshot {self.url_of(path)} has format version {version}; this mingpt reads "
-                                f"{FORMAT_VERSION}: continue it with the mingpt that wrote it (format 2: before 2026-11-24)")
+                                f"{', '.join(map(str, READABLE_VERSIONS))}: continue it with the mingpt that wrote it "
+                                "(format 2: before 2026-11-24)")
         fused = next((name for name in manifest["tensors"] if ".attn.c_attn." in name), None)
         if fused:
             raise SnapshotError(f"snapshot {self.url_of(path)} holds attention's fused input projection ({fused}), "

@@ -229,6 +229,10 @@ class Trainer:
         gradients; their summed token loss, on the device."""
         self.optimizer.zero_grad(set_to_none=True)
         model, world = self.parallel.model, self.grad_world
+        if self.parallel.orders_micro_batches:  # the strategy runs them in its own order (a pipeline's schedule)
+            batches = [(*self._fetch(mb), weight) for mb, weight in micro_here]
+            with _autocast(self.device.type, self.amp_dtype):
+                return self.parallel.accumulate(batches, lambda loss: self.scaler.scale(loss * (world / global_tokens)))
         loss_sum = torch.zeros((), device=self.device, dtype=torch.float32)
         x, y = self._fetch(micro_here[0][0])
         for i, (mb, weight) in enumerate(micro_here):
@@ -260,7 +264,7 @@ class Trainer:
         """Validation loss over the fixed subset, across ranks; the best one is kept."""
         p = self.progress
         with self.ledger.during("eval"):
-            val_loss = validation_loss(self.parallel.gpt, self.data, self.device, self.amp_dtype)
+            val_loss = validation_loss(self.parallel.evaluator, self.data, self.device, self.amp_dtype)
         p.best_val_loss = min(p.best_val_loss, val_loss)
         if not self.leads:
             return val_loss

@@ -1,5 +1,7 @@
 """Run under torchrun (or plain python): one training step, then rank 0 saves the gradients; with
 --state, no step: rank 0 saves the state the job started from (weights and optimizer state, whole).
+Under a pipeline every process holds only its stage: each saves what it holds to OUT_FILE.<rank>
+(after the step, its weights too, as "param.<name>").
 
     python grad_worker.py OUT_FILE [--state] hydra.overrides...
 """
@@ -19,6 +21,21 @@ def whole(g: torch.Tensor) -> torch.Tensor:
     return g.full_tensor() if hasattr(g, "full_tensor") else g.clone()  # FSDP's and tensor parallel's: parts
 
 
+def save_stage(run, out: str, rank: int, state: bool) -> None:
+    """A pipeline process's own tensors (the other stages' are on the meta device)."""
+    gpt, optimizer = run.parallel.gpt, run.optimizer
+    names = {p: n for n, p in gpt.named_parameters()}
+    held = [p for p in gpt.parameters() if not p.is_meta]
+    if state:
+        mine = {f"model.{names[p]}": p.detach().clone() for p in held}
+        mine.update({f"optim.{names[p]}.{k}": v.clone() for p, st in optimizer.state.items() for k, v in st.items()})
+    else:
+        run.train_step()
+        mine = {names[p]: p.grad.clone() for p in held}
+        mine.update({f"param.{names[p]}": p.detach().clone() for p in held})
+    torch.save(mine, f"{out}.{rank}")
+
+
 def main() -> None:
     out, overrides = sys.argv[1], sys.argv[2:]
     state = overrides[:1] == ["--state"]
@@ -30,7 +47,9 @@ def main() -> None:
     run = None
     try:
         run = assemble(cfg, info)
-        if state:
+        if run.parallel.pp:
+            save_stage(run, out, info.rank, state)
+        elif state:
             gpt, optimizer = run.parallel.gpt, run.optimizer
             out_state = {f"model.{n}": whole(p.detach()) for n, p in gpt.named_parameters()}
             names = {p: n for n, p in gpt.named_parameters()}

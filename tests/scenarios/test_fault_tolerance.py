@@ -124,6 +124,24 @@ def test_tensor_parallel_sigkill_recovery_is_exact_too(tmp_path):
     check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, extra=tp, kill_after=15, steps=30)
 
 
+def test_pipeline_sigkill_recovery_is_exact_too(tmp_path):
+    """A pipeline of two stages (trainer.pipeline_parallel=2, 1F1B over 4 micro-batches; no dropout: a
+    pipeline refuses it): the last stage's worker SIGKILLed, torchrun restarts both, and each stage
+    resumes its own tensors from the snapshot both wrote into the run's exact course: final weights
+    bitwise (the tied matrix too), the loss curve equal."""
+    from conftest import make_corpus
+
+    pp = ["trainer.pipeline_parallel=2", "model.dropout=0", "trainer.max_steps=30"]
+    corpus, ref_dir = make_corpus(tmp_path), tmp_path / "ref"
+    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir), *pp), cwd=REPO,
+                          env=torchrun_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "training from step 0 to 30 on 2 ranks (ddp x pipeline 2 (1f1b))" in proc.stdout + proc.stderr
+    reference = {"corpus": corpus, "weights": final_weights(ref_dir, 30),
+                 "losses": {s: r["loss"] for s, r in read_metrics(ref_dir / "metrics.jsonl").items()}}
+    check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, extra=pp, kill_after=15, steps=30)
+
+
 def check_sigkill_recovery(reference, tmp_path, docs, nproc=2, extra=(), kill_after=35, steps=MAX_STEPS):
     run_dir = tmp_path / "run"
     agent = subprocess.Popen(torchrun_cmd(nproc, "mingpt/main.py", *args(reference["corpus"], tmp_path, run_dir, docs=docs),

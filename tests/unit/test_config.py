@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mingpt.config.compose import compose, config_dir, from_dict
+from mingpt.config.compose import compose, config_dir, from_dict, summary
 from mingpt.config.schema import ConfigError
 from mingpt.model.gpt import PRESETS
 
@@ -80,7 +80,7 @@ def test_invalid_values_stop_with_one_clear_message(overrides, message):
 
 def test_the_settings_a_run_starts_with_fit_one_screen_and_name_what_a_user_checks():
     cfg = compose(["model=gpt-micro", "trainer.max_steps=300", "trainer.run_dir=runs/micro"])
-    lines = cfg.summary()
+    lines = summary(cfg)
     assert len(lines) <= 12 and all(len(line) <= 120 for line in lines)
     text = "\n".join(lines)
     for said in ("gpt-micro: 4 layers, 4 heads, 128 wide", "data/input.txt (char tokens)", "32 sequences of 128 tokens",

@@ -110,7 +110,7 @@ def test_format_version_is_checked(tmp_path, version):
     m = json.load(open(f"{p}/manifest.json"))
     m["format_version"] = version
     json.dump(m, open(f"{p}/manifest.json", "w"))
-    with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 3: continue it with the "
+    with pytest.raises(SnapshotError, match=f"format version {version}; this mingpt reads 3, 4: continue it with the "
                                              r"mingpt that wrote it \(format 2: before 2026-11-24\)"):
         read_whole(store, p)
 
