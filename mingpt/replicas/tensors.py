@@ -19,7 +19,7 @@ class ShareHeader(NamedTuple):
     loss: float  # the share's summed token loss
     samples: float  # how many samples it trained
     ids: float  # the sum of their ids (every member trains the same samples of a share, whoever it is)
-    group: float  # who trained it: the member, or (a sharded group's vote) the group
+    group: float  # the group that trained it (its member's group)
 
 MAC_COLUMNS = 4  # a header's HMAC-SHA256, its 32 bytes carried as four float64 columns
 

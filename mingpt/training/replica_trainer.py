@@ -42,7 +42,7 @@ class ReplicaTrainer(Trainer):
         return self.replicas.leads
 
     def where(self) -> str:
-        return f"replica {self.replicas.me} ({self.replicas.groups // self.replicas.procs} groups)"
+        return f"replica {self.replicas.me} ({self.replicas.groups} groups)"
 
     def begin(self) -> None:
         if not self.regroup("start"):
@@ -106,7 +106,7 @@ class ReplicaTrainer(Trainer):
 
     def record_extra(self) -> dict:
         epoch = self.replicas.epoch
-        return {"world_size": epoch.world, "groups": epoch.groups(), "shares": self.replicas.shares_record}
+        return {"world_size": epoch.world, "members": epoch.numbers(), "shares": self.replicas.shares_record}
 
     @property
     def saves(self) -> bool:
@@ -146,11 +146,11 @@ class ReplicaTrainer(Trainer):
                     break
                 except MembershipChanged as e:  # lost while healing: form the next epoch
                     why = str(e)
-        if self.replicas.beacon.group in healed:
+        if self.replicas.beacon.member in healed:
             self._redo = None  # other weights now: nothing computed before holds
             log.info("healed from replica %s: at step %d", self.replicas.beacon.name(source), p.step)
         if self.leads:
-            self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "groups": epoch.groups(),
+            self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "members": epoch.numbers(),
                                 "why": why, "regroup_s": round(time.monotonic() - t0, 4), "healed": healed,
                                 "healed_from": source if healed else None})
         return True

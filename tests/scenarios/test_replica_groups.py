@@ -127,24 +127,24 @@ def check_survived(reference, run_dir: Path, logs: list[Path], lost: int, fault:
     recs = records(run_dir / "metrics.jsonl")
     epochs = [r for r in recs if r.get("kind") == "epoch"]
     fault_step, fault_t = fault
-    without = [e for e in epochs if lost not in e["groups"] and e["time"] >= fault_t]
+    without = [e for e in epochs if lost not in e["members"] and e["time"] >= fault_t]
     assert without, epochs
     trained_before = max(r["step"] for r in recs if r.get("kind") == "train" and r["time"] <= without[0]["time"])
     assert fault_step <= without[0]["step"] == trained_before, (without[0], trained_before)
-    back = [e for e in epochs if e["time"] > without[0]["time"] and lost in e["groups"] and lost in e["healed"]]
+    back = [e for e in epochs if e["time"] > without[0]["time"] and lost in e["members"] and lost in e["healed"]]
     assert back and back[0]["healed_from"] != lost, epochs
     assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
     if not without[0]["healed"]:  # no survivor had completed the step in flight: each trained it again,
         # computing only what it had not done before it noticed the fault
-        for g in without[0]["groups"]:
+        for g in without[0]["members"]:  # (groups of one process: a member is its group)
             assert "shares done before the fault kept" in logs[g].read_text(), logs[g].read_text()[-3000:]
     # while it was away, the lost group's shares were split: one to each survivor, none idle
-    away = [r for r in recs if r.get("kind") == "train" and lost not in r["groups"]]
+    away = [r for r in recs if r.get("kind") == "train" and lost not in r["members"]]
     assert away, "no step was trained without the lost group"
     for r in away:
         per = len(r["shares"]) // GROUPS
         assert per == GROUPS - 1, r["shares"]
-        assert sorted(share[0] for share in r["shares"][lost * per:(lost + 1) * per]) == sorted(r["groups"]), r
+        assert sorted(share[0] for share in r["shares"][lost * per:(lost + 1) * per]) == sorted(r["members"]), r
     assert len({r["run_id"] for r in recs if r.get("kind") == "start"}) == 1  # one run, whichever group started it
     # exactly the fault-free run's samples in every global step, and the same weights, bit for bit
     assert shares_by_step(run_dir) == reference["shares"]
@@ -162,7 +162,7 @@ def test_a_killed_group_costs_a_step_and_heals_from_a_peer(reference, tmp_path):
 def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
     run_dir, logs, fault = run_job(tmp_path, reference["corpus"], freeze_group_2)
     epochs = check_survived(reference, run_dir, logs, lost=2, fault=fault)
-    assert "group 2 lost" in [e for e in epochs if 2 not in e["groups"] and e["time"] >= fault[1]][0]["why"]
+    assert "group 2 lost" in [e for e in epochs if 2 not in e["members"] and e["time"] >= fault[1]][0]["why"]
 
 
 LONG = 800
@@ -172,7 +172,7 @@ SHARDED = 200  # steps of the FSDP groups (their restart is back within 60 here)
 def kill_one_process_of_group_1(run_dir, agents):
     """Once the six processes trained together, and 5 steps more: SIGKILL group 1's process 1."""
     deadline = time.time() + 120  # every process a member first (a slow start joins a later epoch)
-    while not [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch" and len(e["groups"]) == 6]:
+    while not [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch" and len(e["members"]) == 6]:
         assert time.time() < deadline and all(a.poll() is None for a in agents), "the six never trained together"
         time.sleep(0.01)
     whole = [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch"][-1]
@@ -188,15 +188,15 @@ def check_group_1_left_and_returned_whole(run_dir: Path, fault_t: float, fault_s
     was read. Returns the run's records."""
     recs = records(run_dir / "metrics.jsonl")
     epochs = [r for r in recs if r.get("kind") == "epoch"]
-    assert [0, 1, 2, 3, 4, 5] in [e["groups"] for e in epochs]  # member 2g + i: group g's process i
-    without = [e for e in epochs if not {2, 3} & set(e["groups"]) and e["time"] >= fault_t]
-    assert without and without[0]["groups"] == [0, 1, 4, 5], epochs
+    assert [0, 1, 2, 3, 4, 5] in [e["members"] for e in epochs]  # member 2g + i: group g's process i
+    without = [e for e in epochs if not {2, 3} & set(e["members"]) and e["time"] >= fault_t]
+    assert without and without[0]["members"] == [0, 1, 4, 5], epochs
     assert fault_step <= without[0]["step"], (fault_step, without[0])
     after = [e for e in epochs if e["time"] > without[0]["time"]]  # the two come back together, in one epoch
-    assert {2, 3} <= set(after[-1]["groups"]) and {2, 3} <= set(sum((e["healed"] for e in after), [])), epochs
+    assert {2, 3} <= set(after[-1]["members"]) and {2, 3} <= set(sum((e["healed"] for e in after), [])), epochs
     # a group leaves and returns whole: no epoch after the six first trained together holds half a group
-    since = next(i for i, e in enumerate(epochs) if len(e["groups"]) == 6)
-    assert all({2 * g, 2 * g + 1} <= set(e["groups"]) or not {2 * g, 2 * g + 1} & set(e["groups"])
+    since = next(i for i, e in enumerate(epochs) if len(e["members"]) == 6)
+    assert all({2 * g, 2 * g + 1} <= set(e["members"]) or not {2 * g, 2 * g + 1} & set(e["members"])
                for e in epochs[since:] for g in range(3)), epochs
     assert len(epochs[since:]) == 3, epochs  # the six; without group 1; the six again
     assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
@@ -295,7 +295,7 @@ def test_a_group_without_the_secret_is_refused(tmp_path):
         intruder.wait()
     assert codes == [0, 0]
     epochs = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "epoch"]
-    assert epochs and all(2 not in e["groups"] for e in epochs), epochs
+    assert epochs and all(2 not in e["members"] for e in epochs), epochs
     assert "dropped a connection that did not prove the job secret" in (tmp_path / "g0.log").read_text()
 
 
