@@ -121,10 +121,19 @@ class Beacon(Links):
                 return f"{self.name(m.number)} lost"
         for m in others:
             s = seen[m.number]
+            if s.get("state") == "finished" and s.get("epoch") == epoch.number:
+                continue  # it applied the last step, and stays until every member has (`unfinished`)
             if (s.get("epoch") != epoch.number or s.get("state") != "training") and s.get("epoch", -1) >= epoch.number:
                 # (a heartbeat of the previous epoch may be late); it left for the cause it saw first
                 return f"{self.name(m.number)} left epoch {epoch.number}" + (f" ({s['why']})" if s.get("why") else "")
         return None
+
+    def unfinished(self, epoch: Epoch) -> list[int]:
+        """Members still training in `epoch`: not finished, not gone to form another, not lost."""
+        with self._lock:
+            seen = {m: dict(s) for m, s in self._seen.items()}
+        return [m.number for m in epoch.members if m.number != self.member and not self.was_lost(m.number)
+                and seen.get(m.number, {}).get("state") == "training" and seen[m.number].get("epoch") == epoch.number]
 
     def joiners(self, epoch: Epoch) -> list[int]:
         """Members alive that are not members of `epoch` (a restarted group, a healed partition), once

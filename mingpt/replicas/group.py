@@ -393,6 +393,17 @@ class Replicas:
         return total, [ShareHeader(*map(float, flags), h.loss, samples, ids, h.group)
                        for h, (samples, ids) in zip(every, parts)]
 
+    def finish(self) -> None:
+        """After the last step (and the leader's final commit): say so, and wait until every other member of
+        the epoch has finished too (or left it, or is lost), at most `timeout_s`. A member that exited
+        while another was still in the last exchange looked lost to it: that step was dropped there, and a
+        process of the same group restarted its group, only to find the run finished."""
+        self.beacon.set_status(state="finished")
+        deadline = time.monotonic() + self.timeout_s
+        while self.epoch is not None and self.beacon.unfinished(self.epoch) and time.monotonic() < deadline:
+            time.sleep(self.beacon.heartbeat_s / 2)
+        time.sleep(2 * self.beacon.heartbeat_s)  # the others hear this one finished before its connections close
+
     def close(self) -> None:
         self.beacon.close()
 

@@ -113,7 +113,9 @@ class ReplicaTrainer(Trainer):
         return self.replicas.saves  # one member (sharded: one group) saves for the job
 
     def close(self, wait: bool = True) -> None:
-        super().close(wait)
+        super().close(wait)  # (the leader's last snapshot committed)
+        if wait and self.replicas.epoch is not None and self.progress.step >= self.cfg.max_steps:
+            self.replicas.finish()  # none exits while another is still in the last exchange
         self.replicas.close()
 
     # --- epochs --------------------------------------------------------------------------------------

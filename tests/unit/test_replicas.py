@@ -342,3 +342,34 @@ def test_every_group_of_a_job_is_one_launch_whatever_its_torchruns_nonce(monkeyp
         monkeypatch.setenv("MINGPT_LAUNCH_ID", nonce_id)
         ids.add(one_launch(DistInfo.from_env(cuda=False)).launch_id)
     assert len(ids) == 1 and not ids & {"group0-launch", "group1-launch"}
+
+
+def test_a_member_that_finished_is_not_lost_and_the_last_waits_for_the_others():
+    """At the end of the run a member that applied the last step says `finished` and stays until every
+    other member of the epoch has too: one still in the last exchange does not see it as lost (its
+    exit used to drop that step there, and make a sibling process restart its group)."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    a = Beacon(peers, 0, SECRET, 0.05, 60.0)
+    try:
+        epoch = Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "one", 9, True), Member(2, "two", 9, True)], 0)
+        now = time.monotonic()
+        with a._lock:
+            a._seen[1] = {"inc": "one", "t": now, "eof": False, "epoch": 4, "state": "finished"}
+            a._seen[2] = {"inc": "two", "t": now, "eof": False, "epoch": 4, "state": "training"}
+        assert a.lost(epoch) is None
+        assert a.unfinished(epoch) == [2]
+        r = Replicas(a, members=3, min_groups=2, timeout_s=30)
+        r.epoch = epoch
+
+        def two_finishes():
+            time.sleep(0.3)
+            with a._lock:
+                a._seen[2].update(state="finished", t=time.monotonic())
+                a._seen[1]["t"] = time.monotonic()
+        threading.Thread(target=two_finishes, daemon=True).start()
+        started = time.monotonic()
+        r.finish()
+        assert a.status["state"] == "finished" and 0.3 <= time.monotonic() - started < 25
+        assert a.unfinished(epoch) == []
+    finally:
+        a.close()
