@@ -165,6 +165,67 @@ def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
     assert "group 2 lost" in [e for e in epochs if 2 not in e["members"] and e["time"] >= fault[1]][0]["why"]
 
 
+def epoch_with_all_after(run_dir: Path, agents, t: float, timeout: float = 180) -> dict:
+    """The first epoch formed after `t` with every group in it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        back = [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch" and e["time"] > t
+                and e["members"] == list(range(GROUPS))]
+        if back:
+            return back[0]
+        assert any(a.poll() is None for a in agents), "every group ended"
+        time.sleep(0.05)
+    raise AssertionError(f"the groups were not back together after {timeout} s")
+
+
+def a_node_and_a_group_down_then_all_down(tmp: Path, corpus: Path):
+    """Overlapping faults: group 1's whole node lost (its agent and worker SIGKILLed; a new agent
+    launched in their place) and at the same moment group 2's worker SIGKILLed, so group 0 is alone
+    (no quorum of 2: it trains nothing until one returns); once all three are back, every group's
+    worker SIGKILLed (they restart from the newest snapshot)."""
+    def fault(run_dir: Path, agents: list) -> tuple[float, float]:
+        wait_for_step(run_dir, 15, agents)
+        workers, peers = [worker_of(a) for a in agents], peers_of(agents[1])
+        t_two = time.time()
+        agents[1].kill()  # (SIGKILL) the node's agent and its worker, together
+        os.kill(workers[1], signal.SIGKILL)
+        os.kill(workers[2], signal.SIGKILL)
+        agents[1].wait()
+        agents[1] = launch(1, peers, corpus, run_dir, tmp / "group1-relaunched.log")
+        back = epoch_with_all_after(run_dir, agents, t_two)
+        wait_for_step(run_dir, back["step"] + 3, agents)
+        t_all = time.time()
+        for worker in [worker_of(a) for a in agents]:
+            os.kill(worker, signal.SIGKILL)
+        epoch_with_all_after(run_dir, agents, t_all)
+        return t_two, t_all
+    return fault
+
+
+def peers_of(agent: subprocess.Popen) -> list[str]:
+    """The replicas.peers an agent was launched with (its command line)."""
+    args = Path(f"/proc/{agent.pid}/cmdline").read_bytes().decode().split("\0")
+    return next(a for a in args if a.startswith("replicas.peers=["))[len("replicas.peers=["):-1].split(",")
+
+
+def test_overlapping_faults_a_lost_node_two_down_and_all_down_end_bitwise_equal(reference, tmp_path):
+    run_dir, logs, (t_two, t_all) = run_job(tmp_path, reference["corpus"],
+                                            a_node_and_a_group_down_then_all_down(tmp_path, reference["corpus"]),
+                                            extra=("snapshot.every_steps=10",))
+    recs = records(run_dir / "metrics.jsonl")
+    # a lone group never trains: without a quorum (2 of 3) it waits for another
+    assert all(len(r["members"]) >= 2 for r in recs if r.get("kind") in ("train", "epoch")), recs
+    # the lost node's group came back with its new agent, healed from a live group, before all went down
+    relaunched = (tmp_path / "group1-relaunched.log").read_text()
+    assert "healed from replica group" in relaunched, relaunched[-3000:]
+    assert not [r for r in recs if r.get("kind") == "resume" and r["time"] < t_all], "a snapshot read before all were down"
+    # every group down: they restart from the newest snapshot, the steps since it trained again
+    assert [r for r in recs if r.get("kind") == "resume" and r["time"] > t_all], "no snapshot read after all were down"
+    assert shares_by_step(run_dir) == reference["shares"]
+    weights = final(run_dir)
+    assert all(torch.equal(weights[k], reference["weights"][k]) for k in weights)
+
+
 LONG = 800
 SHARDED = 200  # steps of the FSDP groups (their restart is back within 60 here)
 
