@@ -410,6 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="more overrides for mingpt's jobs, e.g. trainer.deterministic=true")
     args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped bench still removes its cgroups, mends links
     with tempfile.TemporaryDirectory(prefix="mingpt-survivors-") as scratch:
         Bench(args, Path(args.keep or scratch)).run()
 
