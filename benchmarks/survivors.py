@@ -296,6 +296,9 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None, procs: i
     if ref is not None:
         out["goodput"] = round(steps * ref["step_s"] / wall, 4)
         out["batch_goodput"] = round(batches * ref["step_s"] / wall, 4)
+        if ref.get("wall_s") and faults:  # what the faults cost, the start-up and the end set aside
+            out["vs_fault_free"] = round(ref["wall_s"] / wall, 4)
+            out["cost_per_fault_s"] = round((wall - ref["wall_s"]) / len(faults), 2)
         w = final(run_dir)
         out["final_max_abs_diff"] = max((w[k].float() - ref["weights"][k].float()).abs().max().item() for k in w)
     else:
@@ -437,7 +440,7 @@ class Bench:
         wall, _, isolation = self.job[mode](self.tmp / f"{name}-none", None)
         got = measure(self.tmp / f"{name}-none", wall, [], None, self.procs(mode))
         self.print(mode=mode, fault="none", isolation=isolation, **got)
-        return got, {"step_s": got["step_s"], "weights": final(self.tmp / f"{name}-none")}
+        return got, {"step_s": got["step_s"], "wall_s": got["wall_s"], "weights": final(self.tmp / f"{name}-none")}
 
     def faulted(self, mode: str, name: str, ref: tuple, fault: str, faults: Faults, nodes=None) -> None:
         d = self.tmp / name
