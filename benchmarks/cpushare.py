@@ -76,7 +76,9 @@ class CpuShares:
                               f"machine's {self.cores} cores")
             return
         self.isolation = (f"cgroup {version} cpu: each group (torchrun, processes, restarts) capped at "
-                          f"{self.each:.2f} of {self.cores} cores")
+                          f"{self.each:.2f} of {self.cores} cores" if groups > 1 else
+                          f"cgroup {version} cpu: the job (torchrun, processes, restarts) capped at "
+                          f"{self.each:.2f} of {self.cores} cores, all the groups' cores")
 
     def enter(self, group: int):
         """A preexec_fn that puts the child (and so everything it starts) into `group`'s share."""

@@ -343,7 +343,9 @@ def torchft_job(args, run_dir: Path, faults) -> tuple[float, list, str]:
     run_dir.mkdir(parents=True, exist_ok=True)
     # a quorum of 2 (a majority, as replicas.min_groups), a group lost after 1 s of silence (as
     # replicas.lost_after_s; torchft's default is 5 s), stragglers waited for 1 s
-    lighthouse = subprocess.Popen(["torchft_lighthouse", "--min_replicas", "2", "--heartbeat_timeout_ms", "1000",
+    beside = Path(sys.executable).parent / "torchft_lighthouse"  # (a virtual environment not on PATH)
+    lighthouse = subprocess.Popen([str(beside) if beside.exists() else "torchft_lighthouse",
+                                   "--min_replicas", "2", "--heartbeat_timeout_ms", "1000",
                                    "--join_timeout_ms", "1000", "--bind", f"127.0.0.1:{port}"],
                                   stdout=open(run_dir / "lighthouse.log", "w"), stderr=subprocess.STDOUT,
                                   preexec_fn=die_with_bench)

@@ -93,7 +93,7 @@ def test_survivors(corpus_file, tmp_path):
     assert [(r["mode"], r["fault"]) for r in lines] == [
         ("replicas", "none"), ("replicas", "SIGKILL every 4 s"), ("torchft", "none"), ("torchft", "SIGKILL every 4 s")], out
     # each group in its own CPU share where this machine lets the bench make cgroups (root), else said so
-    shares = ("cgroup v1 cpu: each group", "cgroup v2 cpu: each group", "none (")
+    shares = ("cgroup v1 cpu: ", "cgroup v2 cpu: ", "none (")
     assert all(r["isolation"].startswith(shares) for r in lines), out
     for faulted in lines[1], lines[3]:
         assert faulted["faults"] == 1 and faulted["steps_lost_per_fault"]["max"] <= 1, out
