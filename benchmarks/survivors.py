@@ -246,7 +246,11 @@ def rejoined(f: dict, epochs: list, train: list, recs: list, starts: list, procs
     after = [e for e in epochs if e["time"] > f["t"]]
     if after and "members" in after[0]:
         want = {g * procs + i for g in f["groups"] for i in range(procs)}
-        out = next((i for i, e in enumerate(after) if not want <= set(e["members"])), None)
+        before = [e for e in epochs if e["time"] <= f["t"]]
+        if before and not want <= set(before[-1]["members"]):  # out already (still starting): back in the next one
+            out = 0
+        else:
+            out = next((i for i, e in enumerate(after) if not want <= set(e["members"])), None)
         if out is None and f.get("kind") != "all":  # (every group down: the job's restart has them all)
             return None
         back = next((e for e in after[out or 0:] if want <= set(e["members"])), None)

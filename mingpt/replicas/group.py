@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
-from mingpt.replicas.link import ReplicaError, host_port
+from mingpt.replicas.link import ReplicaError, member_addresses
 from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, ShareHeader, header_mac, set_grads, state_digest
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
@@ -49,19 +49,6 @@ def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:
     if sharded:
         return info
     return replace(info, rank=0, local_rank=0, world_size=1, local_world_size=1, node=0)
-
-
-def member_addresses(peers: list[str], procs: int) -> list[str]:
-    """Every member's beacon address: process i of a group listens on its peers entry's port + i."""
-    out = []
-    for peer in peers:
-        host, port = host_port(peer)
-        out += [f"[{host}]:{port + i}" if ":" in host else f"{host}:{port + i}" for i in range(procs)]
-    if len(set(out)) != len(out):
-        raise ReplicaError(f"with {procs} processes per group, group g's processes listen on its replicas.peers "
-                           f"port and the {procs - 1} after it: these overlap in {peers}; space the ports at "
-                           f"least {procs} apart")
-    return out
 
 
 class Replicas:

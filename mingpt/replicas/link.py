@@ -61,6 +61,19 @@ def port_holder(port: int) -> str:
     return ""
 
 
+def member_addresses(peers: list[str], procs: int) -> list[str]:
+    """Every member's beacon address: process i of a group listens on its peers entry's port + i."""
+    out = []
+    for peer in peers:
+        host, port = host_port(peer)
+        out += [f"[{host}]:{port + i}" if ":" in host else f"{host}:{port + i}" for i in range(procs)]
+    if len(set(out)) != len(out):
+        raise ReplicaError(f"with {procs} processes per group, group g's processes listen on its replicas.peers "
+                           f"port and the {procs - 1} after it: these overlap in {peers}; space the ports at "
+                           f"least {procs} apart")
+    return out
+
+
 class Links:
     """The sockets of member `me` of `peers` (every member's (host, port)); a subclass answers the
     lines they carry (`_heard`, `_reply`) and names members (`name`)."""
