@@ -87,11 +87,14 @@ def test_survivors(corpus_file, tmp_path):
     # rejoins before the end; the survivors go on, the weights are bitwise the fault-free run's; then
     # the same through torchft's Manager (the partition and today's single torchrun are the full bench's)
     out = bench("survivors", "--model", "gpt-nano", "--steps", "300", "--kill-every", "4", "--max-kills", "1",
-                "--cut-s", "0", "--no-restart-baseline", "--corpus", str(corpus_file), "--keep", str(tmp_path),
+                "--cut-s", "0", "--kinds", "--no-restart-baseline", "--corpus", str(corpus_file), "--keep", str(tmp_path),
                 timeout=600)
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [(r["mode"], r["fault"]) for r in lines] == [
         ("replicas", "none"), ("replicas", "SIGKILL every 4 s"), ("torchft", "none"), ("torchft", "SIGKILL every 4 s")], out
+    # each group in its own CPU share where this machine lets the bench make cgroups (root), else said so
+    shares = ("cgroup v1 cpu: ", "cgroup v2 cpu: ", "none (")
+    assert all(r["isolation"].startswith(shares) for r in lines), out
     for faulted in lines[1], lines[3]:
         assert faulted["faults"] == 1 and faulted["steps_lost_per_fault"]["max"] <= 1, out
         assert faulted["rejoin_s"] is not None and faulted["survivor_gap_s"]["max"] > 0, out

@@ -27,7 +27,8 @@ class MembershipChanged(Exception):
 
 @dataclass(frozen=True)
 class Member:
-    group: int
+    """A member (one process) as an epoch knows it."""
+    number: int  # its member number: group * processes per group + process
     incarnation: str  # this process's start: a restarted group is a new member
     step: int  # the steps its state holds
     live: bool  # it has trained in an epoch (its state is the job's, not a snapshot's)
@@ -36,7 +37,7 @@ class Member:
 @dataclass
 class Epoch:
     number: int
-    members: list[Member]  # in rank order (by group)
+    members: list[Member]  # in rank order (by member number)
     rank: int
     pg: object = None  # the epoch's gloo process group
     store: object = None  # kept alive with the group (the coordinator hosts it)
@@ -46,26 +47,27 @@ class Epoch:
     def world(self) -> int:
         return len(self.members)
 
-    def groups(self) -> list[int]:
-        return [m.group for m in self.members]
+    def numbers(self) -> list[int]:
+        """The members' numbers, in rank order."""
+        return [m.number for m in self.members]
 
     def holders(self, member: int, procs: int) -> list[Member]:
         """The members that hold `member`'s shard in sharded groups of `procs` processes: the same
         process of every group."""
-        return [m for m in self.members if m.group % procs == member % procs]
+        return [m for m in self.members if m.number % procs == member % procs]
 
 
 class Beacon(Links):
     """This member's view of the job: who is alive (heartbeats), who trains in which epoch, and the
     coordinator's forming of epochs, over the links to every other member (mingpt/replicas/link.py)."""
 
-    def __init__(self, peers: list[str], group: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
+    def __init__(self, peers: list[str], member: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
                  procs: int = 1, sharded: bool = False, bind_wait_s: float = 60.0):
         # with several processes per group (`procs`), each process is a member: `peers` lists every
-        # member's address and `group` is this member's place in it (group * procs + process);
+        # member's address and `member` is this process's place in it (group * procs + process);
         # `sharded`: the group's processes shard the model (FSDP), and each epoch also gets a process
         # group per process index (the members that hold the same shard)
-        self.group, self.secret, self.procs = group, secret, procs
+        self.member, self.secret, self.procs = member, secret, procs
         self.sharded = sharded and procs > 1
         self.incarnation = secrets.token_hex(6)
         self.status = {"state": "starting", "epoch": -1, "step": 0, "taking": -1, "why": ""}  # then forming, training
@@ -78,7 +80,7 @@ class Beacon(Links):
         self._replies: dict[str, EpochNews | Wait] = {}  # their answers, by request id
         self._announced: EpochNews | None = None  # the epoch this coordinator announced, until its group is made
         self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
-        super().__init__([host_port(p) for p in peers], group, secret, heartbeat_s, lost_after_s, bind_wait_s)
+        super().__init__([host_port(p) for p in peers], member, secret, heartbeat_s, lost_after_s, bind_wait_s)
 
     # --- what the trainer asks -------------------------------------------------------------------
     def name(self, member: int) -> str:
@@ -101,47 +103,56 @@ class Beacon(Links):
         return {m for m in range(len(self.peers)) if any(self.was_lost(s) for s in self.siblings(m))}
 
     def alive(self) -> dict[int, str]:
-        """{group: incarnation} of every group heard from within lost_after_s, this one included."""
+        """{member: incarnation} of every member heard from within lost_after_s, this one included."""
         now = time.monotonic()
         with self._lock:
-            out = {g: s["inc"] for g, s in self._seen.items() if not s["eof"] and now - s["t"] < self.lost_after_s}
-        out[self.group] = self.incarnation
+            out = {m: s["inc"] for m, s in self._seen.items() if not s["eof"] and now - s["t"] < self.lost_after_s}
+        out[self.member] = self.incarnation
         return out
 
     def lost(self, epoch: Epoch) -> str | None:
         """Why `epoch` cannot go on (a member lost or gone to form another), or None."""
         alive = self.alive()
         with self._lock:
-            seen = {g: dict(s) for g, s in self._seen.items()}
-        others = [m for m in epoch.members if m.group != self.group]
+            seen = {m: dict(s) for m, s in self._seen.items()}
+        others = [m for m in epoch.members if m.number != self.member]
         for m in others:  # a lost member first: it is the cause, the others leaving only follow it
-            if alive.get(m.group) != m.incarnation:
-                return f"{self.name(m.group)} lost"
+            if alive.get(m.number) != m.incarnation:
+                return f"{self.name(m.number)} lost"
         for m in others:
-            s = seen[m.group]
+            s = seen[m.number]
+            if s.get("state") == "finished" and s.get("epoch") == epoch.number:
+                continue  # it applied the last step, and stays until every member has (`unfinished`)
             if (s.get("epoch") != epoch.number or s.get("state") != "training") and s.get("epoch", -1) >= epoch.number:
                 # (a heartbeat of the previous epoch may be late); it left for the cause it saw first
-                return f"{self.name(m.group)} left epoch {epoch.number}" + (f" ({s['why']})" if s.get("why") else "")
+                return f"{self.name(m.number)} left epoch {epoch.number}" + (f" ({s['why']})" if s.get("why") else "")
         return None
+
+    def unfinished(self, epoch: Epoch) -> list[int]:
+        """Members still training in `epoch`: not finished, not gone to form another, not lost."""
+        with self._lock:
+            seen = {m: dict(s) for m, s in self._seen.items()}
+        return [m.number for m in epoch.members if m.number != self.member and not self.was_lost(m.number)
+                and seen.get(m.number, {}).get("state") == "training" and seen[m.number].get("epoch") == epoch.number]
 
     def joiners(self, epoch: Epoch) -> list[int]:
         """Members alive that are not members of `epoch` (a restarted group, a healed partition), once
         their whole group is ready: a group's processes join together, in one new epoch."""
-        mine = {m.group: m.incarnation for m in epoch.members}
+        mine = {m.number: m.incarnation for m in epoch.members}
         alive = self.alive()
         with self._lock:
-            starting = {g for g, s in self._seen.items() if s.get("state") == "starting"}
-        ready = {g for g, inc in alive.items() if mine.get(g) != inc and g not in starting}
-        return sorted(g for g in ready
-                      if all(s in ready or (s in alive and mine.get(s) == alive[s]) for s in self.siblings(g)))
+            starting = {m for m, s in self._seen.items() if s.get("state") == "starting"}
+        ready = {m for m, inc in alive.items() if mine.get(m) != inc and m not in starting}
+        return sorted(m for m in ready
+                      if all(s in ready or (s in alive and mine.get(s) == alive[s]) for s in self.siblings(m)))
 
     def _not_taking(self, epoch: Epoch) -> int | None:
         """A member whose heartbeats do not say it takes part in forming `epoch` (it missed the news)."""
         with self._lock:
             for m in epoch.members:
-                seen = self._seen.get(m.group, {})
-                if m.group != self.group and seen.get("taking") != epoch.number and seen.get("epoch") != epoch.number:
-                    return m.group
+                seen = self._seen.get(m.number, {})
+                if m.number != self.member and seen.get("taking") != epoch.number and seen.get("epoch") != epoch.number:
+                    return m.number
         return None
 
     def set_status(self, **kw) -> None:
@@ -153,7 +164,7 @@ class Beacon(Links):
     # --- forming an epoch -------------------------------------------------------------------------
     def form(self, step: int, live: bool, min_groups: int, timeout_s: float,
              should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
-        """Join the next epoch: ask the coordinator (the lowest group alive) until it forms one that
+        """Join the next epoch: ask the coordinator (the lowest member alive) until it forms one that
         holds at least `min_groups` groups; then make the epoch's process group. None: `should_stop`.
         `why` the last epoch ended, told to the others in the heartbeats (its root cause only)."""
         self.set_status(state="forming", step=step,
@@ -164,7 +175,7 @@ class Beacon(Links):
                 return None
             coordinator = min(self.alive())
             try:
-                epoch = (self._coordinate(step, live, min_groups, timeout_s) if coordinator == self.group
+                epoch = (self._coordinate(step, live, min_groups, timeout_s) if coordinator == self.member
                          else self._ask(coordinator, step, live))
             except OSError:
                 epoch = None
@@ -182,7 +193,7 @@ class Beacon(Links):
                 self.last = epoch
                 return epoch
             if time.monotonic() - waited > 10:
-                log.warning("replica %s waits for a quorum of %d groups (alive: %s)", self.name(self.group), min_groups,
+                log.warning("replica %s waits for a quorum of %d groups (alive: %s)", self.name(self.member), min_groups,
                             sorted({g // self.procs for g in self.alive()}))
                 waited = time.monotonic()
             time.sleep(self.heartbeat_s)
@@ -201,10 +212,10 @@ class Beacon(Links):
                     return None
                 if reply is not None:
                     members = [Member(m.member, m.inc, m.step, m.live) for m in reply.members]
-                    if (self.group, self.incarnation) not in [(m.group, m.incarnation) for m in members]:
+                    if (self.member, self.incarnation) not in [(m.number, m.incarnation) for m in members]:
                         self._drop(self.name(coordinator), f"an epoch {reply.number} without this member")
                         return None
-                    rank = [m.group for m in members].index(self.group)
+                    rank = [m.number for m in members].index(self.member)
                     return Epoch(reply.number, members, rank, store=(reply.host, reply.port))
                 time.sleep(0.002)
             return None
@@ -214,55 +225,55 @@ class Beacon(Links):
                 self._replies.pop(rid, None)
 
     def _coordinate(self, step: int, live: bool, min_groups: int, timeout_s: float) -> Epoch | None:
-        """Wait for a join request from every group alive (a member finishing its step comes within a
+        """Wait for a join request from every member alive (a member finishing its step comes within a
         step; one that never asks is left out after a while), then announce the epoch to them."""
         started = time.monotonic()
         while True:
             alive = self.alive()
-            if min(alive) != self.group:
+            if min(alive) != self.member:
                 return None
             broken = self.broken()  # a group that lost a process leaves whole: not waited for, not let in
-            if self.group in broken:  # this one's too: forming stops (Replicas.form's should_stop says why)
+            if self.member in broken:  # this one's too: forming stops (Replicas.form's should_stop says why)
                 return None
             with self._lock:
-                asked = {g: r for g, r in self._requests.items() if alive.get(g) == r[1]}
-                starting = {g for g, s in self._seen.items() if s.get("state") == "starting"}
-            if (set(alive) - {self.group} - starting - broken <= set(asked)
+                asked = {m: r for m, r in self._requests.items() if alive.get(m) == r[1]}
+                starting = {m for m, s in self._seen.items() if s.get("state") == "starting"}
+            if (set(alive) - {self.member} - starting - broken <= set(asked)
                     or time.monotonic() - started > 5 * self.lost_after_s + 5):
                 break
             time.sleep(0.002)
         with self._lock:
-            for g in asked:
-                del self._requests[g]
+            for m in asked:
+                del self._requests[m]
         # whole groups only: a group's processes train together (sharded, they cannot train apart)
-        here = set(asked) | {self.group}
-        partial = {g for g in here if g in broken or not set(self.siblings(g)) <= here}
-        waiting = list(asked) if self.group in partial else [g for g in asked if g in partial]
-        for g in waiting:
-            request, _, conn = asked.pop(g)
+        here = set(asked) | {self.member}
+        partial = {m for m in here if m in broken or not set(self.siblings(m)) <= here}
+        waiting = list(asked) if self.member in partial else [m for m in asked if m in partial]
+        for m in waiting:
+            request, _, conn = asked.pop(m)
             with contextlib.suppress(OSError):
                 self._write(conn, Wait(request.id))
-        if self.group in partial:  # this one's own group is not all here yet: no epoch now, ask again
+        if self.member in partial:  # this one's own group is not all here yet: no epoch now, ask again
             return None
-        members = sorted([Member(self.group, self.incarnation, step, live)]
-                         + [self._member(g, request, inc, step, live) for g, (request, inc, _) in asked.items()],
-                         key=lambda m: m.group)
-        if len({m.group // self.procs for m in members}) < min_groups:
+        members = sorted([Member(self.member, self.incarnation, step, live)]
+                         + [self._member(m, request, inc, step, live) for m, (request, inc, _) in asked.items()],
+                         key=lambda m: m.number)
+        if len({m.number // self.procs for m in members}) < min_groups:
             for request, _, conn in asked.values():
                 with contextlib.suppress(OSError):
                     self._write(conn, Wait(request.id))
             return None
         number = max([self.max_epoch] + [r[0].epoch_seen for r in asked.values()]) + 1
-        host = self.peers[self.group][0]
+        host = self.peers[self.member][0]
         store = bound_store(host, 0, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         news = EpochNews("0", number, host, store.port,
-                         tuple(MemberEntry(m.group, m.incarnation, m.step, m.live) for m in members))
+                         tuple(MemberEntry(m.number, m.incarnation, m.step, m.live) for m in members))
         with self._lock:  # a member that missed its answer (it asked again meanwhile) is answered with it
             self._announced = news
         for request, _, conn in asked.values():
             with contextlib.suppress(OSError):  # it is lost: forming the group notices
                 self._write(conn, replace(news, id=request.id))
-        return Epoch(number, members, [m.group for m in members].index(self.group), store=store)
+        return Epoch(number, members, [m.number for m in members].index(self.member), store=store)
 
     def _member(self, member: int, request: Join, inc: str, step: int, live: bool) -> Member:
         """A member of the next epoch as this coordinator knows it. Having trained in the last epoch (it
@@ -271,7 +282,7 @@ class Beacon(Links):
         its own (it restarted) takes the members' claims: they come over the authenticated channel."""
         if not live or self.last is None:
             return Member(member, inc, request.step, request.live)
-        was = (member, inc) in [(m.group, m.incarnation) for m in self.last.members]
+        was = (member, inc) in [(m.number, m.incarnation) for m in self.last.members]
         if was and request.live and abs(request.step - step) <= 1:  # (a claim not to be live is taken)
             return Member(member, inc, request.step, True)
         if not request.live:  # a claim not to be live is taken: it is healed
@@ -297,10 +308,10 @@ class Beacon(Links):
                 prefixed = dist.PrefixStore(derive(self.secret, f"replicas-epoch-{epoch.number}"), store)
                 out["pg"] = dist.ProcessGroupGloo(prefixed, epoch.rank, epoch.world, timeout)
                 if self.sharded:
-                    holders = [m.group for m in epoch.holders(self.group, self.procs)]
-                    shard = f"replicas-epoch-{epoch.number}-shard-{self.group % self.procs}"
+                    holders = [m.number for m in epoch.holders(self.member, self.procs)]
+                    shard = f"replicas-epoch-{epoch.number}-shard-{self.member % self.procs}"
                     prefixed = dist.PrefixStore(derive(self.secret, shard), store)
-                    out["peers"] = dist.ProcessGroupGloo(prefixed, holders.index(self.group), len(holders), timeout)
+                    out["peers"] = dist.ProcessGroupGloo(prefixed, holders.index(self.member), len(holders), timeout)
             except Exception as e:  # noqa: BLE001 - reported to the waiting thread
                 out["error"] = e
 

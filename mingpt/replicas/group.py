@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
-from mingpt.replicas.link import ReplicaError, host_port
-from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, ShareHeader, header_mac, set_grads, state_digest
+from mingpt.replicas.link import ReplicaError, member_addresses
+from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, ShareHeader, header_mac, set_grads, state_digest, unpack_state
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
 
@@ -51,32 +51,19 @@ def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:
     return replace(info, rank=0, local_rank=0, world_size=1, local_world_size=1, node=0)
 
 
-def member_addresses(peers: list[str], procs: int) -> list[str]:
-    """Every member's beacon address: process i of a group listens on its peers entry's port + i."""
-    out = []
-    for peer in peers:
-        host, port = host_port(peer)
-        out += [f"[{host}]:{port + i}" if ":" in host else f"{host}:{port + i}" for i in range(procs)]
-    if len(set(out)) != len(out):
-        raise ReplicaError(f"with {procs} processes per group, group g's processes listen on its replicas.peers "
-                           f"port and the {procs - 1} after it: these overlap in {peers}; space the ports at "
-                           f"least {procs} apart")
-    return out
-
-
 class Replicas:
     """This process's side of a replica-group job, as the Trainer uses it: which shares of the step it
     trains, the exchange of the shares' gradients, forming the next epoch, and healing. Every process of
     every group is a member (group g's process i is member g * procs + i)."""
 
-    def __init__(self, beacon: Beacon, groups: int, min_groups: int, timeout_s: float, per_group: int = 1,
+    def __init__(self, beacon: Beacon, members: int, min_groups: int, timeout_s: float, per_group: int = 1,
                  tp: int = 1):
-        # `groups` counts the members (every group's processes); the beacon knows the processes per group
-        self.beacon, self.groups, self.min_groups, self.timeout_s = beacon, groups, min_groups, timeout_s
+        # `members` counts every group's processes; the beacon knows the processes per group
+        self.beacon, self.members, self.min_groups, self.timeout_s = beacon, members, min_groups, timeout_s
         # shares of every global step per member (member m owns m*k .. m*k+k-1); sharded, per group:
         # a group's processes train each of its shares together (see `parts`)
         self.per_group, self.tp = per_group, tp
-        self.shares_total = (groups // self.unit) * per_group
+        self.shares_total = (members // self.unit) * per_group
         self.epoch: Epoch | None = None
         # Every epoch's process group is kept until the process exits: freeing one whose collective a
         # lost member left unfinished would wait in its destructor (joining gloo's threads) until
@@ -85,7 +72,7 @@ class Replicas:
         self.live = False  # trained in an epoch: this state is the job's
         self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
         self.flags = (False, False)  # (preempted, save interval elapsed) on any member, at the last exchange
-        self.shares_record: list = []  # the last step's (group, samples, sum of sample ids) of each share
+        self.shares_record: list = []  # the last step's (group that trained it, samples, sum of sample ids) of each share
         self.failed_heals = 0  # states received that did not match their sender's digest (healed again)
 
     @classmethod
@@ -121,6 +108,11 @@ class Replicas:
         return self.beacon.procs
 
     @property
+    def groups(self) -> int:
+        """Groups in the job (each of `procs` members)."""
+        return self.members // self.procs
+
+    @property
     def sharded(self) -> bool:
         """The group's processes split the model (FSDP or tensor parallelism inside the group): they train
         each of the group's shares together, and exchange and heal their shard with the processes of the
@@ -141,27 +133,27 @@ class Replicas:
     @property
     def part(self) -> int:
         """This process's part of each share it trains."""
-        return self.beacon.group % self.procs // self.tp if self.sharded else 0
+        return self.beacon.member % self.procs // self.tp if self.sharded else 0
 
     @property
     def saves(self) -> bool:
         """This process writes snapshots: the epoch's first member, or (sharded) every process of its group."""
         if not self.sharded:
             return self.leads
-        return self.epoch is not None and self.epoch.members[0].group // self.procs == self.beacon.group // self.procs
+        return self.epoch is not None and self.epoch.members[0].number // self.procs == self.beacon.member // self.procs
 
     def peers(self) -> tuple[object, list, int]:
         """The process group of the exchange and the healing, its members and this one's rank there: the
         epoch's, or (sharded) the members holding this process's shard."""
         if not self.sharded:
             return self.epoch.pg, self.epoch.members, self.epoch.rank
-        holders = self.epoch.holders(self.beacon.group, self.procs)
-        return self.epoch.peers, holders, [m.group for m in holders].index(self.beacon.group)
+        holders = self.epoch.holders(self.beacon.member, self.procs)
+        return self.epoch.peers, holders, [m.number for m in holders].index(self.beacon.member)
 
     @property
     def me(self) -> str:
         """This member, as the logs name it ("group 1", or "group 1 process 0")."""
-        return self.beacon.name(self.beacon.group)
+        return self.beacon.name(self.beacon.member)
 
     @property
     def leads(self) -> bool:
@@ -172,11 +164,11 @@ class Replicas:
         """The shares this member trains: its own group's, and those of lost groups dealt out in turn
         (with k = groups - 1 shares per group, a lost group's go one to each survivor)."""
         k, unit = self.per_group, self.unit  # sharded: a group owns shares (its processes train parts)
-        groups = sorted({m // unit for m in self.epoch.groups()})
-        me = self.beacon.group // unit
-        orphans = [s for s in range(self.shares_total) if s // k not in groups]
+        owners = sorted({m // unit for m in self.epoch.numbers()})  # each member, or each sharded group
+        me = self.beacon.member // unit
+        orphans = [s for s in range(self.shares_total) if s // k not in owners]
         own = range(me * k, (me + 1) * k)
-        return sorted([*own, *orphans[groups.index(me)::len(groups)]])
+        return sorted([*own, *orphans[owners.index(me)::len(owners)]])
 
     def form(self, step: int, should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
         t0 = time.monotonic()
@@ -188,8 +180,8 @@ class Replicas:
         self.rejoin_pending = False
         if self.epoch is None:
             return None
-        members = self.epoch.groups() if self.procs == 1 else [f"{m // self.procs}.{m % self.procs}"
-                                                                for m in self.epoch.groups()]
+        members = self.epoch.numbers() if self.procs == 1 else [f"{m // self.procs}.{m % self.procs}"
+                                                                for m in self.epoch.numbers()]
         log.info("replica epoch %d: %s %s (this is %s, rank %d), formed in %.2f s", self.epoch.number,
                  "groups" if self.procs == 1 else "group.process", members, self.me, self.epoch.rank,
                  time.monotonic() - t0)
@@ -208,7 +200,7 @@ class Replicas:
         others as a preemption)."""
         if self.procs == 1:
             return
-        lost = [m for m in self.beacon.siblings(self.beacon.group) if m != self.beacon.group and self.beacon.was_lost(m)]
+        lost = [m for m in self.beacon.siblings(self.beacon.member) if m != self.beacon.member and self.beacon.was_lost(m)]
         if lost:
             raise GroupRestart(f"{self.beacon.name(lost[0])} was lost: its torchrun restarts the group's processes, "
                                "which rejoin and heal from a live group")
@@ -282,16 +274,16 @@ class Replicas:
     def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> tuple[int, list[int]]:
         """Bring every member to the newest state among them: the first member holding it broadcasts
         its tensors and JSON state (a broadcast reaches every member behind in one collective); a
-        receiver keeps what it received only if it matches the sender's digest. Returns (the group
-        that sent, the groups healed), or (-1, []) when every member held the same state."""
+        receiver keeps what it received only if it matches the sender's digest. Returns (the member
+        that sent, the members healed), or (-1, []) when every member held the same state."""
         pg, members, me = self.peers()  # sharded: each shard from the process of another group holding it
         best = max(members, key=lambda m: (m.live, m.step))
         source = members.index(best)
         behind = [i for i, m in enumerate(members)
                   if i != source and ((m.step, m.live) != (best.step, best.live) or (best.live and not m.live))]
-        healed = (best.group, [members[i].group for i in behind])
+        healed = (best.number, [members[i].number for i in behind])
         if self.sharded:  # a group heals whole (a shard each): name every process of it
-            healed = (best.group, [s for i in behind for s in self.beacon.siblings(members[i].group)])
+            healed = (best.number, [s for i in behind for s in self.beacon.siblings(members[i].number)])
         if not behind:
             self.live = True
             return -1, []
@@ -303,7 +295,7 @@ class Replicas:
         size = torch.tensor([len(blob)], dtype=torch.int64)
         self._broadcast(pg, size, source)
         if not 0 <= int(size) <= MAX_STATE_JSON:
-            raise MembershipChanged(f"the state from {self.beacon.name(best.group)} announced {int(size)} bytes of JSON")
+            raise MembershipChanged(f"the state from {self.beacon.name(best.number)} announced {int(size)} bytes of JSON")
         blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
                   else torch.empty(int(size), dtype=torch.uint8))
         self._broadcast(pg, blob_t, source)
@@ -315,15 +307,11 @@ class Replicas:
         if me == source or me not in behind:  # up to date: what it received is what it holds
             self.live = True
             return healed
-        try:
-            meta = json.loads(bytes(blob_t.numpy()))
-            digest = meta.pop("digest") if isinstance(meta, dict) else None
-        except ValueError:
-            digest = None
+        meta, digest = unpack_state(blob_t)
         if not isinstance(digest, str) or not hmac.compare_digest(state_digest(key, slots, meta, received), digest):
             # nothing was loaded: this member stays as it was (not live), and heals again in the next epoch
             self.failed_heals += 1
-            raise MembershipChanged(f"the state received from {self.beacon.name(best.group)} does not match its digest "
+            raise MembershipChanged(f"the state received from {self.beacon.name(best.number)} does not match its digest "
                                     f"(heal failed {self.failed_heals} time(s); healing again)")
         with torch.no_grad():
             for slot, t in zip(slots, received):
@@ -348,7 +336,7 @@ class Replicas:
         joiners = float(bool(self.beacon.joiners(self.epoch)))
         heads = {share: ShareHeader(float(preempted), float(timed), joiners, float(loss.item()),
                                     float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),
-                                    float(self.beacon.group))
+                                    float(self.beacon.member // self.procs))
                  for share, (_, loss, mbs) in rows.items()}
         if self.sharded:
             total, every = self._sharded_exchange(step, rows, heads, next(model.parameters()).device)
@@ -385,8 +373,19 @@ class Replicas:
             raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
         # (each part's samples counted once: the processes of a tensor-parallel group train the same part)
         flags, parts = (agreed[1:4] > 0).tolist(), (agreed[4:] / self.tp).view(n, 2).tolist()
-        return total, [ShareHeader(*map(float, flags), h.loss, samples, ids, float(int(h.group) // self.procs))
+        return total, [ShareHeader(*map(float, flags), h.loss, samples, ids, h.group)
                        for h, (samples, ids) in zip(every, parts)]
+
+    def finish(self) -> None:
+        """After the last step (and the leader's final commit): say so, and wait until every other member of
+        the epoch has finished too (or left it, or is lost), at most `timeout_s`. A member that exited
+        while another was still in the last exchange looked lost to it: that step was dropped there, and a
+        process of the same group restarted its group, only to find the run finished."""
+        self.beacon.set_status(state="finished")
+        deadline = time.monotonic() + self.timeout_s
+        while self.epoch is not None and self.beacon.unfinished(self.epoch) and time.monotonic() < deadline:
+            time.sleep(self.beacon.heartbeat_s / 2)
+        time.sleep(2 * self.beacon.heartbeat_s)  # the others hear this one finished before its connections close
 
     def close(self) -> None:
         self.beacon.close()

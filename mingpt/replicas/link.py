@@ -61,6 +61,19 @@ def port_holder(port: int) -> str:
     return ""
 
 
+def member_addresses(peers: list[str], procs: int) -> list[str]:
+    """Every member's beacon address: process i of a group listens on its peers entry's port + i."""
+    out = []
+    for peer in peers:
+        host, port = host_port(peer)
+        out += [f"[{host}]:{port + i}" if ":" in host else f"{host}:{port + i}" for i in range(procs)]
+    if len(set(out)) != len(out):
+        raise ReplicaError(f"with {procs} processes per group, group g's processes listen on its replicas.peers "
+                           f"port and the {procs - 1} after it: these overlap in {peers}; space the ports at "
+                           f"least {procs} apart")
+    return out
+
+
 class Links:
     """The sockets of member `me` of `peers` (every member's (host, port)); a subclass answers the
     lines they carry (`_heard`, `_reply`) and names members (`name`)."""
@@ -76,8 +89,8 @@ class Links:
         self._told_size = False  # a peer of another size of job was named once (its sender retries every heartbeat)
         self._server = self._listen(bind_wait_s)
         self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads += [threading.Thread(target=self._send, args=(g,), daemon=True)
-                          for g in range(len(self.peers)) if g != me]
+        self._threads += [threading.Thread(target=self._send, args=(m,), daemon=True)
+                          for m in range(len(self.peers)) if m != me]
         for t in self._threads:
             t.start()
 
@@ -85,7 +98,7 @@ class Links:
         """A listener on this member's address only (nothing listens wider than it must). A port held
         by another process (a previous incarnation's lingering socket, or another user) is tried again
         with backoff for `wait_s`, the holder named where /proc tells it."""
-        host, port = self.peers[self.group]
+        host, port = self.peers[self.member]
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         deadline, pause = time.monotonic() + wait_s, 0.5
         while True:
@@ -98,10 +111,10 @@ class Links:
             except OSError as e:
                 server.close()
                 if e.errno != errno.EADDRINUSE or time.monotonic() + pause > deadline:
-                    raise ReplicaError(f"replica {self.name(self.group)} cannot listen on {host}:{port} ({e.strerror}"
+                    raise ReplicaError(f"replica {self.name(self.member)} cannot listen on {host}:{port} ({e.strerror}"
                                        f"{port_holder(port)}): give replicas.peers an address of this host with a free "
                                        "port" + (f" (and the {self.procs - 1} after it)" if self.procs > 1 else "")) from None
-                log.warning("replica %s cannot listen on %s:%d yet (%s%s); trying again in %.0f s", self.name(self.group),
+                log.warning("replica %s cannot listen on %s:%d yet (%s%s); trying again in %.0f s", self.name(self.member),
                             host, port, e.strerror, port_holder(port), pause)
                 time.sleep(pause)
                 pause = min(2 * pause, 10.0)
@@ -165,7 +178,7 @@ class Links:
                 return
             member, inc = hello.member, hello.inc
             channel = Channel(tls, lambda line: self._heard(member, inc, channel, line))
-            channel.send(Hello(PROTOCOL, self.group, self.incarnation, len(self.peers)))
+            channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.peers)))
             channel.run()
         finally:
             with self._lock:
@@ -184,7 +197,7 @@ class Links:
                           "one counts %d: start every group with the same --nproc_per_node and replicas.peers",
                           hello.members, len(self.peers))
             return False
-        if not 0 <= hello.member < len(self.peers) or hello.member == self.group:
+        if not 0 <= hello.member < len(self.peers) or hello.member == self.member:
             self._drop("a peer", f"a hello from member {hello.member}")
             return False
         tls.settimeout(None)
@@ -198,7 +211,7 @@ class Links:
                 conn = socket.create_connection(self.peers[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 tls = self._tls_client.wrap_socket(conn)
-                tls.sendall(encode(Hello(PROTOCOL, self.group, self.incarnation, len(self.peers))))
+                tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.peers))))
                 hello = parse(read_line(tls), len(self.peers))
                 if not isinstance(hello, Hello) or hello.member != member or hello.v != PROTOCOL:
                     # a relay: whoever holds the address we dialled passed us on to another member

@@ -19,7 +19,7 @@ class ShareHeader(NamedTuple):
     loss: float  # the share's summed token loss
     samples: float  # how many samples it trained
     ids: float  # the sum of their ids (every member trains the same samples of a share, whoever it is)
-    group: float  # who trained it: the member, or (a sharded group's vote) the group
+    group: float  # the group that trained it (its member's group)
 
 MAC_COLUMNS = 4  # a header's HMAC-SHA256, its 32 bytes carried as four float64 columns
 
@@ -69,3 +69,12 @@ def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
             g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
         p.grad = g
         offset += n
+
+
+def unpack_state(blob: torch.Tensor) -> tuple[dict | None, str | None]:
+    """A heal's JSON state and the digest its sender put in it; (None, None) when it is not JSON."""
+    try:
+        meta = json.loads(bytes(blob.numpy()))
+    except ValueError:
+        return None, None
+    return meta, meta.pop("digest", None) if isinstance(meta, dict) else None

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 
-PROTOCOL = 2  # checked at hello: groups of another release refuse each other
+PROTOCOL = 3  # checked at hello: groups of another release refuse each other (3: the state `finished`)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
 HANDSHAKE_S = 5.0
 
@@ -43,7 +43,7 @@ class WireError(ValueError):
 
 
 # --- the messages -----------------------------------------------------------------------------------
-STATES = ("starting", "forming", "training")
+STATES = ("starting", "forming", "training", "finished")
 
 
 def _text(limit: int):
@@ -74,7 +74,7 @@ class Hello:
 @dataclass(frozen=True)
 class Heartbeat:
     """A member's state, every heartbeat_s."""
-    state: str  # starting (building), forming (asking to join an epoch), training
+    state: str  # starting (building), forming (asking to join an epoch), training, finished (the last step applied)
     epoch: int  # the newest epoch it trained in (-1: none)
     step: int
     taking: int  # the epoch it is forming (-1: none)

@@ -114,7 +114,11 @@ def _restart_lines(acc) -> list[str]:
         lines.append("  restarts (a group's process started again; it healed from a live group):")
         for i in acc.restarts[-5:]:
             a = attempts[i]
-            lines.append(f"    group {a.start.get('group')}: back at step {a.first_step:,}, start-up {a.startup_s:.1f} s")
+            # where its return went, by the start record's ledger (written once it joined and healed)
+            parts = " | ".join(f"{PHASES.get(k, 'joining and healing')} {v:.1f}" for k, v in a.start["s"].items()
+                               if (k in PHASES or k == "regroup") and v >= 0.05)
+            lines.append(f"    group {a.start.get('group')}: back at step {a.first_step:,}, start-up {a.startup_s:.1f} s"
+                         + (f" ({parts})" if parts else ""))
     if restarts:
         lines.append("")
         lines.append("  restarts (from the last record before it to the first step after it):")

@@ -42,7 +42,7 @@ class ReplicaTrainer(Trainer):
         return self.replicas.leads
 
     def where(self) -> str:
-        return f"replica {self.replicas.me} ({self.replicas.groups // self.replicas.procs} groups)"
+        return f"replica {self.replicas.me} ({self.replicas.groups} groups)"
 
     def begin(self) -> None:
         if not self.regroup("start"):
@@ -106,14 +106,16 @@ class ReplicaTrainer(Trainer):
 
     def record_extra(self) -> dict:
         epoch = self.replicas.epoch
-        return {"world_size": epoch.world, "groups": epoch.groups(), "shares": self.replicas.shares_record}
+        return {"world_size": epoch.world, "members": epoch.numbers(), "shares": self.replicas.shares_record}
 
     @property
     def saves(self) -> bool:
         return self.replicas.saves  # one member (sharded: one group) saves for the job
 
     def close(self, wait: bool = True) -> None:
-        super().close(wait)
+        super().close(wait)  # (the leader's last snapshot committed)
+        if wait and self.replicas.epoch is not None and self.progress.step >= self.cfg.max_steps:
+            self.replicas.finish()  # none exits while another is still in the last exchange
         self.replicas.close()
 
     # --- epochs --------------------------------------------------------------------------------------
@@ -146,11 +148,11 @@ class ReplicaTrainer(Trainer):
                     break
                 except MembershipChanged as e:  # lost while healing: form the next epoch
                     why = str(e)
-        if self.replicas.beacon.group in healed:
+        if self.replicas.beacon.member in healed:
             self._redo = None  # other weights now: nothing computed before holds
             log.info("healed from replica %s: at step %d", self.replicas.beacon.name(source), p.step)
         if self.leads:
-            self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "groups": epoch.groups(),
+            self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "members": epoch.numbers(),
                                 "why": why, "regroup_s": round(time.monotonic() - t0, 4), "healed": healed,
                                 "healed_from": source if healed else None})
         return True

@@ -128,24 +128,24 @@ def check_survived(reference, run_dir: Path, logs: list[Path], lost: int, fault:
     recs = records(run_dir / "metrics.jsonl")
     epochs = [r for r in recs if r.get("kind") == "epoch"]
     fault_step, fault_t = fault
-    without = [e for e in epochs if lost not in e["groups"] and e["time"] >= fault_t]
+    without = [e for e in epochs if lost not in e["members"] and e["time"] >= fault_t]
     assert without, epochs
     trained_before = max(r["step"] for r in recs if r.get("kind") == "train" and r["time"] <= without[0]["time"])
     assert fault_step <= without[0]["step"] == trained_before, (without[0], trained_before)
-    back = [e for e in epochs if e["time"] > without[0]["time"] and lost in e["groups"] and lost in e["healed"]]
+    back = [e for e in epochs if e["time"] > without[0]["time"] and lost in e["members"] and lost in e["healed"]]
     assert back and back[0]["healed_from"] != lost, epochs
     assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
     if not without[0]["healed"]:  # no survivor had completed the step in flight: each trained it again,
         # computing only what it had not done before it noticed the fault
-        for g in without[0]["groups"]:
+        for g in without[0]["members"]:  # (groups of one process: a member is its group)
             assert "shares done before the fault kept" in logs[g].read_text(), logs[g].read_text()[-3000:]
     # while it was away, the lost group's shares were split: one to each survivor, none idle
-    away = [r for r in recs if r.get("kind") == "train" and lost not in r["groups"]]
+    away = [r for r in recs if r.get("kind") == "train" and lost not in r["members"]]
     assert away, "no step was trained without the lost group"
     for r in away:
         per = len(r["shares"]) // GROUPS
         assert per == GROUPS - 1, r["shares"]
-        assert sorted(share[0] for share in r["shares"][lost * per:(lost + 1) * per]) == sorted(r["groups"]), r
+        assert sorted(share[0] for share in r["shares"][lost * per:(lost + 1) * per]) == sorted(r["members"]), r
     assert len({r["run_id"] for r in recs if r.get("kind") == "start"}) == 1  # one run, whichever group started it
     # exactly the fault-free run's samples in every global step, and the same weights, bit for bit
     assert shares_by_step(run_dir) == reference["shares"]
@@ -163,7 +163,68 @@ def test_a_killed_group_costs_a_step_and_heals_from_a_peer(reference, tmp_path):
 def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
     run_dir, logs, fault = run_job(tmp_path, reference["corpus"], freeze_group_2)
     epochs = check_survived(reference, run_dir, logs, lost=2, fault=fault)
-    assert "group 2 lost" in [e for e in epochs if 2 not in e["groups"] and e["time"] >= fault[1]][0]["why"]
+    assert "group 2 lost" in [e for e in epochs if 2 not in e["members"] and e["time"] >= fault[1]][0]["why"]
+
+
+def epoch_with_all_after(run_dir: Path, agents, t: float, timeout: float = 180) -> dict:
+    """The first epoch formed after `t` with every group in it."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        back = [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch" and e["time"] > t
+                and e["members"] == list(range(GROUPS))]
+        if back:
+            return back[0]
+        assert any(a.poll() is None for a in agents), "every group ended"
+        time.sleep(0.05)
+    raise AssertionError(f"the groups were not back together after {timeout} s")
+
+
+def a_node_and_a_group_down_then_all_down(tmp: Path, corpus: Path):
+    """Overlapping faults: group 1's whole node lost (its agent and worker SIGKILLed; a new agent
+    launched in their place) and at the same moment group 2's worker SIGKILLed, so group 0 is alone
+    (no quorum of 2: it trains nothing until one returns); once all three are back, every group's
+    worker SIGKILLed (they restart from the newest snapshot)."""
+    def fault(run_dir: Path, agents: list) -> tuple[float, float]:
+        wait_for_step(run_dir, 15, agents)
+        workers, peers = [worker_of(a) for a in agents], peers_of(agents[1])
+        t_two = time.time()
+        agents[1].kill()  # (SIGKILL) the node's agent and its worker, together
+        os.kill(workers[1], signal.SIGKILL)
+        os.kill(workers[2], signal.SIGKILL)
+        agents[1].wait()
+        agents[1] = launch(1, peers, corpus, run_dir, tmp / "group1-relaunched.log")
+        back = epoch_with_all_after(run_dir, agents, t_two)
+        wait_for_step(run_dir, back["step"] + 3, agents)
+        t_all = time.time()
+        for worker in [worker_of(a) for a in agents]:
+            os.kill(worker, signal.SIGKILL)
+        epoch_with_all_after(run_dir, agents, t_all)
+        return t_two, t_all
+    return fault
+
+
+def peers_of(agent: subprocess.Popen) -> list[str]:
+    """The replicas.peers an agent was launched with (its command line)."""
+    args = Path(f"/proc/{agent.pid}/cmdline").read_bytes().decode().split("\0")
+    return next(a for a in args if a.startswith("replicas.peers=["))[len("replicas.peers=["):-1].split(",")
+
+
+def test_overlapping_faults_a_lost_node_two_down_and_all_down_end_bitwise_equal(reference, tmp_path):
+    run_dir, logs, (t_two, t_all) = run_job(tmp_path, reference["corpus"],
+                                            a_node_and_a_group_down_then_all_down(tmp_path, reference["corpus"]),
+                                            extra=("snapshot.every_steps=10",))
+    recs = records(run_dir / "metrics.jsonl")
+    # a lone group never trains: without a quorum (2 of 3) it waits for another
+    assert all(len(r["members"]) >= 2 for r in recs if r.get("kind") in ("train", "epoch")), recs
+    # the lost node's group came back with its new agent, healed from a live group, before all went down
+    relaunched = (tmp_path / "group1-relaunched.log").read_text()
+    assert "healed from replica group" in relaunched, relaunched[-3000:]
+    assert not [r for r in recs if r.get("kind") == "resume" and r["time"] < t_all], "a snapshot read before all were down"
+    # every group down: they restart from the newest snapshot, the steps since it trained again
+    assert [r for r in recs if r.get("kind") == "resume" and r["time"] > t_all], "no snapshot read after all were down"
+    assert shares_by_step(run_dir) == reference["shares"]
+    weights = final(run_dir)
+    assert all(torch.equal(weights[k], reference["weights"][k]) for k in weights)
 
 
 LONG = 800
@@ -173,7 +234,7 @@ SHARDED = 200  # steps of the FSDP groups (their restart is back within 60 here)
 def kill_one_process_of_group_1(run_dir, agents):
     """Once the six processes trained together, and 5 steps more: SIGKILL group 1's process 1."""
     deadline = time.time() + 120  # every process a member first (a slow start joins a later epoch)
-    while not [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch" and len(e["groups"]) == 6]:
+    while not [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch" and len(e["members"]) == 6]:
         assert time.time() < deadline and all(a.poll() is None for a in agents), "the six never trained together"
         time.sleep(0.01)
     whole = [e for e in records(run_dir / "metrics.jsonl") if e.get("kind") == "epoch"][-1]
@@ -189,15 +250,15 @@ def check_group_1_left_and_returned_whole(run_dir: Path, fault_t: float, fault_s
     was read. Returns the run's records."""
     recs = records(run_dir / "metrics.jsonl")
     epochs = [r for r in recs if r.get("kind") == "epoch"]
-    assert [0, 1, 2, 3, 4, 5] in [e["groups"] for e in epochs]  # member 2g + i: group g's process i
-    without = [e for e in epochs if not {2, 3} & set(e["groups"]) and e["time"] >= fault_t]
-    assert without and without[0]["groups"] == [0, 1, 4, 5], epochs
+    assert [0, 1, 2, 3, 4, 5] in [e["members"] for e in epochs]  # member 2g + i: group g's process i
+    without = [e for e in epochs if not {2, 3} & set(e["members"]) and e["time"] >= fault_t]
+    assert without and without[0]["members"] == [0, 1, 4, 5], epochs
     assert fault_step <= without[0]["step"], (fault_step, without[0])
     after = [e for e in epochs if e["time"] > without[0]["time"]]  # the two come back together, in one epoch
-    assert {2, 3} <= set(after[-1]["groups"]) and {2, 3} <= set(sum((e["healed"] for e in after), [])), epochs
+    assert {2, 3} <= set(after[-1]["members"]) and {2, 3} <= set(sum((e["healed"] for e in after), [])), epochs
     # a group leaves and returns whole: no epoch after the six first trained together holds half a group
-    since = next(i for i, e in enumerate(epochs) if len(e["groups"]) == 6)
-    assert all({2 * g, 2 * g + 1} <= set(e["groups"]) or not {2 * g, 2 * g + 1} & set(e["groups"])
+    since = next(i for i, e in enumerate(epochs) if len(e["members"]) == 6)
+    assert all({2 * g, 2 * g + 1} <= set(e["members"]) or not {2 * g, 2 * g + 1} & set(e["members"])
                for e in epochs[since:] for g in range(3)), epochs
     assert len(epochs[since:]) == 3, epochs  # the six; without group 1; the six again
     assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
@@ -296,7 +357,7 @@ def test_a_group_without_the_secret_is_refused(tmp_path):
         intruder.wait()
     assert codes == [0, 0]
     epochs = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "epoch"]
-    assert epochs and all(2 not in e["groups"] for e in epochs), epochs
+    assert epochs and all(2 not in e["members"] for e in epochs), epochs
     assert "dropped a connection that did not prove the job secret" in (tmp_path / "g0.log").read_text()
 
 

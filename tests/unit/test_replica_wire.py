@@ -309,8 +309,8 @@ def test_the_coordinator_takes_live_and_step_from_its_own_record():
 
 
 class HealBeacon:
-    def __init__(self, group, secret):
-        self.group, self.procs, self.sharded, self.secret = group, 1, False, secret
+    def __init__(self, member, secret):
+        self.member, self.procs, self.sharded, self.secret = member, 1, False, secret
 
     def lost(self, epoch):
         return None
@@ -336,7 +336,7 @@ def test_a_heal_that_does_not_match_its_digest_is_transient_and_loads_nothing():
     members = [Member(0, "a", 75, True), Member(1, "b", 0, False)]
 
     def member(g, secret):
-        r = Replicas(HealBeacon(g, secret), groups=2, min_groups=1, timeout_s=10)
+        r = Replicas(HealBeacon(g, secret), members=2, min_groups=1, timeout_s=10)
         r.epoch = Epoch(6, members, g)
         r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
         slots = [Slot("w", torch.full((4,), float(g + 1)))]
@@ -365,7 +365,7 @@ def test_an_exchange_header_without_the_jobs_mac_is_refused():
     store, out = dist.HashStore(), {}
 
     def member(g, secret):
-        r = Replicas(HealBeacon(g, secret), groups=2, min_groups=1, timeout_s=10)
+        r = Replicas(HealBeacon(g, secret), members=2, min_groups=1, timeout_s=10)
         r.epoch = Epoch(3, [Member(0, "a", 5, True), Member(1, "b", 5, True)], g)
         r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
         try:
@@ -387,7 +387,7 @@ def test_a_share_header_crosses_the_exchange_by_name():
     not seven positions read back as h[0]..h[6]."""
     from mingpt.replicas.tensors import ShareHeader
 
-    r = Replicas(HealBeacon(0, SECRET), groups=2, min_groups=1, timeout_s=10, per_group=2)
+    r = Replicas(HealBeacon(0, SECRET), members=2, min_groups=1, timeout_s=10, per_group=2)
     r.epoch = Epoch(1, [Member(0, "a", 5, True)], 0)
     r.epoch.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
     sent = {s: ShareHeader(0.0, 1.0, 0.0, 2.5 * s, 4.0, 10.0 + s, 0.0) for s in range(4)}
@@ -402,7 +402,7 @@ class LeavingBeacon(HealBeacon):
     gone = threading.Event()
 
     def lost(self, epoch):
-        return "group 1 lost" if self.group == 0 and self.gone.is_set() else None
+        return "group 1 lost" if self.member == 0 and self.gone.is_set() else None
 
 
 def test_a_member_that_completes_the_last_exchange_and_leaves_does_not_drop_the_step():
@@ -413,7 +413,7 @@ def test_a_member_that_completes_the_last_exchange_and_leaves_does_not_drop_the_
     LeavingBeacon.gone.clear()
 
     def member(g):
-        r = Replicas(LeavingBeacon(g, SECRET), groups=2, min_groups=1, timeout_s=10)
+        r = Replicas(LeavingBeacon(g, SECRET), members=2, min_groups=1, timeout_s=10)
         r.epoch = Epoch(3, [Member(0, "a", 5, True), Member(1, "b", 5, True)], g)
         r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
         if g == 1:  # it is seen leaving while its part of the collective is still on its way

@@ -22,8 +22,8 @@ SECRET = b"unit-test-secret-0123456789abcdef0123"
 class StubBeacon:
     """What Replicas asks of its beacon, for the tests of its own logic: nobody is ever lost."""
 
-    def __init__(self, group):
-        self.group, self.procs, self.sharded, self.secret = group, 1, False, SECRET
+    def __init__(self, member):
+        self.member, self.procs, self.sharded, self.secret = member, 1, False, SECRET
 
     def lost(self, epoch):
         return None
@@ -53,7 +53,7 @@ def epoch_of(groups, me):
     (4, [0, 1], 1, [1, 3]),     # ...one each
 ])
 def test_shares(total, groups, me, shares):
-    r = Replicas(StubBeacon(me), groups=total, min_groups=1, timeout_s=5)
+    r = Replicas(StubBeacon(me), members=total, min_groups=1, timeout_s=5)
     r.epoch = epoch_of(groups, me)
     assert r.shares() == shares
 
@@ -67,12 +67,12 @@ def test_shares(total, groups, me, shares):
     (5, 4, [0, 1, 2], 1, [4, 5, 6, 7, 13, 16, 19]),  # two of five lost: 8 orphans dealt out in turn, 3/3/2
 ])
 def test_a_lost_groups_shares_are_split_among_the_survivors(total, per, groups, me, shares):
-    r = Replicas(StubBeacon(me), groups=total, min_groups=1, timeout_s=5, per_group=per)
+    r = Replicas(StubBeacon(me), members=total, min_groups=1, timeout_s=5, per_group=per)
     r.epoch = epoch_of(groups, me)
     assert r.shares() == shares
     everyone = []
     for g in groups:  # every share trained once in the epoch
-        other = Replicas(StubBeacon(g), groups=total, min_groups=1, timeout_s=5, per_group=per)
+        other = Replicas(StubBeacon(g), members=total, min_groups=1, timeout_s=5, per_group=per)
         other.epoch = epoch_of(groups, g)
         everyone += other.shares()
     assert sorted(everyone) == list(range(total * per))
@@ -100,7 +100,7 @@ def test_a_sharded_group_trains_its_shares_together(groups, shares, tp):
     for me in groups:
         beacon = StubBeacon(me)
         beacon.procs, beacon.sharded = 2, True
-        r = Replicas(beacon, groups=6, min_groups=1, timeout_s=5, per_group=2, tp=tp)
+        r = Replicas(beacon, members=6, min_groups=1, timeout_s=5, per_group=2, tp=tp)
         r.epoch = epoch_of(groups, me)
         assert (r.shares_total, r.parts, r.part) == (6, 2 // tp, me % 2 // tp)
         assert r.shares() == shares[me // 2]
@@ -110,9 +110,9 @@ def test_groups_of_four_split_by_fsdp_and_tensor_parallelism_cut_a_share_in_two(
     """Four processes per group, tensor parallel pairs: two parts per share, one per pair."""
     beacon = StubBeacon(5)  # group 1's process 1
     beacon.procs, beacon.sharded = 4, True
-    r = Replicas(beacon, groups=12, min_groups=1, timeout_s=5, per_group=2, tp=2)
+    r = Replicas(beacon, members=12, min_groups=1, timeout_s=5, per_group=2, tp=2)
     assert (r.shares_total, r.parts, r.part) == (6, 2, 0)
-    beacon.group = 6  # process 2: the second pair
+    beacon.member = 6  # process 2: the second pair
     assert r.part == 1
     with pytest.raises(ReplicaError, match="trainer.tensor_parallel=2 does not divide a group's 3 processes"):
         Replicas.build(ReplicasConfig(peers=["127.0.0.1:7000", "127.0.0.1:7010"], group=0),
@@ -126,7 +126,7 @@ def test_each_process_of_a_group_is_a_member_with_its_own_shares_and_port():
     rc = ReplicasConfig(peers=[f"127.0.0.1:{p}" for p in ports], group=1, shares_per_group=2)
     r = Replicas.build(rc, DistInfo(world_size=2, local_world_size=2, local_rank=1), SECRET)
     try:
-        assert (r.beacon.group, r.groups, r.procs, r.per_group, r.shares_total, r.min_groups) == (3, 6, 2, 1, 6, 2)
+        assert (r.beacon.member, r.members, r.procs, r.per_group, r.shares_total, r.min_groups) == (3, 6, 2, 1, 6, 2)
         assert r.beacon.peers[3] == ("127.0.0.1", ports[1] + 1) and r.me == "group 1 process 1"
         r.epoch = epoch_of([2, 3, 4, 5], 3)  # group 0 lost (members 0 and 1): one of its shares to each of
         assert r.shares() == [1, 3]  # members 2 and 3; the quorum counts groups: 2 of 3
@@ -147,7 +147,7 @@ def test_each_process_of_a_group_is_a_member_with_its_own_shares_and_port():
 def one_member():
     """A Replicas whose epoch is this process alone, over a real gloo process group of one."""
     store = dist.HashStore()
-    r = Replicas(StubBeacon(0), groups=3, min_groups=1, timeout_s=5)
+    r = Replicas(StubBeacon(0), members=3, min_groups=1, timeout_s=5)
     r.epoch = epoch_of([0], 0)
     r.epoch.pg = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=5))
     return r
@@ -178,7 +178,7 @@ def test_members_sum_every_share_in_share_order_whoever_trained_it(groups):
     store, results = dist.HashStore(), {}
 
     def member(g):
-        r = Replicas(StubBeacon(g), groups=3, min_groups=1, timeout_s=5, per_group=2)
+        r = Replicas(StubBeacon(g), members=3, min_groups=1, timeout_s=5, per_group=2)
         r.epoch = epoch_of(groups, g)
         r.epoch.pg = dist.ProcessGroupGloo(store, r.epoch.rank, len(groups), datetime.timedelta(seconds=10))
         results[g] = r.exchange(7, {s: rows[s] for s in r.shares()}, {s: [float(g)] for s in r.shares()})
@@ -235,7 +235,7 @@ def test_a_member_that_missed_the_announcement_gets_it_when_it_asks_again():
         a._announced = EpochNews("0", 7, "127.0.0.1", 1, (MemberEntry(0, a.incarnation, 3, True),
                                                           MemberEntry(1, b.incarnation, 3, True)))
         epoch = b._ask(0, step=3, live=True)  # a's main thread is busy: only its server answers
-        assert epoch is not None and epoch.number == 7 and epoch.rank == 1 and epoch.groups() == [0, 1]
+        assert epoch is not None and epoch.number == 7 and epoch.rank == 1 and epoch.numbers() == [0, 1]
     finally:
         a.close()
         b.close()
@@ -315,7 +315,7 @@ def test_a_group_of_several_processes_leaves_and_joins_whole():
         for m, box in asked.items():
             a._requests[m] = (Join(f"a{m}", 9, True, 4), f"i{m}", box)
         epoch = a._coordinate(9, True, 2, 5.0)
-        assert epoch is not None and epoch.groups() == [0, 1, 4, 5]
+        assert epoch is not None and epoch.numbers() == [0, 1, 4, 5]
         assert asked[3].sent == [Wait("a3")]
         assert isinstance(asked[1].sent[0], EpochNews) and asked[1].sent[0].id == "a1"
         epoch.store = None
@@ -342,3 +342,34 @@ def test_every_group_of_a_job_is_one_launch_whatever_its_torchruns_nonce(monkeyp
         monkeypatch.setenv("MINGPT_LAUNCH_ID", nonce_id)
         ids.add(one_launch(DistInfo.from_env(cuda=False)).launch_id)
     assert len(ids) == 1 and not ids & {"group0-launch", "group1-launch"}
+
+
+def test_a_member_that_finished_is_not_lost_and_the_last_waits_for_the_others():
+    """At the end of the run a member that applied the last step says `finished` and stays until every
+    other member of the epoch has too: one still in the last exchange does not see it as lost (its
+    exit used to drop that step there, and make a sibling process restart its group)."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    a = Beacon(peers, 0, SECRET, 0.05, 60.0)
+    try:
+        epoch = Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "one", 9, True), Member(2, "two", 9, True)], 0)
+        now = time.monotonic()
+        with a._lock:
+            a._seen[1] = {"inc": "one", "t": now, "eof": False, "epoch": 4, "state": "finished"}
+            a._seen[2] = {"inc": "two", "t": now, "eof": False, "epoch": 4, "state": "training"}
+        assert a.lost(epoch) is None
+        assert a.unfinished(epoch) == [2]
+        r = Replicas(a, members=3, min_groups=2, timeout_s=30)
+        r.epoch = epoch
+
+        def two_finishes():
+            time.sleep(0.3)
+            with a._lock:
+                a._seen[2].update(state="finished", t=time.monotonic())
+                a._seen[1]["t"] = time.monotonic()
+        threading.Thread(target=two_finishes, daemon=True).start()
+        started = time.monotonic()
+        r.finish()
+        assert a.status["state"] == "finished" and 0.3 <= time.monotonic() - started < 25
+        assert a.unfinished(epoch) == []
+    finally:
+        a.close()

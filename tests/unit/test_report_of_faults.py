@@ -33,7 +33,7 @@ def replica_job():
         *[train(s, 105 + 0.1 * s) for s in range(1, 21)],
         epoch(20, 107.35, "group 0 lost", 0.25),  # 0.1 s of the step in flight, then the regroup
         *[train(s, 107.35 + 0.15 * (s - 20), ms=150) for s in range(21, 31)],  # two survivors, three shares each
-        start(108, 30, 0),  # the restarted process's start record, once it healed: its step
+        start(108, 30, 0, regroup=0.3),  # the restarted process's start record, once it healed: its step
         epoch(30, 109.0, "start", 1.0, healed=[0]),  # written by group 0, who waited 1 s to be let in
         *[train(s, 109 + 0.1 * (s - 30)) for s in range(31, 41)],
     ]
@@ -44,6 +44,7 @@ def test_a_replica_job_counts_a_restart_per_process_started_again_and_its_step_i
     out = summary(run, "r")
     assert "starts 4 (1 restart, 3 groups)" in out, out
     assert "group 0: back at step 30" in out, out
+    assert "(model 1.0 | joining and healing 0.3)" in out, out  # where its return went
     acc = run.account
     expected = {"training": 2 + 1.5 + 1, "lost": 0.1, "regroup": 0.25 + 0.15, "startup": 5, "other": 0}
     assert {c: pytest.approx(acc.seconds[c], abs=1e-6) for c in expected} == expected
