@@ -9,6 +9,7 @@ import torch
 from conftest import REPO, make_corpus, torchrun_cmd, torchrun_env
 
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.restore import read_whole
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +94,7 @@ def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path)
     run(torchrun_cmd(4, "mingpt/main.py", *data, "trainer.max_steps=4", "snapshot.every_steps=4",
                      "trainer.pipeline_parallel=2"))
     store = SnapshotStore(str(tmp_path / "run" / "snapshots"))
-    state, manifest = store.load(store.list()[-1].path)
+    state, manifest = read_whole(store, store.list()[-1].path)
     assert manifest["step"] == 4 and manifest["stages"] == 2 and manifest["format_version"] == 4
     stored = {f"model.{k}": v for k, v in state["model"].items() if k != "lm_head.weight"}  # tied to wte
     stored |= {f"optim.{p}.{k}": v for p, moments in state["optimizer"].items() for k, v in moments.items()}
@@ -115,7 +116,7 @@ def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path)
 def stored_state(run_dir) -> dict:
     """The newest snapshot's tensors by the names slots give them (the tied head is the embedding)."""
     store = SnapshotStore(str(run_dir / "snapshots"))
-    state, _ = store.load(store.list()[-1].path)
+    state, _ = read_whole(store, store.list()[-1].path)
     out = {f"model.{k}": v for k, v in state["model"].items() if k != "lm_head.weight"}
     return out | {f"optim.{p}.{k}": v for p, moments in state["optimizer"].items() for k, v in moments.items()}
 
