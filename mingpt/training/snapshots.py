@@ -140,6 +140,11 @@ def load_snapshot(cfg: RunConfig, trainer: Trainer, start: Start) -> None:
     trainer.load_state(extra)
     log.info("resumed from snapshot step %d in %.2fs (saved by %d rank%s with %s, now %d with %s; torchrun restart "
              "%d here)", trainer.progress.step, time.perf_counter() - t0, manifest["world_size"],
-             "" if manifest["world_size"] == 1 else "s", manifest.get("parallel", "ddp"), info.world_size,
-             trainer.parallel.name, info.restart_count)
+             "" if manifest["world_size"] == 1 else "s", _layout(manifest.get("parallel", "ddp"), manifest.get("stages", 1)),
+             info.world_size, _layout(trainer.parallel.name, trainer.parallel.stages), info.restart_count)
     trainer.metrics.write({"kind": "resume", "step": trainer.progress.step, "world_size": info.world_size})
+
+
+def _layout(name: str, stages: int) -> str:
+    """A layout as the resume line names it: the data layout, and the pipeline's stages where there are."""
+    return f"{name} x pipeline {stages}" if stages > 1 else name

@@ -153,6 +153,7 @@ def test_documents_through_a_pipeline_train_and_evaluate_as_one_process_and_snap
                "--temperature", "0"])
     assert len(out.strip()) >= 20, out
     out = tmp_path / "into-pp.pt"
-    run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(out), "--state", *args,
-                     f"trainer.run_dir={tmp_path / 'one'}", "trainer.pipeline_parallel=2"))
+    log = run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(out), "--state", *args,
+                           f"trainer.run_dir={tmp_path / 'one'}", "trainer.pipeline_parallel=2"))
     assert_same(held_state(out, 2), stored_state(tmp_path / "one"))
+    assert "(saved by 1 rank with single, now 2 with ddp x pipeline 2;" in log, log[-3000:]  # the resume line names it
