@@ -107,39 +107,26 @@ def test_documents_sigkill_recovery_is_exact_too(tmp_path):
     check_sigkill_recovery(reference, tmp_path / "faulty", docs=True, nproc=3, extra=WIDE)
 
 
-def test_tensor_parallel_sigkill_recovery_is_exact_too(tmp_path):
-    """Two processes splitting each block (trainer.tensor_parallel=2): a worker SIGKILLed, torchrun
-    restarts both, and they resume from the snapshot (gathered whole when saved, split again when
-    loaded) into the run's exact course: final weights bitwise, the loss curve equal."""
+@pytest.mark.parametrize("split, shown", [(["trainer.tensor_parallel=2"], "ddp x tensor parallel 2"),
+                                           (["trainer.pipeline_parallel=2", "model.dropout=0"], "ddp x pipeline 2 (1f1b)")],
+                         ids=["tensor-parallel", "pipeline"])
+def test_a_split_model_sigkill_recovery_is_exact_too(tmp_path, split, shown):
+    """Two processes splitting the model: each block (trainer.tensor_parallel=2; the snapshot gathered
+    whole when saved, split again when loaded), or the blocks in two stages (trainer.pipeline_parallel=2,
+    1F1B; no dropout: a pipeline refuses it; each stage resumes its own tensors, the tied matrix too). A
+    worker SIGKILLed, torchrun restarts both, and they resume into the run's exact course: final weights
+    bitwise, the loss curve equal. 30 steps: a split model is slow on CPU."""
     from conftest import make_corpus
 
-    tp = ["trainer.tensor_parallel=2", "trainer.max_steps=30"]  # shorter: a split model is slow on CPU
+    extra = [*split, "trainer.max_steps=30"]
     corpus, ref_dir = make_corpus(tmp_path), tmp_path / "ref"
-    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir), *tp), cwd=REPO,
+    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir), *extra), cwd=REPO,
                           env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "training from step 0 to 30 on 2 ranks (ddp x tensor parallel 2)" in proc.stdout + proc.stderr
+    assert f"training from step 0 to 30 on 2 ranks ({shown})" in proc.stdout + proc.stderr
     reference = {"corpus": corpus, "weights": final_weights(ref_dir, 30),
                  "losses": {s: r["loss"] for s, r in read_metrics(ref_dir / "metrics.jsonl").items()}}
-    check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, extra=tp, kill_after=15, steps=30)
-
-
-def test_pipeline_sigkill_recovery_is_exact_too(tmp_path):
-    """A pipeline of two stages (trainer.pipeline_parallel=2, 1F1B over 4 micro-batches; no dropout: a
-    pipeline refuses it): the last stage's worker SIGKILLed, torchrun restarts both, and each stage
-    resumes its own tensors from the snapshot both wrote into the run's exact course: final weights
-    bitwise (the tied matrix too), the loss curve equal."""
-    from conftest import make_corpus
-
-    pp = ["trainer.pipeline_parallel=2", "model.dropout=0", "trainer.max_steps=30"]
-    corpus, ref_dir = make_corpus(tmp_path), tmp_path / "ref"
-    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir), *pp), cwd=REPO,
-                          env=torchrun_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "training from step 0 to 30 on 2 ranks (ddp x pipeline 2 (1f1b))" in proc.stdout + proc.stderr
-    reference = {"corpus": corpus, "weights": final_weights(ref_dir, 30),
-                 "losses": {s: r["loss"] for s, r in read_metrics(ref_dir / "metrics.jsonl").items()}}
-    check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, extra=pp, kill_after=15, steps=30)
+    check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, extra=extra, kill_after=15, steps=30)
 
 
 def check_sigkill_recovery(reference, tmp_path, docs, nproc=2, extra=(), kill_after=35, steps=MAX_STEPS):
