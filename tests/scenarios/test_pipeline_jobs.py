@@ -96,6 +96,8 @@ def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path)
     store = SnapshotStore(str(tmp_path / "run" / "snapshots"))
     state, manifest = read_whole(store, store.list()[-1].path)
     assert manifest["step"] == 4 and manifest["stages"] == 2 and manifest["format_version"] == 4
+    shown = run([sys.executable, "-m", "mingpt.cli.snapshot", "show", str(tmp_path / "run")])
+    assert "by 4 rank(s) (ddp x pipeline 2), 4 writer(s), format 4" in shown, shown  # the layout said whole
     stored = {f"model.{k}": v for k, v in state["model"].items() if k != "lm_head.weight"}  # tied to wte
     stored |= {f"optim.{p}.{k}": v for p, moments in state["optimizer"].items() for k, v in moments.items()}
     tensor_bytes = sum(v.numel() * v.element_size() for v in stored.values())  # every byte written once
