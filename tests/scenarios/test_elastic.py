@@ -85,7 +85,8 @@ def reference(tmp_path_factory):
 # The agent-hosted store (the other node dies, the store with its host stays) is the case of
 # test_hsdp.py's lost node, on two network-namespace nodes; this one keeps the standalone store.
 # The README's launcher on one node size, plain torchrun on the other.
-@pytest.mark.parametrize("store, tp, launcher", [("standalone", 1, "mingpt"), ("standalone", 2, "torchrun")],
+@pytest.mark.parametrize("store, tp, launcher", [("standalone", 1, "mingpt"),
+                                                 pytest.param("standalone", 2, "torchrun", marks=pytest.mark.long)],
                          ids=["standalone", "standalone-tp2"])
 def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, store, tp, launcher):
     corpus, ref_dir = reference(tp)

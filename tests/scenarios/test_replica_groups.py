@@ -289,8 +289,9 @@ def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tm
 # tensor parallel over gloo: a step costs 3x FSDP's here (a collective per sub-layer), so one block
 # and 80 steps (its restart is back within 35, at 10 s)
 @pytest.mark.parametrize("split, shown, steps", [(("trainer.parallel=fsdp",), "fsdp", SHARDED),
-                                                 (("trainer.tensor_parallel=2", "model.n_layer=1"),
-                                                  "ddp x tensor parallel 2", 80)], ids=["fsdp", "tp2"])
+                                                 pytest.param(("trainer.tensor_parallel=2", "model.n_layer=1"),
+                                                              "ddp x tensor parallel 2", 80, marks=pytest.mark.long)],
+                         ids=["fsdp", "tp2"])
 def test_groups_sharding_the_model_heal_each_shard_from_the_process_holding_it(reference, tmp_path, split, shown, steps):
     """FSDP (a fault-tolerant HSDP) or tensor parallelism inside each group, replicas across them:
     three groups of two processes, each group's two processes split the model and train each of its
