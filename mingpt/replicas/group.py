@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError, member_addresses
+from mingpt.replicas.members import EveryProcess, WholeGroup, membership
 from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, ShareHeader, header_mac, set_grads, state_digest, unpack_state
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
@@ -60,10 +61,11 @@ class Replicas:
                  tp: int = 1):
         # `members` counts every group's processes; the beacon knows the processes per group
         self.beacon, self.members, self.min_groups, self.timeout_s = beacon, members, min_groups, timeout_s
-        # shares of every global step per member (member m owns m*k .. m*k+k-1); sharded, per group:
-        # a group's processes train each of its shares together (see `parts`)
-        self.per_group, self.tp = per_group, tp
-        self.shares_total = (members // self.unit) * per_group
+        # how the group's processes take part (mingpt/replicas/members.py): shares of every global step per
+        # member (member m owns m*k .. m*k+k-1), or per group, whose processes train each share together
+        self.membership = membership(beacon, tp)
+        self.per_group = per_group
+        self.shares_total = (members // self.membership.unit) * per_group
         self.epoch: Epoch | None = None
         # Every epoch's process group is kept until the process exits: freeing one whose collective a
         # lost member left unfinished would wait in its destructor (joining gloo's threads) until
@@ -90,14 +92,7 @@ class Replicas:
                                "same MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
                                "`python -c 'import secrets; print(secrets.token_hex(32))'`")
         groups = len(rc.peers)
-        if sharded:  # each share trained by the whole group
-            shares = rc.shares_per_group or max(1, groups - 1)
-        else:
-            shares = rc.shares_per_group or procs * max(1, groups - 1)
-            if shares % procs:
-                raise ReplicaError(f"replicas.shares_per_group={shares} does not divide among a group's {procs} "
-                                   f"processes: make it a multiple of {procs} (or 0, for {procs * max(1, groups - 1)})")
-            shares //= procs
+        shares = (WholeGroup if sharded and procs > 1 else EveryProcess).shares_each(rc.shares_per_group, procs, groups)
         beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
                         rc.lost_after_s, procs, sharded, bind_wait_s=rc.timeout_s)
         return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares, tp)
@@ -113,42 +108,19 @@ class Replicas:
         return self.members // self.procs
 
     @property
-    def sharded(self) -> bool:
-        """The group's processes split the model (FSDP or tensor parallelism inside the group): they train
-        each of the group's shares together, and exchange and heal their shard with the processes of the
-        other groups holding the same one (the same place in their group)."""
-        return self.beacon.sharded
-
-    @property
-    def unit(self) -> int:
-        """The members that own shares together: a sharded group's processes, else one."""
-        return self.procs if self.sharded else 1
-
-    @property
     def parts(self) -> int:
-        """Into how many parts a share is cut: one per data rank of a sharded group (its processes over
-        the tensor-parallel degree: the processes of a tensor-parallel group train the same part), else 1."""
-        return self.procs // self.tp if self.sharded else 1
+        """Into how many parts a share is cut (mingpt/replicas/members.py)."""
+        return self.membership.parts
 
     @property
     def part(self) -> int:
         """This process's part of each share it trains."""
-        return self.beacon.member % self.procs // self.tp if self.sharded else 0
+        return self.membership.part
 
     @property
     def saves(self) -> bool:
-        """This process writes snapshots: the epoch's first member, or (sharded) every process of its group."""
-        if not self.sharded:
-            return self.leads
-        return self.epoch is not None and self.epoch.members[0].number // self.procs == self.beacon.member // self.procs
-
-    def peers(self) -> tuple[object, list, int]:
-        """The process group of the exchange and the healing, its members and this one's rank there: the
-        epoch's, or (sharded) the members holding this process's shard."""
-        if not self.sharded:
-            return self.epoch.pg, self.epoch.members, self.epoch.rank
-        holders = self.epoch.holders(self.beacon.member, self.procs)
-        return self.epoch.peers, holders, [m.number for m in holders].index(self.beacon.member)
+        """This process writes snapshots for the job."""
+        return self.membership.saves(self.epoch)
 
     @property
     def me(self) -> str:
@@ -157,14 +129,14 @@ class Replicas:
 
     @property
     def leads(self) -> bool:
-        """The epoch's first member: it logs and saves for the job."""
+        """The epoch's first member: it logs for the job."""
         return self.epoch is not None and self.epoch.rank == 0
 
     def shares(self) -> list[int]:
         """The shares this member trains: its own group's, and those of lost groups dealt out in turn
         (with k = groups - 1 shares per group, a lost group's go one to each survivor)."""
-        k, unit = self.per_group, self.unit  # sharded: a group owns shares (its processes train parts)
-        owners = sorted({m // unit for m in self.epoch.numbers()})  # each member, or each sharded group
+        k, unit = self.per_group, self.membership.unit  # whole groups: a group owns shares (its processes train parts)
+        owners = sorted({m // unit for m in self.epoch.numbers()})  # each member, or each group
         me = self.beacon.member // unit
         orphans = [s for s in range(self.shares_total) if s // k not in owners]
         own = range(me * k, (me + 1) * k)
@@ -234,7 +206,7 @@ class Replicas:
         share's values of its own slice of columns (an all-to-all), sums them in share order, and the
         summed slices are gathered by all (each member receives about 2 gradients' worth instead of
         every other member's shares)."""
-        epoch, (pg, _, _) = self.epoch, self.peers()
+        epoch, (pg, _, _) = self.epoch, self.membership.peers(self.epoch)
         world = pg.size()
         per = math.ceil(self.shares_total / world)
         n = next(iter(rows.values())).numel()
@@ -276,14 +248,12 @@ class Replicas:
         its tensors and JSON state (a broadcast reaches every member behind in one collective); a
         receiver keeps what it received only if it matches the sender's digest. Returns (the member
         that sent, the members healed), or (-1, []) when every member held the same state."""
-        pg, members, me = self.peers()  # sharded: each shard from the process of another group holding it
+        pg, members, me = self.membership.peers(self.epoch)  # whole groups: each shard from its holders
         best = max(members, key=lambda m: (m.live, m.step))
         source = members.index(best)
         behind = [i for i, m in enumerate(members)
                   if i != source and ((m.step, m.live) != (best.step, best.live) or (best.live and not m.live))]
-        healed = (best.number, [members[i].number for i in behind])
-        if self.sharded:  # a group heals whole (a shard each): name every process of it
-            healed = (best.number, [s for i in behind for s in self.beacon.siblings(members[i].number)])
+        healed = (best.number, self.membership.healed([members[i].number for i in behind]))
         if not behind:
             self.live = True
             return -1, []
@@ -338,43 +308,12 @@ class Replicas:
                                     float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),
                                     float(self.beacon.member // self.procs))
                  for share, (_, loss, mbs) in rows.items()}
-        if self.sharded:
-            total, every = self._sharded_exchange(step, rows, heads, next(model.parameters()).device)
-        else:
-            total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
-            every = [ShareHeader(*h) for h in every]
+        total, every = self.membership.exchange(self, step, rows, heads, next(model.parameters()).device)
         set_grads(model, total)
         self.flags = (any(h.preempted for h in every), any(h.timed for h in every))
         self.rejoin_pending = any(h.joiners for h in every)
         self.shares_record = [[int(h.group), int(h.samples), int(h.ids)] for h in every]
         return sum(h.loss for h in every)
-
-    def _sharded_exchange(self, step: int, rows: dict, heads: dict, device: torch.device) -> tuple[torch.Tensor, list]:
-        """The exchange of this process's shard, then a vote of the group's processes over their own
-        process group: the group applies the step only if every one of them completed its exchange (so
-        its shards stay one state), and agrees on the flags and on each share's samples (summed over
-        the parts). The headers returned are the group's: flags and samples of every part; the loss
-        and the trainer are this part's and group's (the trainer's log sums the parts' losses)."""
-        failed, total, every = None, None, []
-        try:
-            total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
-            every = [ShareHeader(*h) for h in every]
-        except MembershipChanged as e:
-            failed = e
-        n = self.shares_total
-        vote = torch.zeros(4 + 2 * n, dtype=torch.float64)
-        vote[0] = float(failed is not None)
-        if every:
-            vote[1:4] = torch.tensor([float(any(h[i] for h in every)) for i in range(3)], dtype=torch.float64)  # the flags
-            vote[4:] = torch.tensor([[h.samples, h.ids] for h in every], dtype=torch.float64).reshape(-1)
-        # over the group's own process group (its torchrun's), on the model's device (NCCL's on GPUs)
-        agreed = distributed.all_reduce_sum(vote.to(device)).cpu()
-        if agreed[0] > 0:
-            raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
-        # (each part's samples counted once: the processes of a tensor-parallel group train the same part)
-        flags, parts = (agreed[1:4] > 0).tolist(), (agreed[4:] / self.tp).view(n, 2).tolist()
-        return total, [ShareHeader(*map(float, flags), h.loss, samples, ids, h.group)
-                       for h, (samples, ids) in zip(every, parts)]
 
     def finish(self) -> None:
         """After the last step (and the leader's final commit): say so, and wait until every other member of

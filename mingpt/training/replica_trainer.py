@@ -94,8 +94,8 @@ class ReplicaTrainer(Trainer):
                     part = split[share * r.parts + r.part]
                     loss = self._accumulate(_weighted(part, micro_batches), global_tokens, step)
                     rows[share] = (flat_grads(self.parallel.gpt), loss, part)
-                    if not r.sharded:  # a member lost: on to the redo now, not after the other shares
-                        r.check()  # (sharded, the group's processes decide together, in the exchange)
+                    if r.membership.decides_alone:  # a member lost: on to the redo now, not after the other
+                        r.check()  # shares (whole groups: the group's processes decide together, in the exchange)
             self.ledger.switch("step_compute")
             total = r.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested, self.policy.interval_elapsed())
         except MembershipChanged:
@@ -110,7 +110,7 @@ class ReplicaTrainer(Trainer):
 
     @property
     def saves(self) -> bool:
-        return self.replicas.saves  # one member (sharded: one group) saves for the job
+        return self.replicas.saves  # one member (or one group, a shard each) saves for the job
 
     def close(self, wait: bool = True) -> None:
         super().close(wait)  # (the leader's last snapshot committed)

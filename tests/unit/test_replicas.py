@@ -119,6 +119,32 @@ def test_groups_of_four_split_by_fsdp_and_tensor_parallelism_cut_a_share_in_two(
                        DistInfo(world_size=3, local_world_size=3), SECRET, sharded=True, tp=2)
 
 
+def test_the_two_membership_models_decide_who_saves_exchanges_and_heals():
+    """Groups of two processes, six members, epoch of groups 0 and 2 (group 1 lost). Each process a
+    member (the processes do not split the model): the epoch's first member saves, the exchange and the
+    heal run over the whole epoch, a heal names the members behind. Whole groups (they split it): both
+    processes of the first group save a shard each, a process exchanges with the holders of its shard
+    (process 1 of every group), and a heal names every process of a group behind."""
+    every, whole = StubBeacon(5), StubBeacon(5)  # group 2's process 1
+    every.procs, whole.procs, whole.sharded = 2, 2, True
+    every.siblings = whole.siblings = lambda m: range(m - m % 2, m - m % 2 + 2)
+    epoch = Epoch(3, [Member(m, "x", 7, True) for m in (0, 1, 4, 5)], 3, pg="epoch", peers="shard")
+    a, b = (Replicas(beacon, members=6, min_groups=1, timeout_s=5, per_group=2) for beacon in (every, whole))
+    assert (type(a.membership).__name__, type(b.membership).__name__) == ("EveryProcess", "WholeGroup")
+    assert (a.shares_total, a.parts, b.shares_total, b.parts, b.part) == (12, 1, 6, 2, 1)
+    a.epoch = b.epoch = epoch
+    assert (a.saves, b.saves) == (False, False)  # group 0 leads: member 0 alone, or both of its processes
+    assert a.membership.peers(epoch) == ("epoch", epoch.members, 3)
+    assert b.membership.peers(epoch) == ("shard", [epoch.members[1], epoch.members[3]], 1)
+    assert (a.membership.healed([2]), b.membership.healed([2])) == ([2], [2, 3])
+    a.epoch = b.epoch = replace(epoch, rank=1)
+    every.member = whole.member = 1  # group 0's process 1: saves its shard of whole groups, and nothing else
+    assert (a.saves, b.saves) == (False, True)
+    assert (a.membership.decides_alone, b.membership.decides_alone) == (True, False)
+    # replicas.shares_per_group=0 with 3 groups: two a process, or two a group
+    assert (a.membership.shares_each(0, 2, 3), b.membership.shares_each(0, 2, 3)) == (2, 2)
+
+
 def test_each_process_of_a_group_is_a_member_with_its_own_shares_and_port():
     """Three groups of two processes: group g's process i is member 2g + i, listens on the group's port
     + i, and trains its half of the group's shares; a lost group counts once in the quorum."""

@@ -1,0 +1,134 @@
+"""How the processes of a group take part in a replica-group job: the two membership models, one class
+each, chosen once (`Replicas` holds one as `membership`).
+
+- `EveryProcess`: the group's processes do not split the model (or the group is one process). Each
+  process is a member on its own: it owns whole shares, exchanges its rows with every member of the
+  epoch and heals from any of them; the epoch's first member saves for the job.
+- `WholeGroup`: the group's processes split the model (trainer.parallel=fsdp, trainer.tensor_parallel).
+  The group owns its shares, each cut into a part per data rank of the group; a process exchanges and
+  heals its shard with the process of every other group that holds the same one, and the group's
+  processes vote on each exchange over their own torchrun's process group; every process of the
+  epoch's first group saves (a shard each).
+
+In both, a group leaves and joins whole (mingpt/replicas/beacon.py forms the epochs so).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mingpt.replicas.beacon import Epoch, MembershipChanged
+from mingpt.replicas.link import ReplicaError
+from mingpt.replicas.tensors import ShareHeader
+from mingpt.runtime import distributed
+
+
+class EveryProcess:
+    """Each process a member of its own, with shares of its own."""
+
+    sharded = False
+    decides_alone = True  # a member that sees a loss drops the step at once, between two of its shares
+    unit = 1  # members that own shares together
+    parts = 1  # a share is trained whole, by one process
+    part = 0
+
+    def __init__(self, beacon, tp: int = 1):  # noqa: ARG002 - the models' one signature
+        self.beacon = beacon
+
+    @staticmethod
+    def shares_each(asked: int, procs: int, groups: int) -> int:
+        """Shares per member from replicas.shares_per_group (0: the default): a group's split among its processes."""
+        shares = asked or procs * max(1, groups - 1)
+        if shares % procs:
+            raise ReplicaError(f"replicas.shares_per_group={shares} does not divide among a group's {procs} "
+                               f"processes: make it a multiple of {procs} (or 0, for {procs * max(1, groups - 1)})")
+        return shares // procs
+
+    def saves(self, epoch: Epoch | None) -> bool:
+        return epoch is not None and epoch.rank == 0
+
+    def peers(self, epoch: Epoch) -> tuple[object, list, int]:
+        """The process group of the exchange and the healing, its members, and this one's rank there."""
+        return epoch.pg, epoch.members, epoch.rank
+
+    def healed(self, numbers: list[int]) -> list[int]:
+        """The members a heal brought forward, from those behind in `peers`."""
+        return numbers
+
+    def exchange(self, replicas, step: int, rows: dict, heads: dict, device: torch.device) -> tuple[torch.Tensor, list]:  # noqa: ARG002
+        total, every = replicas.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+        return total, [ShareHeader(*h) for h in every]
+
+
+class WholeGroup:
+    """A group's processes split the model: the group owns shares, and each process its shard of them."""
+
+    sharded = True
+    decides_alone = False  # the group's processes decide together, in the vote after each exchange
+
+    def __init__(self, beacon, tp: int = 1):
+        self.beacon, self.tp = beacon, tp
+
+    @staticmethod
+    def shares_each(asked: int, procs: int, groups: int) -> int:  # noqa: ARG004 - the models' one signature
+        """Shares per group from replicas.shares_per_group (0: the default)."""
+        return asked or max(1, groups - 1)
+
+    @property
+    def unit(self) -> int:
+        return self.beacon.procs
+
+    @property
+    def parts(self) -> int:
+        """A part per data rank of the group: its processes over the tensor-parallel degree (the processes
+        of a tensor-parallel group train the same part)."""
+        return self.beacon.procs // self.tp
+
+    @property
+    def part(self) -> int:
+        return self.beacon.member % self.beacon.procs // self.tp
+
+    def saves(self, epoch: Epoch | None) -> bool:
+        procs = self.beacon.procs
+        return epoch is not None and epoch.members[0].number // procs == self.beacon.member // procs
+
+    def peers(self, epoch: Epoch) -> tuple[object, list, int]:
+        """The members holding this process's shard (the same process of every group), and its rank there."""
+        holders = epoch.holders(self.beacon.member, self.beacon.procs)
+        return epoch.peers, holders, [m.number for m in holders].index(self.beacon.member)
+
+    def healed(self, numbers: list[int]) -> list[int]:
+        """A group heals whole, a shard each: every process of each group behind."""
+        return [s for n in numbers for s in self.beacon.siblings(n)]
+
+    def exchange(self, replicas, step: int, rows: dict, heads: dict, device: torch.device) -> tuple[torch.Tensor, list]:
+        """The exchange of this process's shard, then a vote of the group's processes over their own
+        process group: the group applies the step only if every one of them completed its exchange (so
+        its shards stay one state), and agrees on the flags and on each share's samples (summed over
+        the parts). The headers returned are the group's: flags and samples of every part; the loss
+        and the trainer are this part's and group's (the trainer's log sums the parts' losses)."""
+        failed, total, every = None, None, []
+        try:
+            total, every = replicas.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+            every = [ShareHeader(*h) for h in every]
+        except MembershipChanged as e:
+            failed = e
+        n = replicas.shares_total
+        vote = torch.zeros(4 + 2 * n, dtype=torch.float64)
+        vote[0] = float(failed is not None)
+        if every:
+            vote[1:4] = torch.tensor([float(any(h[i] for h in every)) for i in range(3)], dtype=torch.float64)  # the flags
+            vote[4:] = torch.tensor([[h.samples, h.ids] for h in every], dtype=torch.float64).reshape(-1)
+        # over the group's own process group (its torchrun's), on the model's device (NCCL's on GPUs)
+        agreed = distributed.all_reduce_sum(vote.to(device)).cpu()
+        if agreed[0] > 0:
+            raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
+        # (each part's samples counted once: the processes of a tensor-parallel group train the same part)
+        flags, parts = (agreed[1:4] > 0).tolist(), (agreed[4:] / self.tp).view(n, 2).tolist()
+        return total, [ShareHeader(*map(float, flags), h.loss, samples, ids, h.group)
+                       for h, (samples, ids) in zip(every, parts)]
+
+
+def membership(beacon, tp: int = 1) -> EveryProcess | WholeGroup:
+    """The model of a beacon's group: whole groups where its processes split the model."""
+    return (WholeGroup if beacon.sharded else EveryProcess)(beacon, tp)
