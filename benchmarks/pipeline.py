@@ -5,7 +5,7 @@ the bytes a process holds (parameters, gradients, optimizer state; the activatio
 backward at their peak) against DDP, FSDP and tensor parallelism, and the bytes each step sends
 between stages against what DDP and FSDP send.
 
-    python -m benchmarks pipeline [--model gpt-mini] [--nproc 2] [--micro 2 4 8] [--block 64] [--steps 4] [--layouts ddp fsdp tp pp]
+    python -m benchmarks pipeline [--model gpt-mini] [--nproc 2] [--micro 2 4 8] [--block 64] [--steps 4] [--layouts ddp,fsdp,tp,pp]
 
 Each row is one torchrun job of --nproc processes (pipelines of --nproc stages; the other layouts over
 as many processes), --warmup steps untimed, then --steps timed. A stage is busy while it runs a
@@ -132,8 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--data", default=str(REPO / "data" / "input.txt"))
-    ap.add_argument("--layouts", nargs="+", default=["ddp", "fsdp", "tp", "pp"], choices=["ddp", "fsdp", "tp", "pp"],
-                    help="which rows (pp: every schedule)")
+    ap.add_argument("--layouts", default="ddp,fsdp,tp,pp", help="which rows, comma-separated (pp: every schedule)")
     ap.add_argument("overrides", nargs="*", help="more Hydra overrides, e.g. model.n_layer=4")
     args = ap.parse_args(argv)
     p = args.nproc
@@ -149,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
         n_layer = next((int(o.split("=")[1]) for o in args.overrides if o.startswith("model.n_layer=")),
                        PRESETS[args.model][0])
         for name, settings, m in layouts(p, args.micro, n_layer):
-            if not name.startswith(tuple(args.layouts)):
+            if not name.startswith(tuple(args.layouts.split(","))):
                 continue
             pp = "pipeline" in " ".join(settings)
             data_ranks = 1 if pp else (1 if name.startswith("tp") else p)
