@@ -169,7 +169,7 @@ def account_replicas(records: list[dict], attempts: list[Attempt]) -> Account:
     flight at each fault, at most one step. Regroup: the pause of the training between its last step
     before a new epoch and the epoch (a returning group's own wait to be let in is not the job's).
     Start-up: the first start to the first epoch. Evaluation, snapshots and logging: the recording
-    member's. Other: the rest. A restart is a group's process started again."""
+    member's. Other: the rest. A restart is a group started again (its torchrun's processes)."""
     starts = [r for r in records if r.get("kind") == "start" and "t0" in r]
     epochs = [r for r in records if r.get("kind") == "epoch"]
     train = {r["step"]: r for r in records if r.get("kind") == "train"}
@@ -185,6 +185,12 @@ def account_replicas(records: list[dict], attempts: list[Attempt]) -> Account:
     seconds["startup"] = epochs[0]["time"] - t0
     seconds.update(_recorded(records, ("eval", "snapshot", "log")))
     seconds["other"] = max(0.0, wall - sum(seconds.values()))
+    # every process of a group writes a start record: a start of the group is one of its torchrun's (its
+    # job id and restart count), told by its first process; a restart, a group started again
+    starts_of = {}
+    for a in attempts:
+        starts_of.setdefault((a.start.get("group"), a.start.get("job_id"), a.start.get("restart")), a)
+    attempts = list(starts_of.values())
     startup = dict.fromkeys(STARTUP, 0.0)
     for a in attempts:
         for phase in STARTUP:

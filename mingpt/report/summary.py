@@ -82,8 +82,10 @@ def _starts(run: Run) -> list[str]:
              f"{attempts[-1].start.get('parallel', '')}"]
     epochs = [r for r in run.records if r.get("kind") == "epoch"]
     if epochs:  # replica groups: every process start is a group's, and the groups trained through faults
+        # a group heals whole: its processes (members g * procs + i) count once
+        healed = sum(len({m // e.get("procs", 1) for m in e.get("healed", [])}) for e in epochs)
         lines.append(f"  replica groups: {len(epochs)} epochs, {acc.faults} lost a group (each lost at most its step "
-                     f"in flight), {sum(len(e.get('healed', [])) for e in epochs)} group(s) healed from a peer")
+                     f"in flight), {healed} group(s) healed from a peer")
     return lines
 
 
@@ -111,7 +113,7 @@ def _restart_lines(acc) -> list[str]:
     restarts = [(i, a) for i, a in enumerate(attempts) if acc.gaps[i] > 0]
     if acc.replicas and acc.restarts:
         lines.append("")
-        lines.append("  restarts (a group's process started again; it healed from a live group):")
+        lines.append("  restarts (a group's processes started again; they healed from a live group):")
         for i in acc.restarts[-5:]:
             a = attempts[i]
             # where its return went, by the start record's ledger (written once it joined and healed)

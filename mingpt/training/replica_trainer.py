@@ -153,6 +153,7 @@ class ReplicaTrainer(Trainer):
             log.info("healed from replica %s: at step %d", self.replicas.beacon.name(source), p.step)
         if self.leads:
             self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "members": epoch.numbers(),
+                                "procs": self.replicas.procs,
                                 "why": why, "regroup_s": round(time.monotonic() - t0, 4), "healed": healed,
                                 "healed_from": source if healed else None})
         return True

@@ -9,8 +9,9 @@ from mingpt.report import html
 from mingpt.report.summary import Run, summary
 
 
-def start(t0, step, group=None, launch="secret-derived", **seconds):
-    rec = {**ledger(t0, step, "start", model=1, **seconds), "launch_id": launch}
+def start(t0, step, group=None, launch="secret-derived", job="torchrun-1", restart=0, **seconds):
+    """A process's start record (a replica group's torchrun: its job id, and its restart count)."""
+    rec = {**ledger(t0, step, "start", model=1, **seconds), "launch_id": launch, "job_id": job, "restart": restart}
     return rec if group is None else {**rec, "group": group}
 
 
@@ -33,7 +34,7 @@ def replica_job():
         *[train(s, 105 + 0.1 * s) for s in range(1, 21)],
         epoch(20, 107.35, "group 0 lost", 0.25),  # 0.1 s of the step in flight, then the regroup
         *[train(s, 107.35 + 0.15 * (s - 20), ms=150) for s in range(21, 31)],  # two survivors, three shares each
-        start(108, 30, 0, regroup=0.3),  # the restarted process's start record, once it healed: its step
+        start(108, 30, 0, restart=1, regroup=0.3),  # the restarted process's start record, once it healed: its step
         epoch(30, 109.0, "start", 1.0, healed=[0]),  # written by group 0, who waited 1 s to be let in
         *[train(s, 109 + 0.1 * (s - 30)) for s in range(31, 41)],
     ]
@@ -49,6 +50,26 @@ def test_a_replica_job_counts_a_restart_per_process_started_again_and_its_step_i
     expected = {"training": 2 + 1.5 + 1, "lost": 0.1, "regroup": 0.25 + 0.15, "startup": 5, "other": 0}
     assert {c: pytest.approx(acc.seconds[c], abs=1e-6) for c in expected} == expected
     assert acc.wall == pytest.approx(10) and acc.goodput == pytest.approx(0.45)
+
+
+def test_groups_of_two_processes_count_a_start_and_a_heal_per_group_not_per_process():
+    """Three groups of two processes (members 2g and 2g + 1), each process writing its start record;
+    group 1's torchrun restarts both, which heal together: one restart, one group healed."""
+    both = lambda t0, step, g, **kw: [start(t0 + 0.01 * i, step, g, job=f"torchrun-{g}", **kw) for i in range(2)]  # noqa: E731
+    records = [
+        *[r for g in range(3) for r in both(100, 0, g)],
+        {**epoch(0, 105, "start", 0.01), "procs": 2},
+        *[train(s, 105 + 0.1 * s) for s in range(1, 21)],
+        {**epoch(20, 107.35, "group 1 process 1 lost", 0.25), "procs": 2},
+        *[train(s, 107.35 + 0.15 * (s - 20), ms=150) for s in range(21, 31)],
+        *both(108, 30, 1, restart=1, regroup=0.3),
+        {**epoch(30, 109.0, "a group joins", 0.2, healed=[2, 3]), "procs": 2},
+        *[train(s, 109 + 0.1 * (s - 30)) for s in range(31, 41)],
+    ]
+    out = summary(Run.of(records), "r")
+    assert "starts 4 (1 restart, 3 groups)" in out, out
+    assert "1 lost a group (each lost at most its step in flight), 1 group(s) healed from a peer" in out, out
+    assert out.count("group 1: back at step 30") == 1, out
 
 
 def test_a_resume_by_another_job_is_no_restart_in_the_summary_nor_in_the_plots(monkeypatch):
