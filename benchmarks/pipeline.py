@@ -5,7 +5,8 @@ the bytes a process holds (parameters, gradients, optimizer state; the activatio
 backward at their peak) against DDP, FSDP and tensor parallelism, and the bytes each step sends
 between stages against what DDP and FSDP send.
 
-    python -m benchmarks pipeline [--model gpt-mini] [--nproc 2] [--micro 2 4 8] [--block 64] [--steps 4] [--layouts ddp,fsdp,tp,pp]
+    python -m benchmarks pipeline [--model gpt-mini] [--nproc 2] [--micro 2 4 8] [--block 64] [--steps 4]
+        [--layouts ddp,fsdp,tp,pp]
 
 Each row is one torchrun job of --nproc processes (pipelines of --nproc stages; the other layouts over
 as many processes), --warmup steps untimed, then --steps timed. A stage is busy while it runs a

@@ -56,6 +56,8 @@ import torch
 from benchmarks import children, die_with_bench, free_port, free_port_runs
 from benchmarks.cpushare import CpuShares
 from benchmarks.netns import NoNamespaces, bridged_nodes
+from mingpt.replicas.standby import lock_path
+from mingpt.runtime.trust import job_secret
 from mingpt.snapshot import SnapshotStore
 from mingpt.snapshot.restore import read_newest
 from mingpt.training.metrics import read_records
@@ -78,14 +80,25 @@ def torchrun(nproc: int, prefix: list[str] = ()) -> list[str]:
 
 class Job:
     """The agents of one job, each started in its group's CPU share (benchmarks/cpushare.py); a fault
-    may SIGKILL an agent with its processes and `relaunch` it (its console log goes on)."""
+    may SIGKILL an agent with its processes and `relaunch` it (its console log goes on). Agents past
+    the first `groups` are the groups' second torchruns (--spares: agent i is group i % groups's)."""
 
-    def __init__(self, cmds: list[tuple[list[str], dict]], run_dir: Path, shares: CpuShares | None):
+    def __init__(self, cmds: list[tuple[list[str], dict]], run_dir: Path, shares: CpuShares | None,
+                 groups: int | None = None):
         self.cmds, self.run_dir, self.shares = cmds, run_dir, shares
+        self.groups = groups or len(cmds)
         self.agents = [self._start(i) for i in range(len(cmds))]
 
+    def workers(self, g: int) -> list[int]:
+        """Group g's worker processes, of both its torchruns with --spares; the member's first."""
+        pids = [p for i in range(g, len(self.agents), self.groups) for p in children(self.agents[i].pid)]
+        if len(self.agents) == self.groups:
+            return pids
+        holder = lock_holder(lock_path(job_secret({"MINGPT_JOB_SECRET": SECRET}), g))
+        return sorted(pids, key=lambda p: p != holder)
+
     def _start(self, i: int) -> subprocess.Popen:
-        enter = self.shares.enter(i) if self.shares else (lambda: None)
+        enter = self.shares.enter(i % self.groups) if self.shares else (lambda: None)
 
         def preexec() -> None:
             enter()
@@ -104,6 +117,16 @@ class Job:
         self.agents[i] = self._start(i)
 
 
+def lock_holder(path: Path) -> int | None:
+    """The process holding the flock on `path` (a member's lock: mingpt/replicas/standby.py), from /proc/locks."""
+    inode = str(path.stat().st_ino)
+    for line in Path("/proc/locks").read_text().splitlines():
+        f = line.split()
+        if "->" not in line and len(f) > 5 and f[1] == "FLOCK" and f[5].rsplit(":", 1)[-1] == inode:
+            return int(f[4])
+    return None
+
+
 def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: float, ended=None,
         isolate: bool = True, shares_of: int | None = None) -> tuple[float, list, str]:
     """Start every agent, each in its own CPU share (`isolate`; `shares_of`: the shares to cut the
@@ -111,14 +134,14 @@ def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: floa
     `ended`, until it is true: the agents still running 5 s later are stopped); (wall s, what faults
     did, the isolation)."""
     with CpuShares(shares_of or len(cmds)) if isolate else contextlib.nullcontext() as shares:
-        wall, done = _run(cmds, run_dir, faults, limit_s, ended, shares)
+        wall, done = _run(cmds, run_dir, faults, limit_s, ended, shares, shares_of or len(cmds))
     return wall, done, shares.isolation if shares else "none (--no-isolation): the groups share the machine's cores"
 
 
-def _run(cmds, run_dir: Path, faults, limit_s: float, ended, shares: CpuShares | None) -> tuple[float, list]:
+def _run(cmds, run_dir: Path, faults, limit_s: float, ended, shares: CpuShares | None, groups: int) -> tuple[float, list]:
     run_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    job = Job(cmds, run_dir, shares)
+    job = Job(cmds, run_dir, shares, groups)
     done, end = [], None
     try:
         while any(a.poll() is None for a in job.agents) or (faults is not None and faults.busy()):
@@ -187,8 +210,8 @@ class Faults:
             if not self.training:
                 return []
         kind = self.rng.choice(self.kinds) if self.rng else self.kinds[self.n % len(self.kinds)]
-        count = len(job.agents)
-        workers = {g: children(job.agents[g].pid) for g in range(count)}
+        count = job.groups
+        workers = {g: job.workers(g) for g in range(count)}
         if not self.groups:
             groups = [0]
         elif kind in ("all", "two"):
@@ -252,7 +275,9 @@ def rejoined(f: dict, epochs: list, train: list, recs: list, starts: list, procs
             out = 0
         else:
             out = next((i for i, e in enumerate(after) if not want <= set(e["members"])), None)
-        if out is None and f.get("kind") != "all":  # (every group down: the job's restart has them all)
+        if want <= set(after[0].get("healed") or []):  # a spare took the place before an epoch went on without it
+            out = 0
+        elif out is None and f.get("kind") != "all":  # (every group down: the job's restart has them all)
             return None
         back = next((e for e in after[out or 0:] if want <= set(e["members"])), None)
         first = [t for t, _ in train if back and t > back["time"]]
@@ -271,13 +296,14 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None, procs: i
     gaps, lost, rejoins, regroups, parts, by_kind = [], [], [], [], [], {}
     epochs = [r for r in recs if r.get("kind") == "epoch"]
     starts = [r for r in recs if r.get("kind") == "start"]
-    for f in faults:
+    for n, f in enumerate(faults):
         before = [s for t, s in train if t <= f["t"]]
         after = [(t, s) for t, s in train if t > f["t"]]
         if not before or not after:
             continue
         gaps.append(after[0][0] - f["t"])
-        formed = [e["time"] for e in epochs if e["time"] > f["t"] and e["why"] not in ("start", "a group joins")]
+        until = faults[n + 1]["t"] if n + 1 < len(faults) else float("inf")  # (a spare's place taken: its "start")
+        formed = [e["time"] for e in epochs if f["t"] < e["time"] < until and e["why"] != "a group joins"]
         if formed:
             regroups.append(formed[0] - f["t"])
         resumed_at = after[0][1] - 1  # the step the survivors (or the restart) went on from
@@ -338,7 +364,8 @@ def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list, 
                *job_args(args.model, args.steps, run_dir, args.corpus, args.snapshot_every, args.set),
                f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}", f"replicas.shares_per_group={args.shares_per_group}"]
         cmds.append((cmd, env))
-    return run(cmds, run_dir, faults, args.limit_s, isolate=args.isolate)
+    # --spares: each group's command started twice, in the group's CPU share: the second stands by
+    return run(cmds * (1 + args.spares), run_dir, faults, args.limit_s, isolate=args.isolate, shares_of=GROUPS)
 
 
 def torchft_job(args, run_dir: Path, faults) -> tuple[float, list, str]:
@@ -413,6 +440,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--procs-per-group", type=int, default=1, help="replica groups: processes per group's "
                                                                    "torchrun (each a member; the SIGKILL takes one)")
     ap.add_argument("--max-kills", type=int, default=0, help="faults per job at most (default: no limit)")
+    ap.add_argument("--spares", action="store_true", help="replica groups: each group's command started twice, the "
+                    "second standing by, built, to take a killed member's place (mingpt/replicas/standby.py)")
     ap.add_argument("--limit-s", type=float, default=3600)
     ap.add_argument("--keep", help="keep every job's run directory here")
     ap.add_argument("--seconds", type=float, default=0, help="size the jobs to the machine: a short fault-free "
@@ -420,6 +449,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="more overrides for mingpt's jobs, e.g. trainer.deterministic=true")
     args = ap.parse_args(argv)
+    if args.spares and args.procs_per_group > 1:
+        ap.error("--spares: groups of one process (a spare per member of larger groups is not measured here)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped bench still removes its cgroups, mends links
     with tempfile.TemporaryDirectory(prefix="mingpt-survivors-") as scratch:
         Bench(args, Path(args.keep or scratch)).run()

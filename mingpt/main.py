@@ -33,6 +33,7 @@ from mingpt.model.pretrained import PretrainedError, load_into, read_config
 from mingpt.model.tokenizer import TokenizerError
 from mingpt.parallel.layouts import Parallel, ParallelError, parallelize
 from mingpt.replicas import GroupRestart, ReplicaError, Replicas, member_view, one_launch
+from mingpt.replicas.standby import StandbyEnded
 from mingpt.runtime import distributed
 from mingpt.runtime.console import setup_logging
 from mingpt.runtime.distributed import DistInfo, PreemptionFlag
@@ -45,7 +46,7 @@ from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
 from mingpt.training.policy import SavePolicy
-from mingpt.training.replica_trainer import ReplicaTrainer
+from mingpt.training.replica_trainer import ReplicaTrainer, spare_lock, stand_by
 from mingpt.training.snapshots import (
     Start,
     append_once,
@@ -71,18 +72,19 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     at its start by main(); a tool or test that assembles a run itself gets a new one.)"""
     ledger = ledger or Ledger()
     ledger.switch("data_load")
-    replicas = build_replicas(cfg)  # listening first: the other groups see this one starting
+    spare = spare_lock(cfg)  # replica groups: a member's second process on its node stands by as its spare
+    replicas = build_replicas(cfg) if spare is None else None  # listening first: the other groups see it start
     cfg, start = where_to_start(cfg, info, lease)
     cfg, corpus = build_data(cfg, start, info)
     ledger.switch("model")
     parallel = build_model(cfg, info, start)
-    optimizer = build_optimizer(parallel.local, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay)
-    init_state(optimizer)
+    optimizer = init_state(build_optimizer(parallel.local, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay))
     metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard)
     hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]
+    if spare is not None:  # built: it takes its member's place the moment the member's process exits
+        replicas, start = stand_by(cfg, info, lease, spare, ledger, preempt, build_replicas, start.store)
     started = partial(record_start, ledger, info, start, parallel.name, hosts, cfg.replicas.group if replicas else None)
-    # replica groups: a layer over the loop. A group that joins live peers heals from them (its snapshot
-    # is read only if none is live), and records its start once it joined, at the step it healed to.
+    # replica groups: a member heals from live peers (its snapshot is read if none is), recording its start once in
     heals = bool(replicas and start.candidates and start.manifest["step"] < cfg.trainer.max_steps)
     layer = {} if replicas is None else {"replicas": replicas, "resume": partial(load_snapshot, cfg, start=start)
                                          if heals else None, "joined": partial(started, partial(
@@ -270,6 +272,9 @@ def train_process(cfg: RunConfig, ledger: Ledger) -> int:
         return distributed.report_error(env, str(e), code=distributed.EXIT_SAVE_FAILED)
     except USER_ERRORS as e:
         return distributed.report_error(env, str(e), code=2, let_rank0_report=True)
+    except StandbyEnded as e:  # a replica's spare that never took its member's place (0: the run finished)
+        log.info("%s", e) if e.code == 0 else distributed.report_error(env, str(e), e.code, level=logging.WARNING)
+        return e.code
     except GroupRestart as e:  # a process of this replica group died: its torchrun restarts them all
         return distributed.report_error(env, str(e), code=1, each_node=True, level=logging.WARNING)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit

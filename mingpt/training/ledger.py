@@ -45,6 +45,11 @@ class Ledger:
         # the monotonic clock's reading when the process started
         self._since = time.monotonic() - max(0.0, time.time() - self.start_epoch)
 
+    def begin_again(self) -> None:
+        """A replica's spare takes its member's place (mingpt/replicas/standby.py): its start counts from
+        now, its build and its wait before were no start-up of the job's."""
+        self.__init__(time.time())
+
     def switch(self, state: str) -> str:
         """Charge the time since the last switch to the current state, enter `state`; returns the
         state left."""

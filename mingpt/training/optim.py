@@ -36,9 +36,9 @@ def build_optimizer(model: nn.Module, lr: float, betas: tuple[float, float], wei
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, fused=True)
 
 
-def init_state(optimizer: torch.optim.AdamW) -> None:
+def init_state(optimizer: torch.optim.AdamW) -> torch.optim.AdamW:
     """Create AdamW's per-parameter state now (zero moments, step 0: what its first step creates),
-    so that a snapshot can be loaded into it and every save has the same tensors."""
+    so that a snapshot can be loaded into it and every save has the same tensors; returns it."""
     for group in optimizer.param_groups:
         for p in group["params"]:
             if not optimizer.state[p]:
@@ -47,3 +47,4 @@ def init_state(optimizer: torch.optim.AdamW) -> None:
                 optimizer.state[p] = {"step": torch.zeros((), dtype=step_dtype, device=device),
                                       "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
                                       "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+    return optimizer

@@ -32,22 +32,29 @@ CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "
 
 
 def launch(g: int, peers: list[str], corpus: Path, run_dir: Path, log: Path, procs: int = 1,
-           extra: tuple = ()) -> subprocess.Popen:
-    """Group g: its own torchrun (of `procs` processes; restarted by its agent when one dies)."""
+           extra: tuple = (), node=None) -> subprocess.Popen:
+    """Group g: its own torchrun (of `procs` processes; restarted by its agent when one dies), on
+    loopback or inside `node`'s network namespace (benchmarks/netns.py)."""
     cmd = torchrun_cmd(procs, "mingpt/main.py", *CFG, f"data.path={corpus}", f"data.cache_dir={run_dir.parent / 'cache'}",
                        f"trainer.run_dir={run_dir}", f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}",
                        *extra, max_restarts=2)
-    return subprocess.Popen(cmd, cwd=REPO, env=torchrun_env(MINGPT_JOB_SECRET=SECRET), stdout=log.open("w"),
+    env = torchrun_env(MINGPT_JOB_SECRET=SECRET, **({"GLOO_SOCKET_IFNAME": node.veth} if node else {}))
+    return subprocess.Popen([*(node.prefix() if node else []), *cmd], cwd=REPO, env=env, stdout=log.open("w"),
                             stderr=subprocess.STDOUT)
 
 
-def run_job(tmp: Path, corpus: Path, fault=None, procs: int = 1, extra: tuple = ()) -> tuple[Path, list[Path], object]:
-    """Three groups to the end; `fault(run_dir, agents)` runs meanwhile and returns what it saw."""
+def run_job(tmp: Path, corpus: Path, fault=None, procs: int = 1, extra: tuple = (),
+            nodes=None, spares: tuple = ()) -> tuple[Path, list[Path], object]:
+    """Three groups to the end (on loopback, or each on a node of `nodes`), and the command of each
+    group in `spares` started a second time (agent and log appended); `fault(run_dir, agents)` runs
+    meanwhile and returns what it saw."""
     run_dir = tmp / "run"
     tmp.mkdir(exist_ok=True)
-    peers = [f"127.0.0.1:{port}" for port in free_port_runs(GROUPS, procs)]
-    logs = [tmp / f"group{g}.log" for g in range(GROUPS)]
-    agents = [launch(g, peers, corpus, run_dir, logs[g], procs, extra) for g in range(GROUPS)]
+    peers = ([f"{n.addr}:29611" for n in nodes] if nodes
+             else [f"127.0.0.1:{port}" for port in free_port_runs(GROUPS, procs)])
+    logs = [tmp / f"group{g}.log" for g in range(GROUPS)] + [tmp / f"group{g}-second.log" for g in spares]
+    agents = [launch(g, peers, corpus, run_dir, logs[i], procs, extra, nodes[g] if nodes else None)
+              for i, g in enumerate([*range(GROUPS), *spares])]
     seen = None
     try:
         seen = fault(run_dir, agents) if fault else None
@@ -56,7 +63,7 @@ def run_job(tmp: Path, corpus: Path, fault=None, procs: int = 1, extra: tuple = 
         for a in agents:
             if a.poll() is None:
                 a.kill()
-    assert codes == [0, 0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    assert codes == [0] * len(agents), "\n".join(log.read_text()[-3000:] for log in logs)
     return run_dir, logs, seen
 
 
@@ -122,6 +129,34 @@ def freeze_group_2(run_dir: Path, agents) -> int:
     return step, t
 
 
+def cut_group_2(bridge):
+    """Once the groups train: group 2's link cut (its node's port on the bridge down) while the others
+    train 30 steps, then mended."""
+    def fault(run_dir: Path, agents) -> tuple[int, float]:
+        step = wait_for_step(run_dir, 15, agents)
+        node = bridge.nodes[2]
+        bridge.cut(node)
+        t = time.time()
+        try:
+            wait_for_step(run_dir, step + 30, agents)  # the others train on without it
+        finally:
+            bridge.mend(node)
+        return step, t
+    return fault
+
+
+@pytest.fixture
+def bridge():
+    """A node per group: network namespaces with addresses of their own, on one bridge (root only)."""
+    from benchmarks.netns import NoNamespaces, bridged_nodes
+
+    try:
+        with bridged_nodes(GROUPS, subnet=233) as nodes:
+            yield nodes
+    except NoNamespaces as e:
+        pytest.skip(str(e))
+
+
 def check_survived(reference, run_dir: Path, logs: list[Path], lost: int, fault: tuple[int, float]) -> list[dict]:
     """The survivors' epoch after the fault lacks the lost group and starts at the step in flight (no
     snapshot read, at most that step lost); the lost group comes back, healed from a peer."""
@@ -134,7 +169,8 @@ def check_survived(reference, run_dir: Path, logs: list[Path], lost: int, fault:
     assert fault_step <= without[0]["step"] == trained_before, (without[0], trained_before)
     back = [e for e in epochs if e["time"] > without[0]["time"] and lost in e["members"] and lost in e["healed"]]
     assert back and back[0]["healed_from"] != lost, epochs
-    assert not [r for r in recs if r.get("kind") == "resume"], "a snapshot was read"
+    # (a process started after the run's end reads its last snapshot, and trains nothing)
+    assert not [r for r in recs if r.get("kind") == "resume" and r["step"] < STEPS], "a snapshot was read"
     if not without[0]["healed"]:  # no survivor had completed the step in flight: each trained it again,
         # computing only what it had not done before it noticed the fault
         for g in without[0]["members"]:  # (groups of one process: a member is its group)
@@ -164,6 +200,60 @@ def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
     run_dir, logs, fault = run_job(tmp_path, reference["corpus"], freeze_group_2)
     epochs = check_survived(reference, run_dir, logs, lost=2, fault=fault)
     assert "group 2 lost" in [e for e in epochs if 2 not in e["members"] and e["time"] >= fault[1]][0]["why"]
+
+
+def test_a_group_cut_off_by_the_network_trains_nothing_alone_and_rejoins_without_a_restart(reference, tmp_path, bridge):
+    """A partition: each group on a node of its own, group 2's link cut for 30 steps of the others.
+    They go on without it once its heartbeats stop; alone (1 of 3 groups: no quorum) it trains
+    nothing; with the link back it rejoins and heals from a live group, the same process (no restart,
+    no snapshot read). Every step's samples and the final weights are the run's without the cut."""
+    run_dir, logs, fault = run_job(tmp_path, reference["corpus"], cut_group_2(bridge), nodes=bridge.nodes)
+    epochs = check_survived(reference, run_dir, logs, lost=2, fault=fault)
+    assert "group 2 lost" in [e for e in epochs if 2 not in e["members"] and e["time"] >= fault[1]][0]["why"]
+    recs = records(run_dir / "metrics.jsonl")
+    assert all(len(r["members"]) >= 2 for r in recs if r.get("kind") in ("train", "epoch")), "a lone group trained"
+    cut_off = logs[2].read_text()
+    assert cut_off.count("training from step") == 1, cut_off[-3000:]  # one process start: it was never restarted
+    # in its own view too: every epoch it formed or joined held a quorum (2 of 3 groups)
+    joined = [m.group(1).split(", ") for m in re.finditer(r"replica epoch \d+: groups \[([\d, ]+)\]", cut_off)]
+    assert len(joined) >= 2 and all(len(groups) >= 2 for groups in joined), cut_off[-3000:]
+
+
+STANDS_BY = "this process stands by as its spare"
+
+
+def kill_group_1_beside_its_spare(run_dir: Path, agents) -> tuple[int, float]:
+    """Group 1's command runs twice (agents 1 and 3): once the groups train and one of the two stands
+    by, SIGKILL the other's process, the member."""
+    logs = [run_dir.parent / "group1.log", run_dir.parent / "group1-second.log"]
+    step = wait_for_step(run_dir, 15, agents)
+    deadline = time.time() + 60
+    while not any(STANDS_BY in log.read_text() for log in logs):
+        assert time.time() < deadline, logs[1].read_text()[-3000:]
+        time.sleep(0.05)
+    member = agents[3] if STANDS_BY in logs[0].read_text() else agents[1]
+    os.kill(worker_of(member), signal.SIGKILL)
+    return step, time.time()
+
+
+def test_a_spare_takes_a_killed_members_place_and_the_restarted_process_stands_by(reference, tmp_path):
+    """Group 1's command started twice on its node: the second process builds everything, finds the
+    member taken and stands by. Group 1's process is SIGKILLed: the spare takes its place at once (no
+    interpreter, imports or build on the way), heals from a live group and trains; the killed process's
+    torchrun restarts it, and it stands by in turn (at the end it takes the place, finds the run done
+    and ends). The run ends bitwise equal to the one without the fault; every torchrun exits 0."""
+    run_dir, logs, fault = run_job(tmp_path, reference["corpus"], kill_group_1_beside_its_spare, spares=(1,))
+    check_survived(reference, run_dir, logs, lost=1, fault=fault)
+    spare, killed = sorted((logs[1].read_text(), logs[3].read_text()), key=lambda t: "this spare takes its place" not in t)
+    assert "this spare takes its place" in spare, spare[-3000:]
+    assert "healed from replica group" in spare.split("this spare takes its place")[1], spare[-3000:]
+    # the killed process, started again by its torchrun, stood by in turn and ended with the run (or, on
+    # a slow machine, started after the run's end and found it finished)
+    assert ((STANDS_BY in killed and "spare ends: the run finished while it stood by" in killed)
+            or "the other replica groups finished the run" in killed), killed[-3000:]
+    # the spare's start, once it took the place: nothing built after the wait, its time from there on
+    back = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "start" and r["time"] > fault[1]]
+    assert back and back[0]["group"] == 1 and back[0]["s"]["data_load"] == back[0]["s"]["model"] == 0, back
 
 
 def epoch_with_all_after(run_dir: Path, agents, t: float, timeout: float = 180) -> dict:
