@@ -108,6 +108,16 @@ def test_survivors(corpus_file, tmp_path):
 
 
 @pytest.mark.long
+def test_survivors_with_a_warm_spare_per_group(corpus_file, tmp_path):
+    """Each group's command twice: the SIGKILL takes the member (the lock's holder), its spare takes the place."""
+    lines = survivors(corpus_file, tmp_path, "--no-torchft", "--spares")
+    assert [(r["mode"], r["fault"]) for r in lines] == [("replicas", "none"), ("replicas", "SIGKILL every 4 s")], lines
+    assert lines[1]["final_max_abs_diff"] == 0.0, lines
+    # the returning member built nothing once it took the place: no config, data or model in its rejoin
+    assert not {"config", "data_load", "model"} & set(lines[1]["rejoin_parts_s"]), lines
+
+
+@pytest.mark.long
 def test_survivors_through_torchft(corpus_file, tmp_path):
     """The same groups through torchft's Manager."""
     lines = survivors(corpus_file, tmp_path, "--no-replicas")
