@@ -300,13 +300,17 @@ def test_hsdp_inside_replica_groups_is_refused_with_what_to_use():
         compose(["trainer.parallel=hsdp", "replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"])
 
 
+def coordinator_of_three() -> tuple[Beacon, Epoch]:
+    """Group 0's beacon (the coordinator; no other group connects) and its epoch 4 of three live members at step 9."""
+    a = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 0, SECRET, 0.05, 60.0)
+    return a, Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "one", 9, True), Member(2, "two", 9, True)], 0)
+
+
 def test_a_member_that_left_is_reported_with_the_cause_it_saw():
     """The epoch record names the root cause whichever member noticed it first: group 1 may see group 2
     silent before the coordinator does, and leave; the coordinator's reason then carries group 1's."""
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    a = Beacon(peers, 0, SECRET, 0.05, 60.0)
+    a, epoch = coordinator_of_three()
     try:
-        epoch = Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "one", 9, True), Member(2, "two", 9, True)], 0)
         now = time.monotonic()
         with a._lock:
             a._seen[1] = {"inc": "one", "t": now, "eof": False, "epoch": 4, "state": "forming", "why": "group 2 lost"}
@@ -374,10 +378,8 @@ def test_a_member_that_finished_is_not_lost_and_the_last_waits_for_the_others():
     """At the end of the run a member that applied the last step says `finished` and stays until every
     other member of the epoch has too: one still in the last exchange does not see it as lost (its
     exit used to drop that step there, and make a sibling process restart its group)."""
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    a = Beacon(peers, 0, SECRET, 0.05, 60.0)
+    a, epoch = coordinator_of_three()
     try:
-        epoch = Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "one", 9, True), Member(2, "two", 9, True)], 0)
         now = time.monotonic()
         with a._lock:
             a._seen[1] = {"inc": "one", "t": now, "eof": False, "epoch": 4, "state": "finished"}
