@@ -83,10 +83,8 @@ class Job:
     may SIGKILL an agent with its processes and `relaunch` it (its console log goes on). Agents past
     the first `groups` are the groups' second torchruns (--spares: agent i is group i % groups's)."""
 
-    def __init__(self, cmds: list[tuple[list[str], dict]], run_dir: Path, shares: CpuShares | None,
-                 groups: int | None = None):
-        self.cmds, self.run_dir, self.shares = cmds, run_dir, shares
-        self.groups = groups or len(cmds)
+    def __init__(self, cmds: list[tuple[list[str], dict]], run_dir: Path, shares: CpuShares | None, groups: int):
+        self.cmds, self.run_dir, self.shares, self.groups = cmds, run_dir, shares, groups
         self.agents = [self._start(i) for i in range(len(cmds))]
 
     def workers(self, g: int) -> list[int]:
@@ -133,8 +131,9 @@ def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: floa
     cores into, by default one per agent), run `faults(job, t0)` until they all exit (or, with
     `ended`, until it is true: the agents still running 5 s later are stopped); (wall s, what faults
     did, the isolation)."""
-    with CpuShares(shares_of or len(cmds)) if isolate else contextlib.nullcontext() as shares:
-        wall, done = _run(cmds, run_dir, faults, limit_s, ended, shares, shares_of or len(cmds))
+    groups = shares_of or len(cmds)
+    with CpuShares(groups) if isolate else contextlib.nullcontext() as shares:
+        wall, done = _run(cmds, run_dir, faults, limit_s, ended, shares, groups)
     return wall, done, shares.isolation if shares else "none (--no-isolation): the groups share the machine's cores"
 
 

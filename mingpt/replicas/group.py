@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError, member_addresses
-from mingpt.replicas.members import EveryProcess, WholeGroup, membership
+from mingpt.replicas.members import membership, model_of
 from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, ShareHeader, header_mac, set_grads, state_digest, unpack_state
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
@@ -92,7 +92,7 @@ class Replicas:
                                "same MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
                                "`python -c 'import secrets; print(secrets.token_hex(32))'`")
         groups = len(rc.peers)
-        shares = (WholeGroup if sharded and procs > 1 else EveryProcess).shares_each(rc.shares_per_group, procs, groups)
+        shares = model_of(sharded, procs).shares_each(rc.shares_per_group, procs, groups)
         beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
                         rc.lost_after_s, procs, sharded, bind_wait_s=rc.timeout_s)
         return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares, tp)

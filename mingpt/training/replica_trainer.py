@@ -21,6 +21,8 @@ from mingpt.training.trainer import StopTraining, Trainer, _weighted
 
 log = logging.getLogger(__name__)
 
+LOOK_EVERY_S = 5.0  # how often a member waiting to join, or a spare, looks whether the run finished
+
 
 class ReplicaTrainer(Trainer):
     """A Trainer whose process is a member of replica groups.
@@ -36,7 +38,7 @@ class ReplicaTrainer(Trainer):
                  joined: Callable[[Trainer], None] | None = None, **parts):
         super().__init__(**parts)
         self.replicas, self.resume, self.joined = replicas, resume, joined
-        self.finished_elsewhere, self._store_checked = False, 0.0  # the run ended while this group was away
+        self.run_over = RunFinished(self.snapshotter.store, self.cfg.max_steps)  # (while this group was away)
         self._redo = None  # (step, shares' gradients) computed when that step's epoch broke
 
     # --- the Trainer's hooks -------------------------------------------------------------------------
@@ -50,7 +52,7 @@ class ReplicaTrainer(Trainer):
 
     def begin(self) -> None:
         if not self.regroup("start"):
-            raise StopTraining(self.finished_elsewhere)
+            raise StopTraining(self.run_over.seen)
         if self.joined is not None:
             self.joined(self)
 
@@ -61,14 +63,14 @@ class ReplicaTrainer(Trainer):
         except MembershipChanged as e:  # the step is dropped on every member; the next epoch trains it
             self.data.sampler.load_state_dict(before)
             if not self.regroup(str(e)):
-                raise StopTraining(self.finished_elsewhere) from None
+                raise StopTraining(self.run_over.seen) from None
             return None
 
     def between_steps(self, todo: Todo) -> bool:  # noqa: ARG002 - the hook's signature
         if not self.replicas.rejoin_pending:
             return False
         if not self.regroup("a group joins"):  # a group waits to join: let it in now, between steps
-            raise StopTraining(self.finished_elsewhere)
+            raise StopTraining(self.run_over.seen)
         return True  # a member behind the others was healed forward
 
     def agreed_flags(self) -> tuple[bool, bool]:
@@ -130,9 +132,9 @@ class ReplicaTrainer(Trainer):
         t0, p = time.monotonic(), self.progress
         with self.ledger.during("regroup"):
             while True:
-                epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested or self._finished_elsewhere(),
+                epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested or self.run_over(),
                                            why)
-                if epoch is None and self.finished_elsewhere:
+                if epoch is None and self.run_over.seen:
                     log.info("the other replica groups finished the run (its snapshot of step %d is committed) while "
                              "this group was away: nothing left to train", self.cfg.max_steps)
                     return False
@@ -162,23 +164,23 @@ class ReplicaTrainer(Trainer):
                                 "healed_from": source if healed else None})
         return True
 
-    def _finished_elsewhere(self) -> bool:
-        """While this group waits to join: whether the others finished the run meanwhile (its last
-        snapshot is committed; looked for every few seconds)."""
-        if time.monotonic() - self._store_checked < 5:
-            return False
-        self._store_checked = time.monotonic()
-        self.finished_elsewhere = run_finished(self.snapshotter.store, self.cfg.max_steps)
-        return self.finished_elsewhere
+class RunFinished:
+    """Whether the run's last snapshot is committed: looked for in `store` every few seconds at most,
+    the first time after `first_look_s` (an unreadable store: not yet, said at each look); once seen,
+    for good."""
 
+    def __init__(self, store, max_steps: int, first_look_s: float = 0.0):
+        self.store, self.max_steps, self.seen = store, max_steps, False
+        self._next = time.monotonic() + first_look_s
 
-def run_finished(store, max_steps: int) -> bool:
-    """Whether the run's last snapshot is committed (an unreadable store: not yet, said once a look)."""
-    try:
-        return any(s.committed and s.step >= max_steps for s in store.list())
-    except Exception as e:  # noqa: BLE001 - an unreadable store: keep waiting for the groups
-        log.warning("cannot list %s (%s); waiting on", store.url, e)
-        return False
+    def __call__(self) -> bool:
+        if not self.seen and time.monotonic() >= self._next:
+            self._next = time.monotonic() + LOOK_EVERY_S
+            try:
+                self.seen = any(s.committed and s.step >= self.max_steps for s in self.store.list())
+            except Exception as e:  # noqa: BLE001 - an unreadable store: keep waiting for the groups
+                log.warning("cannot list %s (%s); waiting on", self.store.url, e)
+        return self.seen
 
 
 def spare_lock(cfg) -> MemberLock | None:
@@ -201,14 +203,7 @@ def stand_by(cfg, info, lease, lock: MemberLock, ledger, preempt, build: Callabl
     me = f"group {cfg.replicas.group}" + (f" process {env.local_rank}" if env.local_world_size > 1 else "")
     log.info("replica %s runs on this node already: this process stands by as its spare, built, and takes its "
              "place the moment it exits", me)
-    waited, looked = time.monotonic(), [time.monotonic()]
-
-    def finished() -> bool:  # looked for every few seconds
-        if time.monotonic() - looked[0] < 5:
-            return False
-        looked[0] = time.monotonic()
-        return run_finished(store, cfg.trainer.max_steps)
-
+    waited, finished = time.monotonic(), RunFinished(store, cfg.trainer.max_steps, first_look_s=LOOK_EVERY_S)
     over = f"replica {me}'s spare ends: the run finished while it stood by"
     if not lock.wait(lambda: (preempt is not None and preempt.requested) or finished()):
         if preempt is not None and preempt.requested:
