@@ -13,6 +13,7 @@ by in turn. A frozen or cut-off holder keeps the lock: it is left behind and com
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -88,3 +89,14 @@ class MemberLock:
             if stop():
                 return False
         return True
+
+
+def release(secret: bytes, member: int, root: str | None = None) -> None:
+    """At the run's end, the lock's holder removes its file (a process still waiting on it takes the
+    lock, finds the run finished and ends). Never earlier: a process started after the removal would
+    lock a new file while a waiter locks the old one. A holder killed leaves the file, empty, in the
+    user's private directory."""
+    path = lock_path(secret, member, root)
+    if path in _HELD:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from mingpt.replicas import MembershipChanged, Replicas, flat_grads
-from mingpt.replicas.standby import MemberLock, StandbyEnded
+from mingpt.replicas.standby import MemberLock, StandbyEnded, release
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
 from mingpt.training.snapshots import Start, where_to_start
@@ -120,8 +120,11 @@ class ReplicaTrainer(Trainer):
 
     def close(self, wait: bool = True) -> None:
         super().close(wait)  # (the leader's last snapshot committed)
-        if wait and self.replicas.epoch is not None and self.progress.step >= self.cfg.max_steps:
+        done = wait and self.progress.step >= self.cfg.max_steps
+        if done and self.replicas.epoch is not None:
             self.replicas.finish()  # none exits while another is still in the last exchange
+        if done or (wait and self.run_over.seen):  # the run is over: the member's lock file goes (standby.py)
+            release(self.replicas.beacon.secret, self.replicas.beacon.member)
         self.replicas.close()
 
     # --- epochs --------------------------------------------------------------------------------------
@@ -212,6 +215,7 @@ def stand_by(cfg, info, lease, lock: MemberLock, ledger, preempt, build: Callabl
         raise StandbyEnded(over, 0)
     start = where_to_start(cfg, info, lease)[1]
     if start.manifest and start.manifest["step"] >= cfg.trainer.max_steps:  # its member exited at the end
+        release(distributed.job_secret(), cfg.replicas.group * env.local_world_size + env.local_rank)
         raise StandbyEnded(over, 0)
     log.info("replica %s: its process exited; this spare takes its place (stood by %.0f s)", me, time.monotonic() - waited)
     ledger.begin_again()

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import REPO, free_port_runs, make_corpus, records, torchrun_cmd, torchrun_env
 
+from mingpt.replicas.standby import lock_path
 from mingpt.snapshot import SnapshotStore
 from mingpt.snapshot.restore import read_newest
 
@@ -254,6 +255,8 @@ def test_a_spare_takes_a_killed_members_place_and_the_restarted_process_stands_b
     # the spare's start, once it took the place: nothing built after the wait, its time from there on
     back = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "start" and r["time"] > fault[1]]
     assert back and back[0]["group"] == 1 and back[0]["s"]["data_load"] == back[0]["s"]["model"] == 0, back
+    # the run over, the members' lock files are gone (each removed by its last holder)
+    assert not [m for m in range(GROUPS) if lock_path(SECRET.encode(), m).exists()]
 
 
 def epoch_with_all_after(run_dir: Path, agents, t: float, timeout: float = 180) -> dict:

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mingpt.replicas import ReplicaError
-from mingpt.replicas.standby import MemberLock, lock_path
+from mingpt.replicas.standby import MemberLock, lock_path, release
 
 SECRET = b"unit-test-secret-0123456789abcdef0123"
 HOLD = ("import sys, time; from mingpt.replicas.standby import MemberLock; "
@@ -46,3 +46,13 @@ def test_the_lock_lives_in_a_directory_of_this_user_alone_named_by_the_secret(tm
     os.chmod(path.parent, 0o755)  # opened to others (by hand, or a directory planted in its place): refused
     with pytest.raises(ReplicaError, match="lock cannot be kept on this node: .* open to other users"):
         lock_path(SECRET, 0, str(tmp_path))
+
+
+def test_the_holder_removes_the_lock_file_at_the_runs_end_and_nobody_else_does(tmp_path):
+    path = lock_path(SECRET, 3, str(tmp_path))
+    MemberLock(SECRET, 3, str(tmp_path))
+    release(SECRET, 3, str(tmp_path))  # not held by this process: left for its holder
+    assert path.exists()
+    assert MemberLock(SECRET, 3, str(tmp_path)).take()
+    release(SECRET, 3, str(tmp_path))
+    assert not path.exists()
