@@ -111,11 +111,13 @@ def _agent_class():
 
 def restart_reason(result) -> str:
     """Why the agent restarts its workers, from its last look at them: a worker that failed, or
-    (the workers healthy) nodes waiting to join."""
+    (the workers healthy) nodes waiting to join. The agent has signalled nobody yet, so a worker killed
+    by a signal is the cause and a peer that exited within the same look is its loss of that worker
+    (torchrun's clock for failures counts whole seconds: the earliest second does not tell them apart)."""
     failures = list(getattr(result, "failures", {}).values()) if result is not None else []
     if not failures:
         return "a node joined the job"
-    first = min(failures, key=lambda f: f.timestamp)
+    first = min([f for f in failures if f.exitcode < 0] or failures, key=lambda f: f.timestamp)
     how = (f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0
            else f"exited with code {first.exitcode}")
     return f"worker {first.local_rank} {how}"

@@ -5,7 +5,7 @@ import secrets
 import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-from mingpt.cli.launch import exit_code_of_failures, exit_code_of_signal
+from mingpt.cli.launch import exit_code_of_failures, exit_code_of_signal, restart_reason
 
 
 def test_the_launchers_exit_code_after_a_signal_is_the_workers():
@@ -28,6 +28,22 @@ def test_the_launchers_exit_code_is_the_worker_that_said_why_not_one_the_agent_s
     # only signals: the first, said in one line, with the shell's code
     assert exit_code_of_failures([failure(0, -9, 1000), failure(1, -15, 1001)]) == 137
     assert "worker 0 on" in capsys.readouterr().err
+
+
+def test_the_restart_line_names_the_killed_worker_not_the_peer_that_lost_it(tmp_path):
+    from types import SimpleNamespace
+
+    def failure(rank: int, code: int, timestamp: int) -> ProcessFailure:
+        f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(tmp_path / "none.json"))
+        f.timestamp = timestamp
+        return f
+
+    # worker 1 was SIGKILLed; worker 0 lost it and exited 1 within the same second, and comes first:
+    # the line blamed worker 0 ("exited with code 1") about one run in three
+    both = SimpleNamespace(failures={0: failure(0, 1, 1000), 1: failure(1, -9, 1000)})
+    assert restart_reason(both) == "worker 1 was killed by SIGKILL"
+    assert restart_reason(SimpleNamespace(failures={1: failure(1, 3, 1000)})) == "worker 1 exited with code 3"
+    assert restart_reason(SimpleNamespace(failures={})) == "a node joined the job"
 
 
 def test_a_lost_lease_is_the_jobs_exit_code_and_never_retried(tmp_path):
