@@ -115,7 +115,7 @@ class Parallel:
         """Every tensor of the model and the optimizer as this rank holds it, by a name that does not
         depend on the strategy: `model.<parameter>`, `optim.<parameter>.<state>`."""
         if self.pp:  # every stage's, the others' as placeholders (a collective the first time)
-            return self.pp.slots(optimizer)
+            return self.pp.slots(optimizer, _slot)
         return [(self.tp and self.tp.slot(name, t)) or _slot(name, t) for name, t in self._tensors(optimizer)]
 
     def held(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
@@ -276,7 +276,7 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
     split parameter is one DTensor over the whole mesh."""
     device = torch.device(info.device)
     if pipeline_parallel > 1:
-        return _pipeline(gpt, info, pipeline_parallel, schedule, micro_batches, seed)
+        return _pipeline(gpt, info, strategy, pipeline_parallel, schedule, micro_batches, seed)
     replicas, shards, tp = 1, 1, None
     if tensor_parallel > 1 and not info.distributed:
         raise ParallelError(f"trainer.tensor_parallel={tensor_parallel} needs that many processes: launch with "
@@ -327,10 +327,12 @@ def _settle_buckets(ddp: nn.Module, gpt: GPT, device: torch.device) -> None:
     gpt.zero_grad(set_to_none=True)
 
 
-def _pipeline(gpt: GPT, info: DistInfo, stages: int, schedule: str, micro_batches, seed: int | None) -> Parallel:
-    """`stages` pipeline stages over the processes, stage-major, data-parallel (as DDP) across the
-    pipelines: this process's stage materialised and initialised (the same values as one process's:
-    every parameter is drawn, the other stages' into meta tensors that hold nothing)."""
+def _pipeline(gpt: GPT, info: DistInfo, strategy: str, stages: int, schedule: str, micro_batches,
+              seed: int | None) -> Parallel:
+    """`stages` pipeline stages over the processes, stage-major, data-parallel across the pipelines (as
+    DDP, or each stage sharded over its copies by FSDP2: `strategy`): this process's stage materialised
+    and initialised (the same values as one process's: every parameter is drawn, the other stages'
+    into meta tensors that hold nothing)."""
     if not info.distributed:
         raise ParallelError(f"trainer.pipeline_parallel={stages} needs that many processes: launch with torchrun "
                             f"--nproc_per_node={stages} (or a multiple of it)")
@@ -349,7 +351,18 @@ def _pipeline(gpt: GPT, info: DistInfo, stages: int, schedule: str, micro_batche
         group = dist.new_group([d, (stages - 1) * data + d])
         tied = group if d == data_rank else tied
     pp = Pipeline(gpt, stage, stages, schedule, device, mesh.get_group("pp"), mesh.get_group("dp"), tied, data)
-    _materialise(pp.module, device)
+    pp.sharded = strategy == "fsdp"
+    if pp.sharded:  # each stage's parts as the FSDP path shards the GPT: a block at a time, then the rest
+        from torch.distributed.fsdp import fully_shard
+
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        for part in pp.parts:
+            for block in part.blocks.values():
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(part, mesh=mesh["dp"])
+        pp.module.to_empty(device=device)
+    else:
+        _materialise(pp.module, device)
     # the tied matrix: one parameter again where this stage holds either end of it
     if not gpt.wte.weight.is_meta:
         gpt.lm_head.weight = gpt.wte.weight
@@ -357,4 +370,5 @@ def _pipeline(gpt: GPT, info: DistInfo, stages: int, schedule: str, micro_batche
         gpt.wte.weight = gpt.lm_head.weight
     if seed is not None:
         gpt.init_weights(seed)
-    return Parallel("ddp", pp.module, gpt, rank=info.rank, world=info.world_size, pp=pp)
+    return Parallel(strategy, pp.module, gpt, shards=data if pp.sharded else 1, rank=info.rank,
+                    world=info.world_size, pp=pp)

@@ -20,6 +20,8 @@ device: named and shaped for the layout, never written or read.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -124,6 +126,11 @@ def padded(batches: list[tuple[torch.Tensor, torch.Tensor, float]], at_least: in
     return torch.cat(xs), torch.cat(ys)  # (M * B, T), (M * B, T)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as this process holds it: an FSDP2 DTensor's own rows, or itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class Pipeline:
     """One process's stage of a pipeline and the groups it talks to; see the module docstring.
 
@@ -148,6 +155,7 @@ class Pipeline:
         self._scale = None
         self._specs: list[tuple[str, tuple, str, int]] | None = None
         self.sent_bytes = 0  # activations and gradients this stage sent to its neighbours so far
+        self.sharded = False  # each stage's parts sharded over its data ranks by FSDP2 (set by layouts)
 
     def __str__(self) -> str:
         return f"pipeline {self.stages} ({self.schedule_name})"
@@ -216,13 +224,14 @@ class Pipeline:
 
     def reduce_grads(self) -> None:
         """The tied matrix's two gradients added (first and last stage), then every gradient averaged
-        over the data ranks, as DDP does."""
+        over the data ranks, as DDP does (FSDP's reduce-scatter averaged each stage's shards already,
+        at the schedule's last backward: the tied matrix's two shards of the same rows are added)."""
         tied = self.gpt.wte.weight
         if self.stages > 1 and (self.first or self.last):
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
-            dist.all_reduce(tied.grad, group=self.tied_group)
-        if self.data_world > 1:  # one flat all-reduce (a transient copy of the stage's gradients)
+            dist.all_reduce(local(tied.grad), group=self.tied_group)
+        if self.data_world > 1 and not self.sharded:  # one flat all-reduce (a transient copy of the stage's gradients)
             for p in self.module.parameters():
                 if p.grad is None:  # every copy sends the same tensors, in one order
                     p.grad = torch.zeros_like(p)
@@ -237,14 +246,28 @@ class Pipeline:
         """The global gradient norm (every stage's own parameters, the tied matrix once), every
         gradient clipped to max_norm by it (0: not clipped)."""
         own = [p for p in self._own_params() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm([p.grad for p in own]) if own else torch.zeros((), device=self.device)
-        squares = (local.float() ** 2).reshape(1)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in own]) if own else torch.zeros((), device=self.device)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: over the stage's shards
+        squares = (norm.float() ** 2).reshape(1)
         if self.stages > 1:
             dist.all_reduce(squares, group=self.pp_group)
         total = squares[0].sqrt()
-        if max_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(list(self.module.parameters()), max_norm, total)
+        if max_norm > 0:  # torch's clip_grads_with_norm_, on each shard (it takes no DTensor with a plain norm)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+            if grads:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total
+
+    def reshard(self) -> None:
+        """FSDP: each part's own parameters sharded again, as every step leaves them. After a forward
+        without backward (evaluation) a part's root keeps them whole, registered in place of the
+        shards: the slots would hold whole tensors, and the tied matrix's two names would no longer
+        be one parameter (a snapshot without the alias, which no other layout could load)."""
+        if self.sharded:
+            for m in self.module.modules():
+                if hasattr(m, "reshard"):
+                    m.reshard()
 
     def _own_params(self) -> list[nn.Parameter]:
         """This stage's parameters but the last stage's copy of the tied matrix (stage 0's)."""
@@ -256,10 +279,10 @@ class Pipeline:
         return PipelineForward(self)
 
     # --- snapshots --------------------------------------------------------------------------------
-    def slots(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
+    def slots(self, optimizer: torch.optim.Optimizer, slot) -> list[Slot]:
         """Every tensor of the whole model and optimizer, in one order on every process: this
-        process's as they are (its stage's, and the tied copy), the others' as placeholders on the
-        meta device. Each names the stage that writes it."""
+        process's as `slot(name, tensor)` gives them (its stage's, and the tied copy; under FSDP its
+        rows), the others' as placeholders on the meta device. Each names the stage that writes it."""
         held = self._tensors(optimizer)
         if self._specs is None:  # the other stages' names and shapes, gathered once
             mine = [(n, tuple(t.shape), dtype_name(t.dtype), s) for n, t in held.items()
@@ -270,8 +293,10 @@ class Pipeline:
         out = []
         for name, shape, dtype, stage in self._specs:
             t = held.get(name)
-            local = t if t is not None else torch.empty(shape, dtype=dtype_of(dtype), device="meta")
-            out.append(Slot(name, local, shape, stage=stage))
+            if t is None:
+                out.append(Slot(name, torch.empty(shape, dtype=dtype_of(dtype), device="meta"), shape, stage=stage))
+            else:
+                out.append(replace(slot(name, t), stage=stage))
         return out
 
     def _tensors(self, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -301,6 +326,7 @@ class PipelineForward:
 
     def train(self) -> None:
         self.pp.module.train()
+        self.pp.reshard()
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "sum") -> tuple[None, torch.Tensor]:
         pp, total = self.pp, self.pp.stages * self.pp.chunks

@@ -26,13 +26,13 @@ def save_stage(run, out: str, rank: int, state: bool) -> None:
     gpt, optimizer = run.parallel.gpt, run.optimizer
     names = {p: n for n, p in gpt.named_parameters()}
     held = [p for p in gpt.parameters() if not p.is_meta]
-    if state:
-        mine = {f"model.{names[p]}": p.detach().clone() for p in held}
-        mine.update({f"optim.{names[p]}.{k}": v.clone() for p, st in optimizer.state.items() for k, v in st.items()})
+    if state:  # (FSDP inside the stages: its rows gathered whole, every process of the stage joining in)
+        mine = {f"model.{names[p]}": whole(p.detach()) for p in held}
+        mine.update({f"optim.{names[p]}.{k}": whole(v) for p, st in optimizer.state.items() for k, v in st.items()})
     else:
         run.train_step()
-        mine = {names[p]: p.grad.clone() for p in held}
-        mine.update({f"param.{names[p]}": p.detach().clone() for p in held})
+        mine = {names[p]: whole(p.grad) for p in held}
+        mine.update({f"param.{names[p]}": whole(p.detach()) for p in held})
     torch.save(mine, f"{out}.{rank}")
 
 

@@ -107,26 +107,33 @@ def test_documents_sigkill_recovery_is_exact_too(tmp_path):
     check_sigkill_recovery(reference, tmp_path / "faulty", docs=True, nproc=3, extra=WIDE)
 
 
-@pytest.mark.parametrize("split, shown", [(["trainer.tensor_parallel=2"], "ddp x tensor parallel 2"),
-                                           (["trainer.pipeline_parallel=2", "model.dropout=0"], "ddp x pipeline 2 (1f1b)")],
+@pytest.mark.parametrize("nproc, split, shown", [
+    (2, ["trainer.tensor_parallel=2"], "ddp x tensor parallel 2"),
+    (4, ["trainer.pipeline_parallel=2", "trainer.parallel=fsdp", "model.dropout=0", "trainer.eval_every=10"],
+     "fsdp x pipeline 2 (1f1b)")],
                          ids=["tensor-parallel", "pipeline"])
-def test_a_split_model_sigkill_recovery_is_exact_too(tmp_path, split, shown):
-    """Two processes splitting the model: each block (trainer.tensor_parallel=2; the snapshot gathered
-    whole when saved, split again when loaded), or the blocks in two stages (trainer.pipeline_parallel=2,
-    1F1B; no dropout: a pipeline refuses it; each stage resumes its own tensors, the tied matrix too). A
-    worker SIGKILLed, torchrun restarts both, and they resume into the run's exact course: final weights
-    bitwise, the loss curve equal. 30 steps: a split model is slow on CPU."""
+def test_a_split_model_sigkill_recovery_is_exact_too(tmp_path, nproc, split, shown):
+    """Processes splitting the model: each block (trainer.tensor_parallel=2; the snapshot gathered
+    whole when saved, split again when loaded), or the blocks in two stages, each stage sharded over
+    its two processes by FSDP (trainer.pipeline_parallel=2, 1F1B; no dropout: a pipeline refuses it;
+    each stage's processes resume their own rows, the tied matrix too; evaluated before each save).
+    A worker SIGKILLed, torchrun restarts them all, and they resume into the run's exact course: final
+    weights bitwise (read whole from the snapshot, as one process loads it), the loss curve equal; and
+    mingpt-generate samples from the snapshot. 30 steps: a split model is slow on CPU."""
     from conftest import make_corpus
 
     extra = [*split, "trainer.max_steps=30"]
     corpus, ref_dir = make_corpus(tmp_path), tmp_path / "ref"
-    proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir), *extra), cwd=REPO,
+    proc = subprocess.run(torchrun_cmd(nproc, "mingpt/main.py", *args(corpus, tmp_path, ref_dir), *extra), cwd=REPO,
                           env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert f"training from step 0 to 30 on 2 ranks ({shown})" in proc.stdout + proc.stderr
+    assert f"training from step 0 to 30 on {nproc} ranks ({shown})" in proc.stdout + proc.stderr
     reference = {"corpus": corpus, "weights": final_weights(ref_dir, 30),
                  "losses": {s: r["loss"] for s, r in read_metrics(ref_dir / "metrics.jsonl").items()}}
-    check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, extra=extra, kill_after=15, steps=30)
+    check_sigkill_recovery(reference, tmp_path / "faulty", docs=False, nproc=nproc, extra=extra, kill_after=15, steps=30)
+    sample = subprocess.run([sys.executable, "-m", "mingpt.cli.generate", str(tmp_path / "faulty" / "run"),
+                             "--max-new-tokens", "20"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert sample.returncode == 0 and len(sample.stdout.strip()) >= 20, sample.stderr[-3000:]
 
 
 def check_sigkill_recovery(reference, tmp_path, docs, nproc=2, extra=(), kill_after=35, steps=MAX_STEPS):

@@ -39,12 +39,14 @@ def one_process_grads(tmp_path_factory):
     return torch.load(tmp / "g.pt"), corpus_file
 
 
-@pytest.mark.parametrize("nproc, stages, schedule", [(2, 2, "1f1b"), (4, 2, "gpipe"), (2, 2, "interleaved")],
-                         ids=["pp2-1f1b", "pp2-ddp2-gpipe", "pp2-interleaved"])
+@pytest.mark.parametrize("nproc, stages, schedule, data", [(2, 2, "1f1b", "ddp"), (4, 2, "gpipe", "ddp"),
+                                                            (2, 2, "interleaved", "ddp"), (4, 2, "interleaved", "fsdp")],
+                         ids=["pp2-1f1b", "pp2-ddp2-gpipe", "pp2-interleaved", "pp2-fsdp2-interleaved"])
 def test_pipeline_gradients_equal_one_process_and_the_tied_matrix_stays_tied(tmp_path, one_process_grads, nproc,
-                                                                             stages, schedule):
+                                                                             stages, schedule, data):
     """One step (6 sequences, micro-batches of 2: 3 micro-batches, over 2 data ranks uneven; interleaved:
-    4 stages of one block, two on each process), clipped:
+    4 stages of one block, two on each process; fsdp: each stage's parts sharded over its 2 processes,
+    their gradients reduce-scattered), clipped:
     every gradient, from the stage that holds it, equals one process's within float32 rounding
     (rtol 1e-4, atol 1e-6, as for DDP against one process: the tied matrix's two parts are added in
     another order, the norm is summed by stage). The tied matrix: its gradient and its updated
@@ -54,8 +56,9 @@ def test_pipeline_gradients_equal_one_process_and_the_tied_matrix_stays_tied(tmp
     log = run(torchrun_cmd(nproc, "tests/scenarios/grad_worker.py", str(out), *TINY, f"data.path={corpus_file}",
                            f"data.cache_dir={tmp_path / 'cache'}", "trainer.batch_size=6", "trainer.micro_batch_size=2",
                            "snapshot.resume=never", f"trainer.pipeline_parallel={stages}",
-                           f"trainer.pipeline_schedule={schedule}", f"trainer.run_dir={tmp_path / 'run'}"))
-    assert f"ddp x pipeline {stages} ({schedule})" in log
+                           f"trainer.pipeline_schedule={schedule}", f"trainer.parallel={data}",
+                           f"trainer.run_dir={tmp_path / 'run'}"))
+    assert f"{data} x pipeline {stages} ({schedule})" in log
     ranks = stage_files(out, nproc)
     first, last = ranks[0], ranks[(stages - 1) * (nproc // stages)]
     assert torch.equal(first["wte.weight"], last["wte.weight"])  # the gradients of the two copies, summed
@@ -66,7 +69,7 @@ def test_pipeline_gradients_equal_one_process_and_the_tied_matrix_stays_tied(tmp
     assert mine.keys() == one.keys()
     for name in one:
         torch.testing.assert_close(mine[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
-    for r in ranks[1:nproc // stages]:  # data-parallel copies of stage 0 hold the same gradients
+    for r in ranks[1:nproc // stages]:  # data-parallel copies of stage 0 hold the same gradients (FSDP's gathered)
         assert torch.equal(r["wte.weight"], first["wte.weight"])
     assert max(g.abs().max().item() for g in one.values()) > 1e-3  # real, non-zero gradients
 
@@ -85,9 +88,11 @@ def held_state(out, nproc: int) -> dict:
 def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path):
     """Written by a pipeline of 2 stages x 2 data ranks (each stage's processes write its tensors),
     the snapshot holds the whole tensors once: one process (as DDP: every tensor whole), FSDP over 2,
-    tensor parallelism over 2 and a pipeline of 4 stages (a world the 4 processes of 2 x 2 fit again)
-    start from exactly the stored weights and optimizer state. (A
-    snapshot of one process into a pipeline: test_documents_through_a_pipeline_...)"""
+    tensor parallelism over 2, a pipeline of 4 stages (a world the 4 processes of 2 x 2 fit again)
+    and the same pipeline with each stage sharded over its 2 processes by FSDP start from exactly
+    the stored weights and optimizer state. (A snapshot of one process into a pipeline:
+    test_documents_through_a_pipeline_...; one written by a pipeline of FSDP stages:
+    test_fault_tolerance.py::test_a_split_model_sigkill_recovery_is_exact_too)"""
     corpus_file = make_corpus(tmp_path)
     data = [*TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.batch_size=8",
             "trainer.micro_batch_size=2", f"trainer.run_dir={tmp_path / 'run'}"]
@@ -110,9 +115,11 @@ def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path)
         assert loaded.keys() == stored.keys(), (nproc, layout)
         for name, t in stored.items():
             assert torch.equal(loaded[name], t), (nproc, layout, name)
-    out = tmp_path / "pp4.pt"  # another degree
-    run(torchrun_cmd(4, "tests/scenarios/grad_worker.py", str(out), "--state", *data, "trainer.pipeline_parallel=4"))
-    assert_same(held_state(out, 4), stored)
+    for name, layout in [("pp4", ["trainer.pipeline_parallel=4"]),  # another degree
+                         ("pp2-fsdp2", ["trainer.pipeline_parallel=2", "trainer.parallel=fsdp"])]:  # sharded stages
+        out = tmp_path / f"{name}.pt"
+        run(torchrun_cmd(4, "tests/scenarios/grad_worker.py", str(out), "--state", *data, *layout))
+        assert_same(held_state(out, 4), stored)
 
 
 def stored_state(run_dir) -> dict:
