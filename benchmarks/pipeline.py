@@ -8,7 +8,8 @@ between stages against what DDP and FSDP send.
     python -m benchmarks pipeline [--model gpt-mini] [--nproc 2] [--micro 2 4 8] [--block 64] [--steps 4]
         [--layouts ddp,fsdp,tp,pp]
 
-Each row is one torchrun job of --nproc processes (pipelines of --nproc stages; the other layouts over
+Each row is one torchrun job of --nproc processes (pipelines of --nproc stages; with 4 or more, also
+pipelines of half as many stages, each stage sharded over 2 processes by FSDP; the other layouts over
 as many processes), --warmup steps untimed, then --steps timed. A stage is busy while it runs a
 forward or a backward of the schedule (PipelineStage.forward_one_chunk / backward_one_chunk, timed);
 the bubble is 1 - busy / the schedule's step time (its sends and receives, waits and Python included),
@@ -112,10 +113,13 @@ def layouts(nproc: int, micro: list[int], n_layer: int) -> list[tuple[str, list[
         if m == m0:
             rows += [("fsdp", ["trainer.parallel=fsdp"], m0), (f"tp{nproc}", [f"trainer.tensor_parallel={nproc}"], m0)]
         for schedule in ("gpipe", "1f1b", "interleaved"):
-            if (schedule == "1f1b" and m < nproc) or (schedule == "interleaved" and n_layer < 2 * nproc):
+            if n_layer < nproc or (schedule == "1f1b" and m < nproc) or (schedule == "interleaved" and n_layer < 2 * nproc):
                 continue
             rows.append((f"pp{nproc} {schedule}", [f"trainer.pipeline_parallel={nproc}",
                                                    f"trainer.pipeline_schedule={schedule}"], m))
+        if m == m0 and nproc >= 4 and nproc % 2 == 0 and m0 >= nproc:  # half the stages, each sharded over 2
+            rows.append((f"pp{nproc // 2} x fsdp2 1f1b", [f"trainer.pipeline_parallel={nproc // 2}",
+                                                         "trainer.parallel=fsdp", "trainer.pipeline_schedule=1f1b"], m0))
     return rows
 
 
@@ -152,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
             if not name.startswith(tuple(args.layouts.split(","))):
                 continue
             pp = "pipeline" in " ".join(settings)
-            data_ranks = 1 if pp else (1 if name.startswith("tp") else p)
-            # one global batch for every row of a micro-batch count: m micro-batches of --micro-size per pipeline
+            stages = next((int(o.split("=")[1]) for o in settings if o.startswith("trainer.pipeline_parallel=")), 1)
+            data_ranks = p // stages if pp else (1 if name.startswith("tp") else p)
+            # one global batch for every row of a micro-batch count: m micro-batches of --micro-size (over
+            # the pipelines where there are several: m / pipelines each)
             batch = m * args.micro_size
             micro_size = args.micro_size if pp else -(-batch // data_ranks)
             cfg = [f"model={args.model}", f"data.path={args.data}", f"data.cache_dir={tmp}/cache",
@@ -174,15 +180,18 @@ def main(argv: list[str] | None = None) -> None:
             if pp:
                 bubble = sum(1 - r["busy"] / r["scheduled"] for r in ranks) / len(ranks)
                 v = 2 if "interleaved" in name else 1  # stages per process
+                mp = m // data_ranks  # a pipeline's micro-batches
                 if v > 1:  # rank 0's warm-up forwards (of one stage's micro-batch each) before its first backward
                     from torch.distributed.pipelining.schedules import _get_warmup_ops
 
-                    in_flight = _get_warmup_ops(0, v, m // max(1, m // p), p, m) + 1
+                    in_flight = _get_warmup_ops(0, v, mp // max(1, mp // stages), stages, mp) + 1
                 else:
-                    in_flight = m if "gpipe" in name else min(m, p)
-                acts = max(r["saved_per_step"] / (m * v) * in_flight for r in ranks) / 2**20
-                sent = max(r["sent_per_step"] for r in ranks) / 2**20
-                theory = f"{(p - 1) / (v * m + p - 1):.3f}"
+                    in_flight = mp if "gpipe" in name else min(mp, stages)
+                acts = max(r["saved_per_step"] / (mp * v) * in_flight for r in ranks) / 2**20
+                # between the stages, and FSDP's collectives inside each (as the fsdp row: its shard x 3 (d-1))
+                sent = max(r["sent_per_step"] + ("fsdp" in name) * 3 * (data_ranks - 1) * r["grad_bytes"]
+                           for r in ranks) / 2**20
+                theory = f"{(stages - 1) / (v * mp + stages - 1):.3f}"
                 bub = f"{bubble:.3f}"
             else:
                 bub, theory = "-", "-"

@@ -167,3 +167,16 @@ def test_pipeline(corpus_file):
         _, rate, _, bubble, theory, _, _, sent = rows[name]
         assert theory == "0.333" and 0 < float(bubble) < 1 and float(rate.replace(",", "")) > 0, out
         assert 0 < float(sent) < float(rows["ddp"][7]), out
+
+
+def test_the_pipeline_bench_compares_sharded_stages_from_4_processes_and_skips_what_cannot_run():
+    """The rows of `benchmarks pipeline --nproc 4`: pipelines of 4 stages (1F1B needs 4 micro-batches),
+    and 2 stages each sharded over 2 processes by FSDP; none of 4 stages for a model of 3 blocks."""
+    from benchmarks.pipeline import layouts
+
+    names = [name for name, _, _ in layouts(4, [4], n_layer=4)]
+    assert names == ["ddp", "fsdp", "tp4", "pp4 gpipe", "pp4 1f1b", "pp2 x fsdp2 1f1b"], names
+    sharded = dict((name, settings) for name, settings, _ in layouts(4, [4], n_layer=4))["pp2 x fsdp2 1f1b"]
+    assert {"trainer.pipeline_parallel=2", "trainer.parallel=fsdp"} <= set(sharded)
+    assert [name for name, _, _ in layouts(4, [4], n_layer=3)] == ["ddp", "fsdp", "tp4", "pp2 x fsdp2 1f1b"]
+    assert "pp2 x fsdp2 1f1b" not in [name for name, _, _ in layouts(2, [2], n_layer=4)]

@@ -3,8 +3,9 @@ pipeline, driven by a schedule of torch.distributed.pipelining (GPipe, 1F1B, or 
 with two stages on each process) over the step's micro-batches; docs/pipeline.md.
 
 The processes are numbered stage-major: rank = stage * data_world + data_rank, so the processes of
-one stage (the data-parallel copies, which average their gradients) are consecutive, on one node
-where they fit, and only activations and their gradients cross between the stages (between nodes).
+one stage (the data-parallel copies, which average their gradients, as DDP or each holding a shard
+of the stage under FSDP) are consecutive, on one node where they fit, and only activations and
+their gradients cross between the stages (between nodes).
 
 Stage 0 holds the token and position embeddings, the last stage the final norm and the head. The
 head is tied to the token embedding: both stages hold a copy of the one matrix, and after the
