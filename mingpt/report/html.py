@@ -57,8 +57,9 @@ def _figure(fig, name: str, caption: str, points: int) -> str:
 
 
 def _mark_restarts(ax, run: Run, x_of) -> None:
-    """A dashed line at every restart (the summary's), labelled with its world size; a dotted grey one
-    where another job continued the run (a resume after Ctrl-C or a stop: no restart)."""
+    """A dashed line at every restart (the summary's), labelled with its world size (a replica group's:
+    the group, whose world is its own); a dotted grey one where another job continued the run (a
+    resume after Ctrl-C or a stop: no restart)."""
     acc = run.account
     for i, a in enumerate(acc.attempts):
         x = x_of(a) if i else None
@@ -66,7 +67,8 @@ def _mark_restarts(ax, run: Run, x_of) -> None:
             continue
         restart = i in acc.restarts
         ax.axvline(x, color="#b5179e" if restart else "#6c757d", ls="--" if restart else ":", lw=0.8, alpha=0.7)
-        ax.text(x, 1.0, f" ws {a.start['world_size']}" if restart else " new job", fontsize=7, va="top",
+        label = f" group {a.start['group']}" if "group" in a.start else f" ws {a.start['world_size']}"
+        ax.text(x, 1.0, label if restart else " new job", fontsize=7, va="top",
                 transform=ax.get_xaxis_transform(), color="#b5179e" if restart else "#6c757d")
 
 

@@ -71,15 +71,17 @@ def _starts(run: Run) -> list[str]:
     acc, attempts = run.account, run.account.attempts
     sizes = [a.start["world_size"] for a in attempts]
     changes = [str(sizes[0])] + [str(b) for a, b in zip(sizes, sizes[1:]) if a != b]
-    n = len(acc.restarts)
-    if acc.replicas:
+    n, layout = len(acc.restarts), attempts[-1].start.get("parallel", "")
+    if acc.replicas:  # a start's world is its group's torchrun: the job is the groups, replicas of each other
         groups = len({a.start.get("group") for a in attempts})
         whose = f"{n} restart{'s' * (n != 1)}, {groups} group{'s' * (groups != 1)}"
+        inside = f", {layout} inside each" if layout not in ("", "single") else ""
+        world = f"{' -> '.join(changes)} process{'es' * (sizes[-1] != 1)} per group{inside}, replicas across the groups"
     else:
         jobs = len(attempts) - n
         whose = f"{n} restart{'s' * (n != 1)}, {jobs} job{'s' * (jobs != 1)}"
-    lines = [f"  starts {len(attempts)} ({whose})   world size {' -> '.join(changes)}   "
-             f"{attempts[-1].start.get('parallel', '')}"]
+        world = f"world size {' -> '.join(changes)}   {layout}"
+    lines = [f"  starts {len(attempts)} ({whose})   {world}"]
     epochs = [r for r in run.records if r.get("kind") == "epoch"]
     if epochs:  # replica groups: every process start is a group's, and the groups trained through faults
         # a group heals whole: its processes (members g * procs + i) count once

@@ -10,9 +10,10 @@ from mingpt.report.summary import Run, summary
 
 
 def start(t0, step, group=None, launch="secret-derived", job="torchrun-1", restart=0, **seconds):
-    """A process's start record (a replica group's torchrun: its job id, and its restart count)."""
+    """A process's start record (a replica group's torchrun: its job id, and its restart count; its
+    world is its group's, one process)."""
     rec = {**ledger(t0, step, "start", model=1, **seconds), "launch_id": launch, "job_id": job, "restart": restart}
-    return rec if group is None else {**rec, "group": group}
+    return rec if group is None else {**rec, "group": group, "world_size": 1, "parallel": "single"}
 
 
 def train(step, t, ms=100.0, tok_s=1000.0):
@@ -43,7 +44,9 @@ def replica_job():
 def test_a_replica_job_counts_a_restart_per_process_started_again_and_its_step_in_flight_lost():
     run = Run.of(replica_job())
     out = summary(run, "r")
-    assert "starts 4 (1 restart, 3 groups)" in out, out
+    # each start's world is its group's (1 process): "world size 1 single" said the job was one process
+    assert "starts 4 (1 restart, 3 groups)   1 process per group, replicas across the groups" in out, out
+    assert "world size" not in out, out
     assert "group 0: back at step 30" in out, out
     assert "(model 1.0 | joining and healing 0.3)" in out, out  # where its return went
     acc = run.account
@@ -52,10 +55,18 @@ def test_a_replica_job_counts_a_restart_per_process_started_again_and_its_step_i
     assert acc.wall == pytest.approx(10) and acc.goodput == pytest.approx(0.45)
 
 
+def test_a_replica_groups_restart_is_marked_with_its_group_in_the_plots(monkeypatch):
+    """A group's restart in the loss plot says which group, not its torchrun's world ("ws 1")."""
+    monkeypatch.setattr(html, "_figure", lambda fig, *args: fig)
+    labels = [t.get_text().strip() for ax in html.loss_figure(Run.of(replica_job())).axes for t in ax.texts]
+    assert "group 0" in labels and not any(label.startswith("ws") for label in labels), labels
+
+
 def test_groups_of_two_processes_count_a_start_and_a_heal_per_group_not_per_process():
     """Three groups of two processes (members 2g and 2g + 1), each process writing its start record;
     group 1's torchrun restarts both, which heal together: one restart, one group healed."""
-    both = lambda t0, step, g, **kw: [start(t0 + 0.01 * i, step, g, job=f"torchrun-{g}", **kw) for i in range(2)]  # noqa: E731
+    both = lambda t0, step, g, **kw: [{**start(t0 + 0.01 * i, step, g, job=f"torchrun-{g}", **kw),  # noqa: E731
+                                       "world_size": 2, "parallel": "fsdp"} for i in range(2)]
     records = [
         *[r for g in range(3) for r in both(100, 0, g)],
         {**epoch(0, 105, "start", 0.01), "procs": 2},
@@ -67,7 +78,7 @@ def test_groups_of_two_processes_count_a_start_and_a_heal_per_group_not_per_proc
         *[train(s, 109 + 0.1 * (s - 30)) for s in range(31, 41)],
     ]
     out = summary(Run.of(records), "r")
-    assert "starts 4 (1 restart, 3 groups)" in out, out
+    assert "starts 4 (1 restart, 3 groups)   2 processes per group, fsdp inside each, replicas across the groups" in out, out
     assert "1 lost a group (each lost at most its step in flight), 1 group(s) healed from a peer" in out, out
     assert out.count("group 1: back at step 30") == 1, out
 
