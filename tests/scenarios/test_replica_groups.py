@@ -259,6 +259,48 @@ def test_a_spare_takes_a_killed_members_place_and_the_restarted_process_stands_b
     assert not [m for m in range(GROUPS) if lock_path(SECRET.encode(), m).exists()]
 
 
+def kill_a_process_of_group_1_beside_its_spares(run_dir: Path, agents) -> tuple[int, float]:
+    """Groups of two processes, group 1's command twice: once a spare waits on each of the group's two
+    member locks (members 2 and 3; a waiter is a blocked lock in /proc/locks), SIGKILL the holder of
+    member 3's, process 1 of the member torchrun."""
+    from benchmarks.survivors import lock_holder
+
+    step = wait_for_step(run_dir, 15, agents)
+    locks = [lock_path(SECRET.encode(), m) for m in (2, 3)]
+    deadline = time.time() + 120
+    while True:
+        waiting = Path("/proc/locks").read_text().splitlines()
+        inodes = [str(p.stat().st_ino) if p.exists() else "-" for p in locks]
+        if all(any("->" in line and line.split()[-3].rsplit(":", 1)[-1] == i for line in waiting) for i in inodes):
+            break
+        assert time.time() < deadline, "the spares never waited on both locks"
+        time.sleep(0.05)
+    os.kill(lock_holder(locks[1]), signal.SIGKILL)
+    return step, time.time()
+
+
+@pytest.mark.long
+def test_a_group_of_two_processes_has_a_spare_for_each(tmp_path):
+    """Groups of two processes (every process a member, half of its group's two shares), group 1's
+    command started twice: the second torchrun's two processes stand by, one for each member. Process
+    1 of group 1 is SIGKILLed: its torchrun stops the other and restarts both; the two spares take
+    both places (their starts built nothing after the wait), heal and train; the restarted pair
+    stands by in turn. Every step's samples and the final weights are those of the groups of one
+    process, bit for bit."""
+    corpus, longer = make_corpus(tmp_path), (f"trainer.max_steps={LONG}",)
+    ref_dir, _, _ = run_job(tmp_path / "ref", corpus, extra=longer)
+    run_dir, logs, fault = run_job(tmp_path, corpus, kill_a_process_of_group_1_beside_its_spares, procs=2,
+                                   extra=(*longer, "replicas.shares_per_group=2"), spares=(1,))
+    spare, killed = sorted((logs[1].read_text(), logs[3].read_text()), key=lambda t: "this spare takes its place" not in t)
+    assert "healed from replica group" in spare.split("this spare takes its place")[1], spare[-3000:]
+    assert STANDS_BY in killed or "finished the run" in killed, killed[-3000:]  # (it was the member until the fault)
+    back = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "start" and r["time"] > fault[1]]
+    assert len(back) == 2 and all(r["group"] == 1 and r["s"]["data_load"] == r["s"]["model"] == 0 for r in back), back
+    assert shares_by_step(run_dir) == shares_by_step(ref_dir)
+    weights, expected = final(run_dir, LONG), final(ref_dir, LONG)
+    assert all(torch.equal(weights[k], expected[k]) for k in weights)
+
+
 def epoch_with_all_after(run_dir: Path, agents, t: float, timeout: float = 180) -> dict:
     """The first epoch formed after `t` with every group in it."""
     deadline = time.time() + timeout
