@@ -196,9 +196,9 @@ def account_replicas(records: list[dict], attempts: list[Attempt]) -> Account:
         for phase in STARTUP:
             startup[phase] += a.ledgers[0]["s"][phase] if a.ledgers else 0.0
     seen, restarts = set(), []
-    for i, a in enumerate(attempts):
+    for i, a in enumerate(attempts):  # (torchrun's count too: a process killed as it joined wrote no start)
         group = a.start.get("group")
-        restarts += [i] if group in seen else []
+        restarts += [i] if group in seen or a.start.get("restart", 0) > 0 else []
         seen.add(group)
     return Account(wall, seconds, startup, attempts, [0] * len(attempts), [0.0] * len(attempts), restarts, t0,
                    replicas=True, faults=faults)

@@ -84,8 +84,10 @@ def faulted(tmp_path_factory):
     logs = [tmp / f"group{g}.log" for g in range(GROUPS)]
     agents = [launch(g, peers, corpus, run_dir, logs[g]) for g in range(GROUPS)]
     try:
-        first = wait_for(run_dir, agents, lambda rs: any(r.get("kind") == "train" for r in rs), timeout=240)
-        step = max(r["step"] for r in first if r.get("kind") == "train")
+        # every group trains first (a slow start joins a later epoch: killed before, it writes no start record)
+        first = wait_for(run_dir, agents, lambda rs: any(r.get("kind") == "epoch" and len(r["members"]) == GROUPS
+                                                         for r in rs), timeout=240)
+        step = max([0] + [r["step"] for r in first if r.get("kind") == "train"])
         for _ in range(KILLS):
             kill_and_rejoin(run_dir, agents, step + 10)
             step = max(r["step"] for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "train")

@@ -55,6 +55,14 @@ def test_a_replica_job_counts_a_restart_per_process_started_again_and_its_step_i
     assert acc.wall == pytest.approx(10) and acc.goodput == pytest.approx(0.45)
 
 
+def test_a_group_killed_before_it_wrote_its_start_counts_its_restart_all_the_same():
+    """Group 0's first process was SIGKILLed while it joined, before its start record: the record of its
+    torchrun's restart 1 is the group's first, and still a restart (the report said "0 restarts")."""
+    records = [r for r in replica_job() if not (r.get("kind") == "start" and r.get("group") == 0 and r["restart"] == 0)]
+    out = summary(Run.of(records), "r")
+    assert "starts 3 (1 restart, 3 groups)" in out, out
+
+
 def test_a_replica_groups_restart_is_marked_with_its_group_in_the_plots(monkeypatch):
     """A group's restart in the loss plot says which group, not its torchrun's world ("ws 1")."""
     monkeypatch.setattr(html, "_figure", lambda fig, *args: fig)
