@@ -84,7 +84,8 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     if spare is not None:  # built: it takes its member's place the moment the member's process exits
         replicas, start = stand_by(cfg, info, lease, spare, ledger, preempt, build_replicas, start.store)
     started = partial(record_start, ledger, info, start, parallel.name, hosts, cfg.replicas.group if replicas else None)
-    # replica groups: a member heals from live peers (its snapshot is read if none is), recording its start once in
+    # replica groups: a member heals from live peers (its snapshot is read if none is) and records its start
+    # once it joined, at the step it healed to
     heals = bool(replicas and start.candidates and start.manifest["step"] < cfg.trainer.max_steps)
     layer = {} if replicas is None else {"replicas": replicas, "resume": partial(load_snapshot, cfg, start=start)
                                          if heals else None, "joined": partial(started, partial(

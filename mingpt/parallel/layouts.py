@@ -27,7 +27,7 @@ import torch.nn as nn
 from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.parallel.pipeline import Pipeline
 from mingpt.parallel.pipeline import problem as pp_problem
-from mingpt.parallel.shards import local_rows
+from mingpt.parallel.shards import local_rows, own_part
 from mingpt.parallel.tensor import TensorParallel, split
 from mingpt.parallel.tensor import problem as tp_problem
 from mingpt.runtime.distributed import DistInfo
@@ -123,8 +123,7 @@ class Parallel:
         its tensor-parallel part; nothing gathered): for a process that holds the same parts (healing)."""
         if self.pp:
             raise ParallelError("a pipeline's processes cannot heal from replica groups (refused in the config)")
-        return [Slot(name, local, tuple(local.shape)) for name, t in self._tensors(optimizer)
-                for local in [t.to_local() if hasattr(t, "to_local") else t]]
+        return [Slot(name, mine, tuple(mine.shape)) for name, t in self._tensors(optimizer) for mine in [own_part(t)]]
 
     def _tensors(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
         names = {}

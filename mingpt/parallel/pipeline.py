@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mingpt.model.gpt import GPT, GPTConfig
+from mingpt.parallel.shards import own_part
 from mingpt.snapshot.layout import Slot, dtype_name, dtype_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -125,11 +126,6 @@ def padded(batches: list[tuple[torch.Tensor, torch.Tensor, float]], at_least: in
         xs.append(torch.zeros_like(xs[0]))
         ys.append(torch.full_like(ys[0], -100))
     return torch.cat(xs), torch.cat(ys)  # (M * B, T), (M * B, T)
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A tensor as this process holds it: an FSDP2 DTensor's own rows, or itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class Pipeline:
@@ -231,7 +227,7 @@ class Pipeline:
         if self.stages > 1 and (self.first or self.last):
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
-            dist.all_reduce(local(tied.grad), group=self.tied_group)
+            dist.all_reduce(own_part(tied.grad), group=self.tied_group)
         if self.data_world > 1 and not self.sharded:  # one flat all-reduce (a transient copy of the stage's gradients)
             for p in self.module.parameters():
                 if p.grad is None:  # every copy sends the same tensors, in one order
@@ -255,7 +251,7 @@ class Pipeline:
         total = squares[0].sqrt()
         if max_norm > 0:  # torch's clip_grads_with_norm_, on each shard (it takes no DTensor with a plain norm)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            grads = [local(p.grad) for p in self.module.parameters() if p.grad is not None]
+            grads = [own_part(p.grad) for p in self.module.parameters() if p.grad is not None]
             if grads:
                 torch._foreach_mul_(grads, coef.to(grads[0].device))
         return total

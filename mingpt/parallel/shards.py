@@ -14,6 +14,12 @@ def rows_of(n: int, parts: int, i: int) -> tuple[int, int]:
     return start, min(start + size, n)
 
 
+def own_part(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as this process holds it: a DTensor's own part (FSDP2's rows, a tensor-parallel
+    split), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def local_rows(t: torch.Tensor) -> tuple[int, int]:
     """Rows [start, stop) of dimension 0 that this rank holds of an FSDP2 DTensor: `rows_of` over the
     mesh dimension it is sharded on (HSDP: the second; the first replicates)."""

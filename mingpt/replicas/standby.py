@@ -54,7 +54,7 @@ class MemberLock:
     it exits."""
 
     def __init__(self, secret: bytes, member: int, root: str | None = None):
-        self.path = lock_path(secret, member, root)
+        self.secret, self.member, self.path = secret, member, lock_path(secret, member, root)
         # not inherited by exec'd children (os.open's default); the lock lives with this open file
         self._fd = _HELD.get(self.path) or os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
 

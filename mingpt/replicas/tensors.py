@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from mingpt.parallel.shards import own_part
+
 
 class ShareHeader(NamedTuple):
     """What a share's trainer sends with its gradient row, as float64 columns in this order."""
@@ -45,15 +47,10 @@ def state_digest(key: bytes, slots: list, meta: dict, tensors: list | None = Non
     return h.hexdigest()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """This process's rows of a tensor (an FSDP shard's), or the tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def flat_grads(model: torch.nn.Module) -> torch.Tensor:
     """Every parameter's gradient (under FSDP: this process's shard of it) in one host tensor (parameter
     order; none: zeros)."""
-    return torch.cat([_local(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+    return torch.cat([own_part(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
                       for p in model.parameters()])
 
 
@@ -61,10 +58,10 @@ def flat_grads(model: torch.nn.Module) -> torch.Tensor:
 def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
     offset = 0
     for p in model.parameters():
-        local = _local(p)
-        n = local.numel()
-        g = flat[offset:offset + n].view_as(local).to(local.device, local.dtype).clone()
-        if local is not p:  # an FSDP shard: the gradient is a DTensor laid out as the parameter
+        mine = own_part(p)
+        n = mine.numel()
+        g = flat[offset:offset + n].view_as(mine).to(mine.device, mine.dtype).clone()
+        if mine is not p:  # an FSDP shard: the gradient is a DTensor laid out as the parameter
             from torch.distributed.tensor import DTensor
             g = DTensor.from_local(g, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
         p.grad = g

@@ -215,7 +215,7 @@ def stand_by(cfg, info, lease, lock: MemberLock, ledger, preempt, build: Callabl
         raise StandbyEnded(over, 0)
     start = where_to_start(cfg, info, lease)[1]
     if start.manifest and start.manifest["step"] >= cfg.trainer.max_steps:  # its member exited at the end
-        release(distributed.job_secret(), cfg.replicas.group * env.local_world_size + env.local_rank)
+        release(lock.secret, lock.member)
         raise StandbyEnded(over, 0)
     log.info("replica %s: its process exited; this spare takes its place (stood by %.0f s)", me, time.monotonic() - waited)
     ledger.begin_again()
