@@ -355,9 +355,6 @@ class RunConfig:
                "fault-tolerant HSDP)")
         pp, t = self.trainer.pipeline_parallel, self.trainer
         if pp > 1:
-            _check(t.parallel in ("ddp", "fsdp") and t.tensor_parallel == 1,
-                   f"trainer.pipeline_parallel={pp} composes with trainer.parallel=ddp or fsdp (not yet with hsdp or "
-                   "tensor_parallel): set trainer.parallel=fsdp and tensor_parallel=1; its snapshots load under those")
             _check(not t.compile, f"trainer.compile with trainer.pipeline_parallel={pp} is not supported: set "
                    "trainer.compile=false")
             _check(self.model.dropout == 0, f"model.dropout with trainer.pipeline_parallel={pp} is not supported (the "

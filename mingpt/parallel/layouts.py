@@ -46,22 +46,21 @@ class Parallel:
         self.shards = shards
         self.tp = tp
         # The data-parallel coordinates: the processes of one tensor-parallel group train one share
-        # of the global batch together, so they count as one rank of the data split.
-        n = tp.size if tp else 1
-        self.data_rank, self.data_world, self.data_copies = rank // n, world // n, n
+        # of the global batch together, so they count as one rank of the data split; so do the stages
+        # of a pipeline (ranks stage-major: rank = stage * per_stage + rank in the stage).
+        n, self.stages = (tp.size if tp else 1), (pp.stages if pp else 1)
+        per_stage = world // self.stages
+        stage, in_stage = divmod(rank, per_stage)
+        self.data_rank, self.data_world, self.data_copies = in_stage // n, per_stage // n, n * self.stages
         # A snapshot's writers (snapshot/layout.py `cut`): every rank writes; the processes of a
         # tensor-parallel group hold the same rows once gathered, like HSDP's replicas, so under
-        # FSDP they split those rows between them (writer = copy * shards + shard).
+        # FSDP they split those rows between them (writer = copy * shards + shard); each stage's
+        # processes write that stage's tensors.
         self.writer, self.copies = rank, replicas
         if tp:
             node_replica, shard = divmod(self.data_rank, shards)
             self.copies = replicas * n
-            self.writer = (node_replica * n + tp.rank) * shards + shard
-        # A pipeline: ranks are stage-major (rank = stage * data world + data rank); its stages train one
-        # share of the batch together. Each stage's processes write that stage's tensors (stages).
-        self.stages = pp.stages if pp else 1
-        if pp:
-            self.data_rank, self.data_world, self.data_copies = rank % pp.data_world, pp.data_world, pp.stages
+            self.writer = stage * per_stage + (node_replica * n + tp.rank) * shards + shard
         # The strategy runs a step's micro-batches itself, in its schedule's order (`accumulate`), and
         # evaluates through `evaluator` (called as the GPT: model(x, y, reduction=...)).
         self.orders_micro_batches = pp is not None
@@ -104,19 +103,22 @@ class Parallel:
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients of the whole model to max_norm (0: no clipping); their global norm, on
         the device (reading it on the host would wait for the step)."""
+        if self.pp:  # (with tensor parallelism inside its stages too)
+            return self.pp.clip_grad_norm(max_norm)
         if self.tp:
             return self.tp.clip_grad_norm(self.gpt, max_norm)
-        if self.pp:
-            return self.pp.clip_grad_norm(max_norm)
         norm = torch.nn.utils.clip_grad_norm_(self.gpt.parameters(), max_norm if max_norm > 0 else math.inf)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def slots(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
         """Every tensor of the model and the optimizer as this rank holds it, by a name that does not
         depend on the strategy: `model.<parameter>`, `optim.<parameter>.<state>`."""
+        def slot(name: str, t: torch.Tensor) -> Slot:
+            return (self.tp and self.tp.slot(name, t)) or _slot(name, t)
+
         if self.pp:  # every stage's, the others' as placeholders (a collective the first time)
-            return self.pp.slots(optimizer, _slot)
-        return [(self.tp and self.tp.slot(name, t)) or _slot(name, t) for name, t in self._tensors(optimizer)]
+            return self.pp.slots(optimizer, slot)
+        return [slot(name, t) for name, t in self._tensors(optimizer)]
 
     def held(self, optimizer: torch.optim.Optimizer) -> list[Slot]:
         """The tensors of `slots`, by the same names, exactly as this process holds them (its FSDP rows,
@@ -222,11 +224,31 @@ def mesh_shape(places: list[tuple[int, int, int]], one_node_ok: bool) -> tuple[i
     return nodes, size
 
 
-def device_mesh(info: DistInfo, strategy: str, tp: int, model: GPTConfig, one_node_ok: bool):
-    """HSDP's mesh: dimension "replicate" across nodes, "shard" within a node. With tensor
-    parallelism every strategy has one, with a last dimension "tp" of `tp` consecutive ranks of one
-    node: DDP is then (data ranks, 1, tp), FSDP (1, data ranks, tp), HSDP (nodes, data ranks per
-    node, tp)."""
+def data_shape(places: list[tuple[int, int, int]], strategy: str, tp: int, stages: int,
+               one_node_ok: bool) -> tuple[int, int]:
+    """(replicate, shard): the data dimensions of one pipeline stage's processes (all of them, without
+    a pipeline), from every rank's (torchrun node, local rank, rank). DDP replicates over every data
+    rank, FSDP shards over them; HSDP shards within a node and replicates across the nodes, so each
+    stage must hold whole nodes (ranks are stage-major); one node a stage is FSDP and is refused unless
+    `one_node_ok` (see `mesh_shape`)."""
+    data = len(places) // tp // stages
+    if strategy != "hsdp":
+        return (data, 1) if strategy == "ddp" else (1, data)
+    nodes, size = mesh_shape(places, one_node_ok or stages > 1)
+    if nodes % stages:
+        raise ParallelError(f"trainer.parallel=hsdp with trainer.pipeline_parallel={stages} needs whole nodes in each "
+                            f"stage, these {nodes} node(s) of {size} processes do not split into {stages}: start a "
+                            f"multiple of {stages} nodes, or use trainer.parallel=fsdp")
+    if nodes == stages > 1 and not one_node_ok:
+        raise ParallelError(f"trainer.parallel=hsdp with trainer.pipeline_parallel={stages} over {nodes} nodes puts "
+                            "each stage on one node, which is FSDP: use trainer.parallel=fsdp, or start more nodes")
+    return nodes // stages, size // tp
+
+
+def device_mesh(info: DistInfo, strategy: str, tp: int, model: GPTConfig, one_node_ok: bool, stages: int = 1):
+    """The mesh of the data dimensions "replicate" (across nodes) and "shard" (within a node), see
+    `data_shape`, with a last dimension "tp" of `tp` consecutive ranks of one node where tensor
+    parallelism splits the blocks, and a first dimension "pp" of `stages` where a pipeline does."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -244,20 +266,13 @@ def device_mesh(info: DistInfo, strategy: str, tp: int, model: GPTConfig, one_no
         if any(places[r][0] != places[r - r % tp][0] for r in range(info.world_size)):
             raise ParallelError("trainer.tensor_parallel needs each node's ranks to be consecutive (torchrun numbers "
                                 "them so): launch with torchrun")
-    data = info.world_size // tp
-    if strategy == "ddp":
-        shape = (data, 1)
-    elif strategy == "fsdp":
-        shape = (1, data)
-    else:
-        nodes, size = mesh_shape(places, one_node_ok)
-        if nodes == 1 and info.is_rank0:
-            log.warning("HSDP on one node: carrying on as one replica (FSDP over %d processes) until another node "
-                        "joins", size)
-        shape = (nodes, size // tp)
-    names = ("replicate", "shard", "tp")
-    return init_device_mesh(torch.device(info.device).type, shape + (tp,) if tp > 1 else shape,
-                            mesh_dim_names=names if tp > 1 else names[:2])
+    shape = data_shape(places, strategy, tp, stages, one_node_ok)
+    if strategy == "hsdp" and shape[0] == 1 and info.is_rank0:
+        log.warning("HSDP on one node%s: carrying on as one replica (FSDP over %d processes) until another node "
+                    "joins", " a stage" if stages > 1 else "", shape[1] * tp)
+    names = ("pp",) * (stages > 1) + ("replicate", "shard") + ("tp",) * (tp > 1)
+    shape = (stages,) * (stages > 1) + shape + (tp,) * (tp > 1)
+    return init_device_mesh(torch.device(info.device).type, shape, mesh_dim_names=names)
 
 
 def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, compile: bool = False,
@@ -275,7 +290,8 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
     split parameter is one DTensor over the whole mesh."""
     device = torch.device(info.device)
     if pipeline_parallel > 1:
-        return _pipeline(gpt, info, strategy, pipeline_parallel, schedule, micro_batches, seed)
+        return _pipeline(gpt, info, strategy, pipeline_parallel, tensor_parallel, schedule, micro_batches, seed,
+                         one_node_ok)
     replicas, shards, tp = 1, 1, None
     if tensor_parallel > 1 and not info.distributed:
         raise ParallelError(f"trainer.tensor_parallel={tensor_parallel} needs that many processes: launch with "
@@ -326,39 +342,48 @@ def _settle_buckets(ddp: nn.Module, gpt: GPT, device: torch.device) -> None:
     gpt.zero_grad(set_to_none=True)
 
 
-def _pipeline(gpt: GPT, info: DistInfo, strategy: str, stages: int, schedule: str, micro_batches,
-              seed: int | None) -> Parallel:
+def _pipeline(gpt: GPT, info: DistInfo, strategy: str, stages: int, tensor_parallel: int, schedule: str,
+              micro_batches, seed: int | None, one_node_ok: bool) -> Parallel:
     """`stages` pipeline stages over the processes, stage-major, data-parallel across the pipelines (as
-    DDP, or each stage sharded over its copies by FSDP2: `strategy`): this process's stage materialised
-    and initialised (the same values as one process's: every parameter is drawn, the other stages'
-    into meta tensors that hold nothing)."""
+    DDP, or each stage sharded over its copies by FSDP2 or HSDP: `strategy`), each stage's blocks split
+    by tensor parallelism where `tensor_parallel` > 1: this process's stage materialised and
+    initialised (the same values as one process's: every parameter is drawn, the other stages' into
+    meta tensors that hold nothing)."""
     if not info.distributed:
         raise ParallelError(f"trainer.pipeline_parallel={stages} needs that many processes: launch with torchrun "
                             f"--nproc_per_node={stages} (or a multiple of it)")
-    data = info.world_size // stages
-    problem = pp_problem(gpt.config, stages, info.world_size, schedule, micro_batches(max(data, 1)) if micro_batches else stages)
+    per_stage, tp = info.world_size // stages, tensor_parallel
+    problem = pp_problem(gpt.config, stages, info.world_size, schedule,
+                         micro_batches(max(per_stage // tp, 1)) if micro_batches else stages)
     if problem:
         raise ParallelError(problem)
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     device = torch.device(info.device)
-    mesh = init_device_mesh(device.type, (stages, data), mesh_dim_names=("pp", "dp"))
-    stage, data_rank = divmod(info.rank, data)
+    mesh = device_mesh(info, strategy, tp, gpt.config, one_node_ok, stages)
+    split_tp = None
+    if tp > 1:  # before the stages are cut: each takes the GPT's split modules
+        split(gpt, mesh["tp"])
+        split_tp = TensorParallel(mesh["tp"], per_stage)
+    stage, in_stage = divmod(info.rank, per_stage)
     tied = None
-    for d in range(data):  # every process joins the creation of every group, in one order
-        group = dist.new_group([d, (stages - 1) * data + d])
-        tied = group if d == data_rank else tied
-    pp = Pipeline(gpt, stage, stages, schedule, device, mesh.get_group("pp"), mesh.get_group("dp"), tied, data)
-    pp.sharded = strategy == "fsdp"
-    if pp.sharded:  # each stage's parts as the FSDP path shards the GPT: a block at a time, then the rest
+    for d in range(per_stage):  # every process joins the creation of every group, in one order
+        group = dist.new_group([d, (stages - 1) * per_stage + d])
+        tied = group if d == in_stage else tied
+    sharded = strategy != "ddp" or split_tp is not None  # tensor parallel: FSDP2 for the data (as parallelize)
+    pp = Pipeline(gpt, stage, stages, schedule, device, mesh.get_group("pp"),
+                  None if sharded else mesh.get_group("replicate"), tied, per_stage, split_tp)
+    pp.sharded = sharded
+    replicas, shards = mesh["replicate"].size(), mesh["shard"].size()
+    if sharded:  # each stage's parts as the FSDP path shards the GPT: a block at a time, then the rest
         from torch.distributed.fsdp import fully_shard
 
         warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        data_mesh = mesh["shard"] if strategy == "fsdp" and not split_tp else mesh["replicate", "shard"]
         for part in pp.parts:
             for block in part.blocks.values():
-                fully_shard(block, mesh=mesh["dp"])
-            fully_shard(part, mesh=mesh["dp"])
+                fully_shard(block, mesh=data_mesh)
+            fully_shard(part, mesh=data_mesh)
         pp.module.to_empty(device=device)
     else:
         _materialise(pp.module, device)
@@ -369,5 +394,5 @@ def _pipeline(gpt: GPT, info: DistInfo, strategy: str, stages: int, schedule: st
         gpt.wte.weight = gpt.lm_head.weight
     if seed is not None:
         gpt.init_weights(seed)
-    return Parallel(strategy, pp.module, gpt, shards=data if pp.sharded else 1, rank=info.rank,
-                    world=info.world_size, pp=pp)
+    return Parallel(strategy, pp.module, gpt, replicas if sharded else 1, shards if sharded else 1, split_tp,
+                    rank=info.rank, world=info.world_size, pp=pp)

@@ -104,15 +104,17 @@ class Stage(nn.Module):
         return x
 
 
-def padded(batches: list[tuple[torch.Tensor, torch.Tensor, float]], at_least: int
+def padded(batches: list[tuple[torch.Tensor, torch.Tensor, float]], at_least: int, multiple: int = 1
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's micro-batches as one (M * B, T) input and target, every micro-batch padded to the
     step's largest B and T (a pipeline stage receives one shape): padded rows and positions have
     target -100, so they count in neither the loss nor the gradients; a micro-batch of weight 0 (a
     rank's empty one) is all padding. Micro-batches of padding are added up to `at_least` (what the
-    schedule needs). Each micro-batch keeps its samples: the sampler's balance holds."""
+    schedule needs), and T up to a `multiple` (tensor parallelism splits the stream evenly by tokens:
+    attention is causal, the earlier positions never see the padding). Each micro-batch keeps its
+    samples: the sampler's balance holds."""
     B = max(x.size(0) for x, _, _ in batches)
-    T = max(x.size(1) for x, _, _ in batches)
+    T = -(-max(x.size(1) for x, _, _ in batches) // multiple) * multiple
     xs, ys = [], []
     for x, y, weight in batches:
         px = torch.zeros((B, T), dtype=x.dtype, device=x.device)  # (B, T)
@@ -132,16 +134,19 @@ class Pipeline:
     """One process's stage of a pipeline and the groups it talks to; see the module docstring.
 
     `pp_group`: the stages of this process's pipeline (one data rank); `dp_group`: the copies of
-    this stage (one per data rank); `tied_group`: the first and last stage of this pipeline."""
+    this stage (one per data rank; None where FSDP reduces them); `tied_group`: the first and last
+    stage of this pipeline. Under tensor parallelism (`tp`) a stage's processes each hold their
+    part of its blocks, and the stream between stages is split by tokens: each process sends and
+    receives its own tokens, to and from the process of the same place in the neighbouring stage."""
 
     def __init__(self, gpt: GPT, stage: int, stages: int, schedule: str, device: torch.device,
-                 pp_group, dp_group, tied_group, data_world: int):
+                 pp_group, dp_group, tied_group, per_stage: int, tp=None):
         self.gpt, self.stage, self.stages, self.schedule_name = gpt, stage, stages, schedule
         self.first, self.last = stage == 0, stage == stages - 1  # the embedding's process, the head's
         self.chunks = CHUNKS if schedule == "interleaved" else 1
         total = stages * self.chunks  # stage s on process s % stages (torch's loop order)
         self.stage_ids = [stage + k * stages for k in range(self.chunks)]
-        self.device, self.data_world = device, data_world
+        self.device, self.per_stage, self.tp = device, per_stage, tp  # tp: the stage's TensorParallel, or None
         self.pp_group, self.dp_group, self.tied_group = pp_group, dp_group, tied_group
         self.n_layer = gpt.config.n_layer
         parts = [Stage(gpt, stage_layers(self.n_layer, total, s), s == 0, s == total - 1) for s in self.stage_ids]
@@ -157,12 +162,17 @@ class Pipeline:
     def __str__(self) -> str:
         return f"pipeline {self.stages} ({self.schedule_name})"
 
+    @property
+    def tp_size(self) -> int:
+        return self.tp.size if self.tp else 1
+
     # --- training ---------------------------------------------------------------------------------
     def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss of one micro-batch (last stage): the summed token loss, scaled as the
         Trainer scales it; the sums are kept for the step's loss."""
         loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(),  # (B*T, V)
                                target.reshape(-1), ignore_index=-100, reduction="sum")  # (B*T,)
+        loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # split logits: the parts' sum
         if loss.device.type != "meta":
             self._token_losses.append(loss.detach())
         return self._scale(loss)
@@ -177,7 +187,7 @@ class Pipeline:
 
             C, V, total = self.gpt.config.n_embd, self.gpt.config.vocab_size, self.stages * self.chunks
             # (B, T, C): the residual stream between stages, with a gradient back (what STATIC mode's buffers copy)
-            stream = torch.empty((B, T, C), device="meta", requires_grad=True)
+            stream = torch.empty((B, T // self.tp_size, C), device="meta", requires_grad=True)
             stages = [PipelineStage(part, s, total, self.device, group=self.pp_group,
                                     input_args=torch.empty((B, T), dtype=torch.long, device="meta") if s == 0 else stream,
                                     output_args=torch.empty((B, T, V), dtype=dtype or torch.float32, device="meta")
@@ -200,7 +210,7 @@ class Pipeline:
         micro = max(len(batches), self.stages if self.schedule_name == "1f1b" else 1)
         while self.chunks > 1 and micro % max(1, micro // self.stages):  # interleaved: whole rounds
             micro += 1
-        x, y = padded(batches, micro)
+        x, y = padded(batches, micro, self.tp_size)
         B, T = x.size(0) // micro, x.size(1)
         schedule = self._schedule(micro, B, T)
         self._token_losses, self._scale = [], scale
@@ -211,7 +221,7 @@ class Pipeline:
             schedule.step(*args, return_outputs=False)
         C = self.gpt.config.n_embd
         total = self.stages * self.chunks  # fp32 activations forward, their gradients back
-        self.sent_bytes += micro * B * T * C * 4 * sum((s < total - 1) + (s > 0) for s in self.stage_ids)
+        self.sent_bytes += micro * B * T // self.tp_size * C * 4 * sum((s < total - 1) + (s > 0) for s in self.stage_ids)
         loss = torch.stack(self._token_losses).sum() if self.last else torch.zeros((), device=self.device)
         self._token_losses = []
         if self.stages > 1:
@@ -228,14 +238,14 @@ class Pipeline:
             if tied.grad is None:
                 tied.grad = torch.zeros_like(tied)
             dist.all_reduce(own_part(tied.grad), group=self.tied_group)
-        if self.data_world > 1 and not self.sharded:  # one flat all-reduce (a transient copy of the stage's gradients)
+        if self.per_stage > 1 and not self.sharded:  # one flat all-reduce (a transient copy of the stage's gradients)
             for p in self.module.parameters():
                 if p.grad is None:  # every copy sends the same tensors, in one order
                     p.grad = torch.zeros_like(p)
             grads = [p.grad for p in self.module.parameters()]
             flat = torch.cat([g.reshape(-1) for g in grads])
             dist.all_reduce(flat, group=self.dp_group)
-            flat /= self.data_world
+            flat /= self.per_stage
             for g, part in zip(grads, flat.split([g.numel() for g in grads])):
                 g.copy_(part.view_as(g))
 
@@ -243,11 +253,14 @@ class Pipeline:
         """The global gradient norm (every stage's own parameters, the tied matrix once), every
         gradient clipped to max_norm by it (0: not clipped)."""
         own = [p for p in self._own_params() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in own]) if own else torch.zeros((), device=self.device)
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: over the stage's shards
-        squares = (norm.float() ** 2).reshape(1)
-        if self.stages > 1:
-            dist.all_reduce(squares, group=self.pp_group)
+        if self.tp:  # each process's parts, weighted by the processes holding them, summed over the world
+            squares, group = self.tp.squares(own).to(self.device).reshape(1), None
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in own]) if own else torch.zeros((), device=self.device)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: over the stage's shards
+            squares, group = (norm.float() ** 2).reshape(1), self.pp_group
+        if self.stages > 1 or self.tp:
+            dist.all_reduce(squares, group=group)
         total = squares[0].sqrt()
         if max_norm > 0:  # torch's clip_grads_with_norm_, on each shard (it takes no DTensor with a plain norm)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -286,7 +299,7 @@ class Pipeline:
                     for s in [stage_of(n, self.n_layer, self.stages, self.chunks)] if s == self.stage]
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, mine)
-            self._specs = [spec for s in range(self.stages) for spec in every[s * self.data_world]]
+            self._specs = [spec for s in range(self.stages) for spec in every[s * self.per_stage]]
         out = []
         for name, shape, dtype, stage in self._specs:
             t = held.get(name)
@@ -327,11 +340,13 @@ class PipelineForward:
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, reduction: str = "sum") -> tuple[None, torch.Tensor]:
         pp, total = self.pp, self.pp.stages * self.pp.chunks
+        if x.size(1) % pp.tp_size:  # the stream split evenly by tokens: padding at the end counts nowhere
+            x, y = padded([(x, y, 1.0)], 1, pp.tp_size)
         loss = torch.zeros((), device=pp.device)
         for part, s in zip(pp.parts, pp.stage_ids):  # stage s on process s % stages, in order
             h = x
-            if s > 0:
-                h = torch.empty((*x.shape, pp.gpt.config.n_embd), device=pp.device)  # (B, T, C)
+            if s > 0:  # (B, T, C), or this process's tokens of it under tensor parallelism
+                h = torch.empty((x.size(0), x.size(1) // pp.tp_size, pp.gpt.config.n_embd), device=pp.device)
                 dist.recv(h, group_src=(s - 1) % pp.stages, group=pp.pp_group)
             h = part(h)
             if s < total - 1:
@@ -339,6 +354,7 @@ class PipelineForward:
             else:
                 loss = F.cross_entropy(h.reshape(-1, h.size(-1)).float(), y.reshape(-1),  # (B*T, V)
                                        ignore_index=-100, reduction=reduction)
+                loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss  # split logits: summed
         if pp.stages > 1:
             dist.broadcast(loss, group_src=pp.stages - 1, group=pp.pp_group)
         return None, loss

@@ -161,22 +161,26 @@ class TensorParallel:
 
     def clip_grad_norm(self, gpt: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip to max_norm (0: no clipping); the norm of the whole model's gradient, which no process
-        holds: each adds the squares of its own part, weighted by 1 / the processes holding the same
-        values, and one all-reduce over the world sums them."""
-        squares, grads = torch.zeros((), dtype=torch.float32), []
-        for p in gpt.parameters():
-            if p.grad is None:
-                continue
-            g = p.grad.to_local()
-            grads.append(g)
-            squares = squares.to(g.device) + g.float().pow(2).sum() / self._copies(p)
+        holds: the sum of every process's `squares`, by one all-reduce over the world."""
+        squares = self.squares(list(gpt.parameters()))
         dist.all_reduce(squares)
         norm = squares.sqrt()
         if max_norm > 0:
             scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(scale.to(g.dtype))
+            for p in gpt.parameters():
+                if p.grad is not None:
+                    p.grad.to_local().mul_(scale.to(p.grad.dtype))
         return norm
+
+    def squares(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The squares of this process's parts of the gradients of `params` added up, each weighted by
+        1 / the processes holding the same values (see `_copies`)."""
+        squares = torch.zeros((), dtype=torch.float32)
+        for p in params:
+            if p.grad is not None:
+                g = p.grad.to_local()
+                squares = squares.to(g.device) + g.float().pow(2).sum() / self._copies(p)
+        return squares
 
     def _copies(self, p: torch.Tensor) -> int:
         """How many processes hold this part of `p`'s gradient: the world over the parts its mesh

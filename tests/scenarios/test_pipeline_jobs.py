@@ -39,11 +39,13 @@ def one_process_grads(tmp_path_factory):
     return torch.load(tmp / "g.pt"), corpus_file
 
 
-@pytest.mark.parametrize("nproc, stages, schedule, data", [(2, 2, "1f1b", "ddp"), (4, 2, "gpipe", "ddp"),
-                                                            (2, 2, "interleaved", "ddp"), (4, 2, "interleaved", "fsdp")],
-                         ids=["pp2-1f1b", "pp2-ddp2-gpipe", "pp2-interleaved", "pp2-fsdp2-interleaved"])
+@pytest.mark.parametrize("nproc, stages, schedule, data, tp", [
+    (2, 2, "1f1b", "ddp", 1), (4, 2, "gpipe", "ddp", 1), (2, 2, "interleaved", "ddp", 1),
+    (4, 2, "interleaved", "fsdp", 1), (4, 2, "1f1b", "ddp", 2), (8, 2, "interleaved", "fsdp", 2)],
+    ids=["pp2-1f1b", "pp2-ddp2-gpipe", "pp2-interleaved", "pp2-fsdp2-interleaved", "pp2-tp2-1f1b",
+         "pp2-fsdp2-tp2-interleaved"])
 def test_pipeline_gradients_equal_one_process_and_the_tied_matrix_stays_tied(tmp_path, one_process_grads, nproc,
-                                                                             stages, schedule, data):
+                                                                             stages, schedule, data, tp):
     """One step (6 sequences, micro-batches of 2: 3 micro-batches, over 2 data ranks uneven; interleaved:
     4 stages of one block, two on each process; fsdp: each stage's parts sharded over its 2 processes,
     their gradients reduce-scattered), clipped:
@@ -57,8 +59,8 @@ def test_pipeline_gradients_equal_one_process_and_the_tied_matrix_stays_tied(tmp
                            f"data.cache_dir={tmp_path / 'cache'}", "trainer.batch_size=6", "trainer.micro_batch_size=2",
                            "snapshot.resume=never", f"trainer.pipeline_parallel={stages}",
                            f"trainer.pipeline_schedule={schedule}", f"trainer.parallel={data}",
-                           f"trainer.run_dir={tmp_path / 'run'}"))
-    assert f"{data} x pipeline {stages} ({schedule})" in log
+                           f"trainer.tensor_parallel={tp}", f"trainer.run_dir={tmp_path / 'run'}"))
+    assert f"{data}{f' x tensor parallel {tp}' * (tp > 1)} x pipeline {stages} ({schedule})" in log
     ranks = stage_files(out, nproc)
     first, last = ranks[0], ranks[(stages - 1) * (nproc // stages)]
     assert torch.equal(first["wte.weight"], last["wte.weight"])  # the gradients of the two copies, summed
@@ -88,9 +90,10 @@ def held_state(out, nproc: int) -> dict:
 def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path):
     """Written by a pipeline of 2 stages x 2 data ranks (each stage's processes write its tensors),
     the snapshot holds the whole tensors once: one process (as DDP: every tensor whole), FSDP over 2,
-    tensor parallelism over 2, a pipeline of 4 stages (a world the 4 processes of 2 x 2 fit again)
-    and the same pipeline with each stage sharded over its 2 processes by FSDP start from exactly
-    the stored weights and optimizer state. (A snapshot of one process into a pipeline:
+    tensor parallelism over 2, a pipeline of 4 stages (a world the 4 processes of 2 x 2 fit again),
+    the same pipeline with each stage sharded over its 2 processes by FSDP, and with each stage's
+    blocks split over its 2 processes by tensor parallelism start from exactly the stored weights
+    and optimizer state. (A snapshot of one process into a pipeline:
     test_documents_through_a_pipeline_...; one written by a pipeline of FSDP stages:
     test_fault_tolerance.py::test_a_split_model_sigkill_recovery_is_exact_too)"""
     corpus_file = make_corpus(tmp_path)
@@ -116,7 +119,8 @@ def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path)
         for name, t in stored.items():
             assert torch.equal(loaded[name], t), (nproc, layout, name)
     for name, layout in [("pp4", ["trainer.pipeline_parallel=4"]),  # another degree
-                         ("pp2-fsdp2", ["trainer.pipeline_parallel=2", "trainer.parallel=fsdp"])]:  # sharded stages
+                         ("pp2-fsdp2", ["trainer.pipeline_parallel=2", "trainer.parallel=fsdp"]),  # sharded stages
+                         ("pp2-tp2", ["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"])]:  # split blocks
         out = tmp_path / f"{name}.pt"
         run(torchrun_cmd(4, "tests/scenarios/grad_worker.py", str(out), "--state", *data, *layout))
         assert_same(held_state(out, 4), stored)

@@ -63,10 +63,6 @@ def test_impossible_pipelines_are_named_with_the_fix(layers, stages, world, sche
 @pytest.mark.parametrize("overrides, message", [
     (["trainer.pipeline_parallel=0"], "trainer.pipeline_parallel must be >= 1 (1 = off), got 0"),
     (["trainer.pipeline_schedule=zb"], "trainer.pipeline_schedule='zb': use 1f1b, gpipe or interleaved"),
-    (["trainer.pipeline_parallel=2", "trainer.parallel=hsdp"],
-     "trainer.pipeline_parallel=2 composes with trainer.parallel=ddp or fsdp"),
-    (["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"],
-     "trainer.pipeline_parallel=2 composes with trainer.parallel=ddp or fsdp"),
     (["trainer.pipeline_parallel=2", "trainer.compile=true"], "trainer.compile with trainer.pipeline_parallel=2"),
     (["trainer.pipeline_parallel=2", "model.dropout=0.1"], "model.dropout with trainer.pipeline_parallel=2"),
     (["trainer.pipeline_parallel=2", "trainer.precision=fp16"], "trainer.precision=fp16 with trainer.pipeline_parallel"),
