@@ -21,6 +21,7 @@ import torch
 from mingpt.runtime.console import quiet_on_closed_pipe
 from mingpt.runtime.storage import is_local
 from mingpt.snapshot import SnapshotStore
+from mingpt.snapshot.layout import layout_name
 from mingpt.snapshot.nodecache import reclaim
 from mingpt.snapshot.restore import read_whole
 from mingpt.snapshot.store import SnapshotInfo
@@ -74,7 +75,6 @@ def _show(store: SnapshotStore, info: SnapshotInfo, full: bool) -> None:
     shape, tok, tensors = m["model_shape"], m["tokenizer"], m["tensors"]
     missing = store.missing_files(info.path, m)
     when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m["time"]))
-    stages = f" x pipeline {m['stages']}" if m.get("stages", 1) > 1 else ""
     groups: dict[str, list] = {}  # model.*, optim.*: [tensors, values, bytes, dtypes]
     for name, t in tensors.items():
         n, g = torch.Size(t["shape"]).numel(), groups.setdefault(name.partition(".")[0], [0, 0, 0, set()])
@@ -83,7 +83,7 @@ def _show(store: SnapshotStore, info: SnapshotInfo, full: bool) -> None:
     lines = [
         f"snapshot step {m['step']}: {store.url_of(info.path)}",
         f"  state      {'does not load: ' + ', '.join(missing) if missing else 'committed, every file there'}",
-        (f"  saved      {when} by {m.get('world_size', '?')} rank(s) ({m.get('parallel', 'ddp')}{stages}), "
+        (f"  saved      {when} by {m.get('world_size', '?')} rank(s) ({layout_name(m)}), "
          f"{m.get('writers', '?')} writer(s), format {m['format_version']}, torch {m.get('versions', {}).get('torch')}"),
         f"  run        {m.get('run_id')}" + (f" (job {m['job_id']})" if m.get("job_id") else ""),
         (f"  model      {shape['n_layer']} layers, {shape['n_head']} heads, {shape['n_embd']} wide, context "

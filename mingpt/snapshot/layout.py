@@ -122,3 +122,11 @@ def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int, rep
 
 def specs_of(slots: list[Slot]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     return [(s.name, tuple(s.shape), s.local.dtype) for s in slots]
+
+
+def layout_name(manifest: dict) -> str:
+    """A snapshot's layout as the resume line and `mingpt-snapshot show` name it: the data layout, then
+    tensor parallelism and the pipeline's stages where there are."""
+    tp, stages = manifest.get("tensor_parallel", 1), manifest.get("stages", 1)
+    return (manifest.get("parallel", "ddp") + (f" x tensor parallel {tp}" if tp > 1 else "")
+            + (f" x pipeline {stages}" if stages > 1 else ""))

@@ -16,6 +16,7 @@ from mingpt.parallel.layouts import Parallel
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
 from mingpt.snapshot import SnapshotStore, Snapshotter, open_store
+from mingpt.snapshot.layout import layout_name
 from mingpt.snapshot.lease import EXIT_LEASE_LOST, Lease
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore
@@ -140,11 +141,8 @@ def load_snapshot(cfg: RunConfig, trainer: Trainer, start: Start) -> None:
     trainer.load_state(extra)
     log.info("resumed from snapshot step %d in %.2fs (saved by %d rank%s with %s, now %d with %s; torchrun restart "
              "%d here)", trainer.progress.step, time.perf_counter() - t0, manifest["world_size"],
-             "" if manifest["world_size"] == 1 else "s", _layout(manifest.get("parallel", "ddp"), manifest.get("stages", 1)),
-             info.world_size, _layout(trainer.parallel.name, trainer.parallel.stages), info.restart_count)
+             "" if manifest["world_size"] == 1 else "s", layout_name(manifest),
+             info.world_size, layout_name({"parallel": trainer.parallel.name, "stages": trainer.parallel.stages,
+                                           "tensor_parallel": trainer.parallel.tp.size if trainer.parallel.tp else 1}),
+             info.restart_count)
     trainer.metrics.write({"kind": "resume", "step": trainer.progress.step, "world_size": info.world_size})
-
-
-def _layout(name: str, stages: int) -> str:
-    """A layout as the resume line names it: the data layout, and the pipeline's stages where there are."""
-    return f"{name} x pipeline {stages}" if stages > 1 else name

@@ -140,13 +140,20 @@ def assert_same(loaded: dict, stored: dict) -> None:
         assert torch.equal(loaded[name], t), name
 
 
-def test_documents_through_a_pipeline_train_and_evaluate_as_one_process_and_snapshots_go_both_ways(tmp_path):
+@pytest.mark.parametrize("nproc, layout, said", [
+    (2, ["trainer.pipeline_parallel=2"], "ddp x pipeline 2"),
+    (4, ["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"], "ddp x tensor parallel 2 x pipeline 2")],
+    ids=["pp2", "pp2-tp2"])
+def test_documents_through_a_pipeline_train_and_evaluate_as_one_process_and_snapshots_go_both_ways(tmp_path, nproc,
+                                                                                                 layout, said):
     """Length-grouped document batches (3 micro-batches a step of varying B and T, so the stages meet a
     new shape at most steps) through 2 stages: the loss curve of 4 steps and the validation loss (the
     activations sent through the stages, the loss back to every stage) are one process's, to float32
     rounding (each step's micro-batches are padded to one shape; the padding counts nothing). The
     pipeline's snapshot samples text with mingpt-generate (one process), and one process's snapshot
-    loads into a pipeline of 2 stages bitwise."""
+    loads into a pipeline of 2 stages bitwise. Under tensor parallelism inside the stages (pp2-tp2)
+    each stage's 2 processes split its blocks and the stream between the stages by tokens (a
+    sequence of odd length padded at its end)."""
     from conftest import make_docs_corpus, read_metrics
 
     corpus = make_docs_corpus(tmp_path)
@@ -154,7 +161,7 @@ def test_documents_through_a_pipeline_train_and_evaluate_as_one_process_and_snap
             "data.block_size=32", "data.documents.token_budget=128", "data.documents.micro_batches_per_step=3",
             "trainer.max_steps=4", "trainer.log_every=1", "trainer.eval_every=4", "trainer.eval_iters=2"]
     run([sys.executable, "mingpt/main.py", *args, f"trainer.run_dir={tmp_path / 'one'}"])
-    log = run(torchrun_cmd(2, "mingpt/main.py", *args, "trainer.pipeline_parallel=2", f"trainer.run_dir={tmp_path / 'pp'}"))
+    log = run(torchrun_cmd(nproc, "mingpt/main.py", *args, *layout, f"trainer.run_dir={tmp_path / 'pp'}"))
     assert "length_grouped batching" in log
     for kind, key in [("train", "loss"), ("eval", "val_loss")]:
         one = read_metrics(tmp_path / "one" / "metrics.jsonl", kind)
@@ -166,7 +173,7 @@ def test_documents_through_a_pipeline_train_and_evaluate_as_one_process_and_snap
                "--temperature", "0"])
     assert len(out.strip()) >= 20, out
     out = tmp_path / "into-pp.pt"
-    log = run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(out), "--state", *args,
-                           f"trainer.run_dir={tmp_path / 'one'}", "trainer.pipeline_parallel=2"))
-    assert_same(held_state(out, 2), stored_state(tmp_path / "one"))
-    assert "(saved by 1 rank with single, now 2 with ddp x pipeline 2;" in log, log[-3000:]  # the resume line names it
+    log = run(torchrun_cmd(nproc, "tests/scenarios/grad_worker.py", str(out), "--state", *args,
+                           f"trainer.run_dir={tmp_path / 'one'}", *layout))
+    assert_same(held_state(out, nproc), stored_state(tmp_path / "one"))
+    assert f"(saved by 1 rank with single, now {nproc} with {said};" in log, log[-3000:]  # the resume line names it
