@@ -177,3 +177,61 @@ def test_documents_through_a_pipeline_train_and_evaluate_as_one_process_and_snap
                            f"trainer.run_dir={tmp_path / 'one'}", *layout))
     assert_same(held_state(out, nproc), stored_state(tmp_path / "one"))
     assert f"(saved by 1 rank with single, now {nproc} with {said};" in log, log[-3000:]  # the resume line names it
+
+
+def test_hsdp_inside_the_stages_of_a_pipeline_over_four_nodes(tmp_path, one_process_grads):
+    """Four nodes (network namespaces on one bridge) of 2 processes, a pipeline of 2 stages: each stage
+    holds 2 whole nodes, its parts sharded within a node and replicated across its two (HSDP), only
+    activations crossing between the stages. One step's gradients equal one process's (rtol 1e-4,
+    atol 1e-6), the tied matrix's copies on the first and last stage bitwise equal. Then 4 steps
+    with a snapshot: the 8 processes write every byte of it once (each stage's tensors cut among its
+    2 shards x 2 replicas), and it reads back whole."""
+    from conftest import free_port
+
+    from benchmarks.netns import NoNamespaces, agent_cmd, bridged_nodes
+
+    one, corpus_file = one_process_grads
+    out = tmp_path / "g.pt"
+    data = [*TINY, f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}", "trainer.batch_size=6",
+            "trainer.micro_batch_size=2", "trainer.pipeline_parallel=2", "trainer.pipeline_schedule=gpipe",
+            "trainer.parallel=hsdp", f"trainer.run_dir={tmp_path / 'run'}"]
+
+    def on_four_nodes(nodes, name: str, *args: str) -> str:
+        port, procs = free_port(), []
+        try:
+            for i, node in enumerate(nodes):
+                procs.append(subprocess.Popen(
+                    agent_cmd(node, nodes[0], port, 2, *args, nnodes="4", max_restarts=0, run_id=f"pp{name}{port}"),
+                    cwd=REPO, env=torchrun_env(GLOO_SOCKET_IFNAME=node.veth),
+                    stdout=open(tmp_path / f"{name}{i}.log", "w"), stderr=subprocess.STDOUT))
+            for p in procs:
+                assert p.wait(timeout=240) == 0, (tmp_path / f"{name}0.log").read_text()[-4000:]
+        finally:
+            for p in procs:
+                p.kill()
+        return (tmp_path / f"{name}0.log").read_text()
+
+    try:
+        with bridged_nodes(4, subnet=235) as bridge:
+            log = on_four_nodes(bridge.nodes, "grad", "tests/scenarios/grad_worker.py", str(out), *data,
+                                "snapshot.resume=never")
+            on_four_nodes(bridge.nodes, "train", "mingpt/main.py", *data, "trainer.max_steps=4", "snapshot.every_steps=4")
+    except NoNamespaces as e:
+        pytest.skip(str(e))
+    assert "hsdp (2 nodes x 2 processes x pipeline 2 (gpipe))" in log, log[-3000:]
+    ranks = stage_files(out, 8)
+    assert torch.equal(ranks[0]["wte.weight"], ranks[4]["wte.weight"])  # the two copies' gradients, summed
+    mine = {}
+    for r in ranks:
+        mine |= {k: v for k, v in r.items() if not k.startswith("param.")}
+    assert mine.keys() == one.keys()
+    for name in one:
+        torch.testing.assert_close(mine[name], one[name], rtol=1e-4, atol=1e-6, msg=name)
+    store = SnapshotStore(str(tmp_path / "run" / "snapshots"))
+    state, manifest = read_whole(store, store.list()[-1].path)
+    assert manifest["step"] == 4 and manifest["stages"] == 2 and manifest["replicas"] == 2
+    stored = stored_state(tmp_path / "run")
+    assert {k for k in stored if k.startswith("model.")} == {f"model.{k}" for k in one}  # the tied head once
+    assert {k.rsplit(".", 1)[0] for k in stored if k.startswith("optim.")} == {f"optim.{k}" for k in one}
+    tensor_bytes = sum(v.numel() * v.element_size() for v in stored.values())
+    assert sum(f["size"] for name, f in manifest["files"].items() if name.startswith("shard-")) == tensor_bytes
