@@ -109,14 +109,15 @@ def test_documents_sigkill_recovery_is_exact_too(tmp_path):
 
 @pytest.mark.parametrize("nproc, split, shown", [
     (2, ["trainer.tensor_parallel=2"], "ddp x tensor parallel 2"),
-    (4, ["trainer.pipeline_parallel=2", "trainer.parallel=fsdp", "model.dropout=0", "trainer.eval_every=10"],
-     "fsdp x pipeline 2 (1f1b)")],
+    (8, ["trainer.pipeline_parallel=2", "trainer.parallel=fsdp", "trainer.tensor_parallel=2", "model.dropout=0",
+         "trainer.eval_every=10"], "fsdp x tensor parallel 2 x pipeline 2 (1f1b)")],
                          ids=["tensor-parallel", "pipeline"])
 def test_a_split_model_sigkill_recovery_is_exact_too(tmp_path, nproc, split, shown):
     """Processes splitting the model: each block (trainer.tensor_parallel=2; the snapshot gathered
-    whole when saved, split again when loaded), or the blocks in two stages, each stage sharded over
-    its two processes by FSDP (trainer.pipeline_parallel=2, 1F1B; no dropout: a pipeline refuses it;
-    each stage's processes resume their own rows, the tied matrix too; evaluated before each save).
+    whole when saved, split again when loaded), or the blocks in two stages, each stage's blocks
+    split over two processes by tensor parallelism and sharded over two such pairs by FSDP (8
+    processes: trainer.pipeline_parallel=2, 1F1B; no dropout: a pipeline refuses it; each stage's
+    processes resume their own parts, the tied matrix too; evaluated before each save).
     A worker SIGKILLed, torchrun restarts them all, and they resume into the run's exact course: final
     weights bitwise (read whole from the snapshot, as one process loads it), the loss curve equal; and
     mingpt-generate samples from the snapshot. 30 steps: a split model is slow on CPU."""
