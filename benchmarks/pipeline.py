@@ -9,7 +9,8 @@ between stages against what DDP and FSDP send.
         [--layouts ddp,fsdp,tp,pp]
 
 Each row is one torchrun job of --nproc processes (pipelines of --nproc stages; with 4 or more, also
-pipelines of half as many stages, each stage sharded over 2 processes by FSDP; the other layouts over
+pipelines of half as many stages, each stage sharded over 2 processes by FSDP, or its blocks split
+over 2 by tensor parallelism; the other layouts over
 as many processes), --warmup steps untimed, then --steps timed. A stage is busy while it runs a
 forward or a backward of the schedule (PipelineStage.forward_one_chunk / backward_one_chunk, timed);
 the bubble is 1 - busy / the schedule's step time (its sends and receives, waits and Python included),
@@ -117,9 +118,11 @@ def layouts(nproc: int, micro: list[int], n_layer: int) -> list[tuple[str, list[
                 continue
             rows.append((f"pp{nproc} {schedule}", [f"trainer.pipeline_parallel={nproc}",
                                                    f"trainer.pipeline_schedule={schedule}"], m))
-        if m == m0 and nproc >= 4 and nproc % 2 == 0 and m0 >= nproc:  # half the stages, each sharded over 2
+        if m == m0 and nproc >= 4 and nproc % 2 == 0 and m0 >= nproc:  # half the stages, each over 2 processes
             rows.append((f"pp{nproc // 2} x fsdp2 1f1b", [f"trainer.pipeline_parallel={nproc // 2}",
                                                          "trainer.parallel=fsdp", "trainer.pipeline_schedule=1f1b"], m0))
+            rows.append((f"pp{nproc // 2} x tp2 1f1b", [f"trainer.pipeline_parallel={nproc // 2}",
+                                                       "trainer.tensor_parallel=2", "trainer.pipeline_schedule=1f1b"], m0))
     return rows
 
 

@@ -175,8 +175,9 @@ def test_the_pipeline_bench_compares_sharded_stages_from_4_processes_and_skips_w
     from benchmarks.pipeline import layouts
 
     names = [name for name, _, _ in layouts(4, [4], n_layer=4)]
-    assert names == ["ddp", "fsdp", "tp4", "pp4 gpipe", "pp4 1f1b", "pp2 x fsdp2 1f1b"], names
+    assert names == ["ddp", "fsdp", "tp4", "pp4 gpipe", "pp4 1f1b", "pp2 x fsdp2 1f1b", "pp2 x tp2 1f1b"], names
     sharded = dict((name, settings) for name, settings, _ in layouts(4, [4], n_layer=4))["pp2 x fsdp2 1f1b"]
     assert {"trainer.pipeline_parallel=2", "trainer.parallel=fsdp"} <= set(sharded)
-    assert [name for name, _, _ in layouts(4, [4], n_layer=3)] == ["ddp", "fsdp", "tp4", "pp2 x fsdp2 1f1b"]
+    assert [name for name, _, _ in layouts(4, [4], n_layer=3)] == ["ddp", "fsdp", "tp4", "pp2 x fsdp2 1f1b",
+                                                                  "pp2 x tp2 1f1b"]
     assert "pp2 x fsdp2 1f1b" not in [name for name, _, _ in layouts(2, [2], n_layer=4)]

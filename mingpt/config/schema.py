@@ -186,8 +186,9 @@ class TrainerConfig:
     pipeline_parallel: int = 1
     """Pipeline parallelism: the blocks split into this many stages, one per process (the embedding on the
     first, the final norm and head on the last; the tied matrix held by both), the processes numbered
-    stage by stage, with `parallel` (ddp, or fsdp: each stage sharded over its copies) across the
-    pipelines; 1 = off. At most model.n_layer; must divide the world
+    stage by stage, with `parallel` (ddp; fsdp: each stage sharded over its copies; hsdp: sharded within a
+    node, replicated across the stage's nodes) across the pipelines and `tensor_parallel` inside each
+    stage; 1 = off. At most model.n_layer; must divide the world
     size. docs/pipeline.md."""
     pipeline_schedule: str = "1f1b"
     """The schedule of a step's micro-batches through the stages: "1f1b" (one forward, one backward: at most
