@@ -24,20 +24,26 @@ CFG = ["model=custom", "model.n_layer=2", "model.n_head=2", "model.n_embd=64", "
        "trainer.progress=false", "optim.warmup_steps=10", f"trainer.max_steps={MAX_STEPS}", "snapshot.every_steps=10"]
 
 
-# With tensor parallelism each node is one group of 2 processes splitting every block: a lost node
-# leaves one data replica, the TP degree unchanged. Shorter: a split model is slow on this CPU.
-TP2_STEPS = 100
-TP2 = ["trainer.tensor_parallel=2", f"trainer.max_steps={TP2_STEPS}"]
+# A layout's processes per node and settings. With tensor parallelism each node is one group of 2
+# processes splitting every block: a lost node leaves one data replica, the TP degree unchanged. A
+# pipeline of 2 stages over 2 nodes of 2 (stage-major: each stage's 2 data ranks on one node): a lost
+# node leaves 2 processes, where 2 stages still fit, one data rank. Shorter: a split model is slow on
+# this CPU (micro-batches of 2: 1F1B needs 2 a data rank).
+SPLIT_STEPS = 100
+LAYOUTS = {"ddp": (1, []),
+           "tp2": (2, ["trainer.tensor_parallel=2", f"trainer.max_steps={SPLIT_STEPS}"]),
+           "pp2": (2, ["trainer.pipeline_parallel=2", "trainer.micro_batch_size=2", f"trainer.max_steps={SPLIT_STEPS}"])}
 
 
-def agent_cmd(port: int, run_dir: Path, corpus: Path, cache: Path, extra_conf: str = "", tp: int = 1,
+def agent_cmd(port: int, run_dir: Path, corpus: Path, cache: Path, extra_conf: str = "", layout: str = "ddp",
               launcher: str = "torchrun") -> list[str]:
     """An agent of plain torchrun (c10d), or of the README's `mingpt-torchrun --rdzv_backend=mingpt`."""
     head = ([sys.executable, "-m", "torch.distributed.run", "--rdzv_backend=c10d"] if launcher == "torchrun" else
             [sys.executable, "-m", "mingpt.cli.launch", "--rdzv_backend=mingpt"])
-    return [*head, "--nnodes=1:2", f"--nproc_per_node={tp}", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=elastic-test",
-            f"--rdzv_conf={RDZV_CONF}{extra_conf}", "--max-restarts=5", "--monitor-interval=0.5",
-            "mingpt/main.py", *CFG, *(TP2 if tp > 1 else []), f"data.path={corpus}", f"data.cache_dir={cache}",
+    per_node, settings = LAYOUTS[layout]
+    return [*head, "--nnodes=1:2", f"--nproc_per_node={per_node}", f"--rdzv_endpoint=127.0.0.1:{port}",
+            "--rdzv_id=elastic-test", f"--rdzv_conf={RDZV_CONF}{extra_conf}", "--max-restarts=5", "--monitor-interval=0.5",
+            "mingpt/main.py", *CFG, *settings, f"data.path={corpus}", f"data.cache_dir={cache}",
             f"trainer.run_dir={run_dir}"]
 
 
@@ -63,21 +69,22 @@ def start(cmd, log: Path):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The uninterrupted run at both nodes' size, by tensor-parallel degree: (corpus, run directory)."""
+    """The uninterrupted run at both nodes' size, by layout: (corpus, run directory)."""
     runs = {}
 
-    def run(tp: int):
-        if tp not in runs:
+    def run(layout: str):
+        if layout not in runs:
+            per_node, settings = LAYOUTS[layout]
             tmp = tmp_path_factory.mktemp("elastic-ref")
             corpus = make_corpus(tmp)
             run_dir = tmp / "run"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={2 * tp}",
-                   "mingpt/main.py", *CFG, *(TP2 if tp > 1 else []), f"data.path={corpus}",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={2 * per_node}",
+                   "mingpt/main.py", *CFG, *settings, f"data.path={corpus}",
                    f"data.cache_dir={tmp / 'cache'}", f"trainer.run_dir={run_dir}"]
             proc = subprocess.run(cmd, cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=400)
             assert proc.returncode == 0, proc.stderr[-3000:]
-            runs[tp] = corpus, run_dir
-        return runs[tp]
+            runs[layout] = corpus, run_dir
+        return runs[layout]
 
     return run
 
@@ -85,12 +92,14 @@ def reference(tmp_path_factory):
 # The agent-hosted store (the other node dies, the store with its host stays) is the case of
 # test_hsdp.py's lost node, on two network-namespace nodes; this one keeps the standalone store.
 # The README's launcher on one node size, plain torchrun on the other.
-@pytest.mark.parametrize("store, tp, launcher", [("standalone", 1, "mingpt"),
-                                                 pytest.param("standalone", 2, "torchrun", marks=pytest.mark.long)],
-                         ids=["standalone", "standalone-tp2"])
-def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, store, tp, launcher):
-    corpus, ref_dir = reference(tp)
-    steps = TP2_STEPS if tp > 1 else MAX_STEPS
+@pytest.mark.parametrize("store, layout, launcher", [
+    ("standalone", "ddp", "mingpt"), pytest.param("standalone", "tp2", "torchrun", marks=pytest.mark.long),
+    pytest.param("standalone", "pp2", "mingpt", marks=pytest.mark.long)], ids=["standalone", "standalone-tp2",
+                                                                                "standalone-pp2"])
+def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, store, layout, launcher):
+    corpus, ref_dir = reference(layout)
+    per_node = LAYOUTS[layout][0]  # processes per node: the world size left with one node
+    steps = MAX_STEPS if layout == "ddp" else SPLIT_STEPS
     run_dir, cache, port = tmp_path / "run", tmp_path / "cache", free_port()
     server, extra = None, ""
     if store == "standalone":
@@ -98,12 +107,12 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
                                    "--port", str(port)], cwd=REPO, stderr=subprocess.PIPE, text=True)
         assert "listening" in server.stderr.readline()
         extra = ",is_host=0"
-    a = start(agent_cmd(port, run_dir, corpus, cache, extra, tp, launcher), tmp_path / "a.log")
+    a = start(agent_cmd(port, run_dir, corpus, cache, extra, layout, launcher), tmp_path / "a.log")
     time.sleep(0.5)
-    b = start(agent_cmd(port, run_dir, corpus, cache, extra, tp, launcher), tmp_path / "b.log")
+    b = start(agent_cmd(port, run_dir, corpus, cache, extra, layout, launcher), tmp_path / "b.log")
     metrics = run_dir / "metrics.jsonl"
     try:
-        wait_until(lambda: any(r.get("world_size") == 2 * tp and r.get("step", 0) >= 40 for r in records(metrics)),
+        wait_until(lambda: any(r.get("world_size") == 2 * per_node and r.get("step", 0) >= 40 for r in records(metrics)),
                    [a, b], what="training at both nodes' world size")
         # kill the node that hosts rank 0 with the standalone store (the rendezvous survives it);
         # with the agent-hosted store, kill the other node (the store dies with its host).
@@ -111,15 +120,15 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
         t_kill = time.time()
-        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == tp for r in records(metrics)),
+        wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == per_node for r in records(metrics)),
                    [survivor], what="the survivor resuming at one node's world size")
         resumed_after = time.time() - t_kill
-        victim = start(agent_cmd(port, run_dir, corpus, cache, extra, tp, launcher), tmp_path / "c.log")
+        victim = start(agent_cmd(port, run_dir, corpus, cache, extra, layout, launcher), tmp_path / "c.log")
         t_back = time.time()
-        wait_until(lambda: [r["world_size"] for r in records(metrics) if r["kind"] == "resume"][-1:] == [2 * tp],
+        wait_until(lambda: [r["world_size"] for r in records(metrics) if r["kind"] == "resume"][-1:] == [2 * per_node],
                    [survivor, victim], what="the returning node rejoining at both nodes' world size")
-        print(f"\n[{store} store, TP{tp}] resumed at world size {tp} {resumed_after:.1f} s after the kill; "
-              f"back at world size {2 * tp} {time.time() - t_back:.1f} s after the node returned")
+        print(f"\n[{store} store, {layout}] resumed at world size {per_node} {resumed_after:.1f} s after the kill; "
+              f"back at world size {2 * per_node} {time.time() - t_back:.1f} s after the node returned")
         assert survivor.wait(timeout=240) == 0
         assert victim.wait(timeout=60) == 0
     finally:
@@ -136,15 +145,16 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
         assert "torchrun restarts the workers: snapshot of step" in survivor_log, survivor_log[-4000:]
         assert "stopping on SIGTERM" not in survivor_log and "the same command resumes" not in survivor_log
     logs = "".join((tmp_path / f"{n}.log").read_text() for n in "abc")
-    assert re.search(rf"\[rank {tp}/{2 * tp}\] INFO mingpt.node: \S+ joined", logs), logs[-3000:]
+    assert re.search(rf"\[rank {per_node}/{2 * per_node}\] INFO mingpt.node: \S+ joined", logs), logs[-3000:]
     sizes = [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"]
-    assert sizes == [tp, 2 * tp]
+    assert sizes == [per_node, 2 * per_node]
     assert resumed_after < 30
     train = read_metrics(run_dir / "metrics.jsonl")
-    assert {tp, 2 * tp} <= {r["world_size"] for r in train.values()}
-    if tp > 1:  # one data replica, then two again; every start splits the blocks in two
-        starts = re.findall(r"on (\d+) ranks \((ddp x tensor parallel \d)\)", logs)
-        assert {n for n, _ in starts} == {str(tp), str(2 * tp)} and {p for _, p in starts} == {"ddp x tensor parallel 2"}
+    assert {per_node, 2 * per_node} <= {r["world_size"] for r in train.values()}
+    if layout != "ddp":  # one data replica, then two again; every start splits the model in two
+        split = {"tp2": "ddp x tensor parallel 2", "pp2": "ddp x pipeline 2 (1f1b)"}[layout]
+        starts = re.findall(r"on (\d+) ranks \(([^)]*\)?)\)", logs)
+        assert {n for n, _ in starts} == {str(per_node), str(2 * per_node)} and {p for _, p in starts} == {split}, starts
     ref = read_metrics(ref_dir / "metrics.jsonl")
     assert set(train) == set(ref)  # every step logged, max_steps reached
     worst = max(abs(train[s]["loss"] - ref[s]["loss"]) for s in ref)
