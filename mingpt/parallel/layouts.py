@@ -303,16 +303,9 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
         split(gpt, mesh["tp"])
         tp = TensorParallel(mesh["tp"], info.world_size)
     if (strategy in ("fsdp", "hsdp") or tp) and info.distributed:
-        from torch.distributed.fsdp import fully_shard
-
-        # The logits are a view (the padded vocabulary sliced off); nothing changes them in place.
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
         data_mesh = mesh["replicate", "shard"] if mesh is not None else None
         replicas, shards = (data_mesh.size(0), data_mesh.size(1)) if mesh is not None else (1, info.world_size)
-        for block in gpt.blocks:  # one all-gather per block: only one block is ever whole at a time
-            fully_shard(block, mesh=data_mesh)
-        fully_shard(gpt, mesh=data_mesh)
-        gpt.to_empty(device=device)
+        _shard(gpt, gpt.blocks, data_mesh, device)
     else:
         _materialise(gpt, device)
         gpt.tie_weights()
@@ -326,6 +319,19 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
             init_sync=False)  # every rank initialised the same values, or will load them
         _settle_buckets(model, gpt, device)
     return Parallel(name, model, gpt, replicas, shards, tp, info.rank, info.world_size)
+
+
+def _shard(root: nn.Module, blocks, mesh, device: torch.device) -> None:
+    """FSDP2 over `mesh` (None: every rank): each block (one all-gather per block: only one block is
+    ever whole at a time), then the rest; then materialised on `device`."""
+    from torch.distributed.fsdp import fully_shard
+
+    # The logits are a view (the padded vocabulary sliced off); nothing changes them in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(root, mesh=mesh)
+    root.to_empty(device=device)
 
 
 def _settle_buckets(ddp: nn.Module, gpt: GPT, device: torch.device) -> None:
@@ -375,16 +381,10 @@ def _pipeline(gpt: GPT, info: DistInfo, strategy: str, stages: int, tensor_paral
                   None if sharded else mesh.get_group("replicate"), tied, per_stage, split_tp)
     pp.sharded = sharded
     replicas, shards = mesh["replicate"].size(), mesh["shard"].size()
-    if sharded:  # each stage's parts as the FSDP path shards the GPT: a block at a time, then the rest
-        from torch.distributed.fsdp import fully_shard
-
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    if sharded:  # each stage's parts as the FSDP path shards the GPT
         data_mesh = mesh["shard"] if strategy == "fsdp" and not split_tp else mesh["replicate", "shard"]
         for part in pp.parts:
-            for block in part.blocks.values():
-                fully_shard(block, mesh=data_mesh)
-            fully_shard(part, mesh=data_mesh)
-        pp.module.to_empty(device=device)
+            _shard(part, part.blocks.values(), data_mesh, device)
     else:
         _materialise(pp.module, device)
     # the tied matrix: one parameter again where this stage holds either end of it
