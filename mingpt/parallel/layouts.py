@@ -43,8 +43,7 @@ class Parallel:
         self.name, self.model, self.gpt, self.pp = name, model, gpt, pp
         self.sharded = name in ("fsdp", "hsdp") or tp is not None  # tensor parallel: FSDP2 for the data (parallelize)
         self.replicas = replicas  # HSDP: the nodes, each holding the whole state sharded over its ranks
-        self.shards = shards
-        self.tp = tp
+        self.shards, self.tp = shards, tp
         # The data-parallel coordinates: the processes of one tensor-parallel group train one share
         # of the global batch together, so they count as one rank of the data split; so do the stages
         # of a pipeline (ranks stage-major: rank = stage * per_stage + rank in the stage).
@@ -80,6 +79,9 @@ class Parallel:
         if self.name != "hsdp":
             return self.name + tp
         return f"hsdp ({self.replicas} node{'s' if self.replicas > 1 else ''} x {self.shards} processes{tp})"
+
+    def layout(self) -> dict:  # what a manifest records of it (the pipeline's stages: the snapshotter's)
+        return {"parallel": self.name, "tensor_parallel": self.tp.size if self.tp else 1}
 
     def _watch_embedding(self, module, args, out) -> None:  # noqa: ARG002 - hook signature
         if out.requires_grad:

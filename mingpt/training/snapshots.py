@@ -142,7 +142,6 @@ def load_snapshot(cfg: RunConfig, trainer: Trainer, start: Start) -> None:
     log.info("resumed from snapshot step %d in %.2fs (saved by %d rank%s with %s, now %d with %s; torchrun restart "
              "%d here)", trainer.progress.step, time.perf_counter() - t0, manifest["world_size"],
              "" if manifest["world_size"] == 1 else "s", layout_name(manifest),
-             info.world_size, layout_name({"parallel": trainer.parallel.name, "stages": trainer.parallel.stages,
-                                           "tensor_parallel": trainer.parallel.tp.size if trainer.parallel.tp else 1}),
+             info.world_size, layout_name({**trainer.parallel.layout(), "stages": trainer.parallel.stages}),
              info.restart_count)
     trainer.metrics.write({"kind": "resume", "step": trainer.progress.step, "world_size": info.world_size})

@@ -284,8 +284,7 @@ class Trainer:
         """Every rank writes its share of the state; the first commits it."""
         p = self.progress
         manifest = {**self.meta, "tokens_seen": p.tokens_seen, "world_size": self.info.world_size,
-                    "parallel": self.parallel.name, "tensor_parallel": self.parallel.tp.size if self.parallel.tp else 1,
-                    "aliases": self.parallel.aliases()}
+                    **self.parallel.layout(), "aliases": self.parallel.aliases()}
         extra = self._state_json()
         with self.ledger.during("snapshot"):
             self.policy.saved()
