@@ -10,6 +10,11 @@ reservation: other users of the machine still compete for the cores.
         Popen(cmd, preexec_fn=shares.enter(g))
     shares.isolation                      # what it did, for the JSON line: "cgroup v1 cpu: ..." or "none (why)"
 
+With `beside=C`, C of the cores go to one more share, beside the groups' (theirs are cut from the
+rest): the cores of a node that its training leaves idle, as on a GPU node, where a warm spare's
+start-up runs beside the member training. `move(pid, None)` puts a running process there, `move(pid, g)`
+back into group g's share.
+
 Needs write access to the cgroup file system (root); without it, `isolation` says why and `enter`
 does nothing.
 """
@@ -45,9 +50,9 @@ class CpuShares:
     """`groups` cgroups of `cores` / `groups` cores each (`cores`: all of the machine's by default), made
     under a directory of this process's own, removed on exit."""
 
-    def __init__(self, groups: int, cores: float | None = None, label: str = "mingpt-bench"):
-        self.groups, self.cores = groups, cores or os.cpu_count()
-        self.each = self.cores / groups
+    def __init__(self, groups: int, cores: float | None = None, label: str = "mingpt-bench", beside: float = 0.0):
+        self.groups, self.cores, self.beside = groups, cores or os.cpu_count(), beside
+        self.each = (self.cores - beside) / groups
         self.dirs: list[Path] = []
         found = _find() if os.environ.get("MINGPT_BENCH_NO_CGROUPS") != "1" else "turned off (MINGPT_BENCH_NO_CGROUPS=1)"
         if isinstance(found, str):
@@ -59,10 +64,10 @@ class CpuShares:
             self.top.mkdir()
             if version == "v2":  # children of a v2 cgroup get a controller only if their parent passes it on
                 (self.top / "cgroup.subtree_control").write_text("+cpu")
-            quota = max(1000, round(PERIOD_US * self.each))
-            for g in range(groups):
+            for g, cores in [*((g, self.each) for g in range(groups)), *([("beside", beside)] if beside else [])]:
                 d = self.top / f"group{g}"
                 d.mkdir()
+                quota = max(1000, round(PERIOD_US * cores))
                 if version == "v1":
                     (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
                     (d / "cpu.cfs_quota_us").write_text(str(quota))
@@ -79,17 +84,31 @@ class CpuShares:
                           f"{self.each:.2f} of {self.cores} cores" if groups > 1 else
                           f"cgroup {version} cpu: the job (torchrun, processes, restarts) capped at "
                           f"{self.each:.2f} of {self.cores} cores, all the groups' cores")
+        if beside:
+            self.isolation += f"; {beside:.2f} cores beside them for the spares (a node's idle cores)"
 
-    def enter(self, group: int):
-        """A preexec_fn that puts the child (and so everything it starts) into `group`'s share."""
+    def enter(self, group: int | None):
+        """A preexec_fn that puts the child (and so everything it starts) into `group`'s share (None:
+        beside the groups')."""
         if not self.dirs:
             return lambda: None
-        procs = str(self.dirs[group] / "cgroup.procs")
+        procs = str(self.dirs[self.groups if group is None else group] / "cgroup.procs")
 
         def join() -> None:
             with open(procs, "w") as fh:
                 fh.write("0")  # 0: the writing process itself
         return join
+
+    def move(self, pid: int, group: int | None) -> bool:
+        """Put running process `pid` (all its threads) into `group`'s share, or beside the groups' (None);
+        False where it has ended (or nothing is isolated)."""
+        if not self.dirs:
+            return False
+        try:
+            (self.dirs[self.groups if group is None else group] / "cgroup.procs").write_text(str(pid))
+        except (ProcessLookupError, FileNotFoundError):
+            return False
+        return True
 
     def close(self) -> None:
         """Remove the cgroups (a process still in one is moved out first)."""

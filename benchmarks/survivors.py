@@ -17,7 +17,7 @@ JSON line per setting:
 
     python -m benchmarks survivors [--kill-every 60 30 15] [--kinds freeze agent two all] [--kind-every 30]
         [--steps 600] [--model gpt-mini] [--keep DIR] [--no-replicas] [--no-torchft] [--no-restart-baseline]
-        [--no-isolation] [--cut-s 0] [--shares-per-group K] [--procs-per-group N] [--seconds S]
+        [--no-isolation] [--cut-s 0] [--shares-per-group K] [--procs-per-group N] [--seconds S] [--spares [--spare-cores C]]
         [--set KEY=VALUE ...] [--soak N --soak-every 4 --seed 0]
 
 goodput: steps x the fault-free run's median step time / wall time (launch to exit); batch_goodput:
@@ -86,17 +86,48 @@ class Job:
     def __init__(self, cmds: list[tuple[list[str], dict]], run_dir: Path, shares: CpuShares | None, groups: int):
         self.cmds, self.run_dir, self.shares, self.groups = cmds, run_dir, shares, groups
         self.agents = [self._start(i) for i in range(len(cmds))]
+        self.placed: dict[int, int | None] = {}  # where place() last put each worker
 
-    def workers(self, g: int) -> list[int]:
+    def place(self) -> None:
+        """With spares and cores beside the groups' shares: each group's member (its lock's holder) in the
+        group's share, its other processes (the spare standing by, a restarted one starting up) beside."""
+        if not self.shares or not self.shares.beside or len(self.agents) == self.groups:
+            return
+        held, _ = proc_locks()
+        for g in range(self.groups):
+            pids = self.workers(g, held)
+            if len(pids) < 2 or pids[0] != held.get(self.inode(g)):
+                continue  # no member yet: the group's processes stay where they started
+            for pid in pids:
+                where = g if pid == pids[0] else None
+                if self.placed.get(pid, -1) != where and self.shares.move(pid, where):
+                    self.placed[pid] = where
+
+    def spares_ready(self) -> bool:
+        """Whether each group's spare stands by (waits on its member's lock); True without spares."""
+        return len(self.agents) == self.groups or {self.inode(g) for g in range(self.groups)} <= proc_locks()[1]
+
+    def inode(self, g: int) -> str | None:
+        """Group g's member lock's inode, once its file exists."""
+        with contextlib.suppress(FileNotFoundError):
+            return str(lock_path(job_secret({"MINGPT_JOB_SECRET": SECRET}), g).stat().st_ino)
+        return None
+
+    def holder(self, g: int) -> int | None:
+        return proc_locks()[0].get(self.inode(g))
+
+    def workers(self, g: int, held: dict[str, int] | None = None) -> list[int]:
         """Group g's worker processes, of both its torchruns with --spares; the member's first."""
         pids = [p for i in range(g, len(self.agents), self.groups) for p in children(self.agents[i].pid)]
         if len(self.agents) == self.groups:
             return pids
-        holder = lock_holder(lock_path(job_secret({"MINGPT_JOB_SECRET": SECRET}), g))
+        holder = (held if held is not None else proc_locks()[0]).get(self.inode(g))
         return sorted(pids, key=lambda p: p != holder)
 
     def _start(self, i: int) -> subprocess.Popen:
-        enter = self.shares.enter(i % self.groups) if self.shares else (lambda: None)
+        # a spare's torchrun beside the groups' shares where there are cores for it (its processes start there)
+        spare = i >= self.groups and self.shares and self.shares.beside
+        enter = self.shares.enter(None if spare else i % self.groups) if self.shares else (lambda: None)
 
         def preexec() -> None:
             enter()
@@ -115,24 +146,34 @@ class Job:
         self.agents[i] = self._start(i)
 
 
-def lock_holder(path: Path) -> int | None:
-    """The process holding the flock on `path` (a member's lock: mingpt/replicas/standby.py), from /proc/locks."""
-    inode = str(path.stat().st_ino)
+def proc_locks() -> tuple[dict[str, int], set[str]]:
+    """The flocks in /proc/locks (a member's lock: mingpt/replicas/standby.py): the holder's pid by the
+    file's inode, and the inodes a process waits on (a blocked lock: "->")."""
+    held, waited = {}, set()
     for line in Path("/proc/locks").read_text().splitlines():
-        f = line.split()
-        if "->" not in line and len(f) > 5 and f[1] == "FLOCK" and f[5].rsplit(":", 1)[-1] == inode:
-            return int(f[4])
-    return None
+        f = line.replace("->", "").split()
+        if len(f) > 5 and f[1] == "FLOCK":
+            inode = f[5].rsplit(":", 1)[-1]
+            if "->" in line:
+                waited.add(inode)
+            else:
+                held[inode] = int(f[4])
+    return held, waited
+
+
+def lock_holder(path: Path) -> int | None:
+    """The process holding the flock on `path`."""
+    return proc_locks()[0].get(str(path.stat().st_ino))
 
 
 def run(cmds: list[tuple[list[str], dict]], run_dir: Path, faults, limit_s: float, ended=None,
-        isolate: bool = True, shares_of: int | None = None) -> tuple[float, list, str]:
+        isolate: bool = True, shares_of: int | None = None, beside: float = 0.0) -> tuple[float, list, str]:
     """Start every agent, each in its own CPU share (`isolate`; `shares_of`: the shares to cut the
-    cores into, by default one per agent), run `faults(job, t0)` until they all exit (or, with
-    `ended`, until it is true: the agents still running 5 s later are stopped); (wall s, what faults
-    did, the isolation)."""
+    cores into, by default one per agent; `beside`: cores kept out of them for the spares), run
+    `faults(job, t0)` until they all exit (or, with `ended`, until it is true: the agents still running
+    5 s later are stopped); (wall s, what faults did, the isolation)."""
     groups = shares_of or len(cmds)
-    with CpuShares(groups) if isolate else contextlib.nullcontext() as shares:
+    with CpuShares(groups, beside=beside) if isolate else contextlib.nullcontext() as shares:
         wall, done = _run(cmds, run_dir, faults, limit_s, ended, shares, groups)
     return wall, done, shares.isolation if shares else "none (--no-isolation): the groups share the machine's cores"
 
@@ -152,6 +193,7 @@ def _run(cmds, run_dir: Path, faults, limit_s: float, ended, shares: CpuShares |
                 break
             if faults is not None:
                 done.extend(faults(job, t0, ending=end is not None))
+            job.place()
             time.sleep(0.02)
     finally:
         for a in job.agents:
@@ -205,7 +247,9 @@ class Faults:
         if ending or not self.every or time.time() - t0 < self.next or (self.max_faults and self.n >= self.max_faults):
             return []
         if not self.training:  # a fault during the start-up tells nothing of survivors: wait for a step
-            self.training = any('"kind": "train"' in m.read_text() for m in self.run_dir.glob("metrics*.jsonl"))
+            # (and with spares, for each group's spare to stand by: a fault at 3 a.m. finds them ready)
+            self.training = job.spares_ready() and any(
+                '"kind": "train"' in m.read_text() for m in self.run_dir.glob("metrics*.jsonl"))
             if not self.training:
                 return []
         kind = self.rng.choice(self.kinds) if self.rng else self.kinds[self.n % len(self.kinds)]
@@ -364,7 +408,8 @@ def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list, 
                f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}", f"replicas.shares_per_group={args.shares_per_group}"]
         cmds.append((cmd, env))
     # --spares: each group's command started twice, in the group's CPU share: the second stands by
-    return run(cmds * (1 + args.spares), run_dir, faults, args.limit_s, isolate=args.isolate, shares_of=GROUPS)
+    return run(cmds * (1 + args.spares), run_dir, faults, args.limit_s, isolate=args.isolate, shares_of=GROUPS,
+               beside=args.spare_cores)
 
 
 def torchft_job(args, run_dir: Path, faults) -> tuple[float, list, str]:
@@ -387,7 +432,7 @@ def torchft_job(args, run_dir: Path, faults) -> tuple[float, list, str]:
               "--model", args.model, "--steps", str(args.steps)], env) for g in range(GROUPS)]
     try:
         out = run(cmds, run_dir, faults, args.limit_s, ended=lambda: any(run_dir.glob("final-*.pt")),
-                  isolate=args.isolate)
+                  isolate=args.isolate, beside=args.spare_cores)
     finally:
         lighthouse.kill()
         lighthouse.wait()
@@ -406,7 +451,7 @@ def restart_job(args, run_dir: Path, faults) -> tuple[float, list, str]:
     share of all the cores the groups have between them."""
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [*torchrun(GROUPS), *job_args(args.model, args.steps, run_dir, args.corpus, 5, args.set)]
-    return run([(cmd, env)], run_dir, faults, args.limit_s, isolate=args.isolate, shares_of=1)
+    return run([(cmd, env)], run_dir, faults, args.limit_s, isolate=args.isolate, shares_of=1, beside=args.spare_cores)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -441,6 +486,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-kills", type=int, default=0, help="faults per job at most (default: no limit)")
     ap.add_argument("--spares", action="store_true", help="replica groups: each group's command started twice, the "
                     "second standing by, built, to take a killed member's place (mingpt/replicas/standby.py)")
+    ap.add_argument("--spare-cores", type=float, default=0.0, metavar="C", help="C cores beside the groups' shares "
+                    "(theirs cut from the rest, in every mode alike): with --spares, a group's spare, standing by or "
+                    "starting up, runs there, as on a GPU node's idle cores, and its member in the group's share")
     ap.add_argument("--limit-s", type=float, default=3600)
     ap.add_argument("--keep", help="keep every job's run directory here")
     ap.add_argument("--seconds", type=float, default=0, help="size the jobs to the machine: a short fault-free "

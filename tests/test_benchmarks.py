@@ -6,8 +6,10 @@ test_s3_server.py and test_fault_tolerance.py the orphans the soak looks for."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, SHARED_DATA
@@ -181,3 +183,63 @@ def test_the_pipeline_bench_compares_sharded_stages_from_4_processes_and_skips_w
     assert [name for name, _, _ in layouts(4, [4], n_layer=3)] == ["ddp", "fsdp", "tp4", "pp2 x fsdp2 1f1b",
                                                                   "pp2 x tp2 1f1b"]
     assert "pp2 x fsdp2 1f1b" not in [name for name, _, _ in layouts(2, [2], n_layer=4)]
+
+
+
+# a stand-in for a torchrun agent and its worker (this tests the bench's placement, not mingpt): the agent
+# restarts its worker whenever it ends; the worker locks the member's lock (waiting while another holds
+# it) and lives on
+AGENT = "import subprocess, sys\nwhile True: subprocess.call(sys.argv[1:])"
+WORKER = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); " \
+         "fcntl.flock(fd, fcntl.LOCK_EX); time.sleep(300)"
+
+
+def test_with_cores_beside_the_groups_a_spare_runs_there_and_its_member_in_the_groups_share(tmp_path):
+    """`survivors --spares --spare-cores C`: the process holding a group's member lock runs in the
+    group's CPU share, the group's other process beside it; when the holder dies and the spare takes the
+    lock, the spare moves into the group's share and the restarted process out of it."""
+    from benchmarks.cpushare import CpuShares
+    from benchmarks.survivors import SECRET, Job
+    from mingpt.replicas.standby import lock_path
+    from mingpt.runtime.trust import job_secret
+
+    lock = lock_path(job_secret({"MINGPT_JOB_SECRET": SECRET}), 0)
+    agent = ([sys.executable, "-c", AGENT, sys.executable, "-c", WORKER, str(lock)], dict(os.environ))
+
+    def cgroup(pid: int) -> str:
+        """The name of the cgroup whose CPU quota `pid` is under (v1's cpu controller, else v2's)."""
+        lines = [line.rstrip().split(":", 2) for line in open(f"/proc/{pid}/cgroup")]
+        path = next((p for _, c, p in lines if "cpu" in c.split(",")), None) or next(p for _, c, p in lines if not c)
+        return path.rsplit("/", 1)[-1]
+
+    def placed(job: Job, not_member: int | None = None) -> tuple[list[int], tuple[str, str]]:
+        """Once the group has a member (a new one, other than `not_member`) and a spare, place them."""
+        for _ in range(400):
+            pids = job.workers(0)
+            if len(pids) == 2 and pids[0] == job.holder(0) and not_member not in pids:
+                job.place()
+                return pids, (cgroup(pids[0]), cgroup(pids[1]))
+            time.sleep(0.05)
+        raise AssertionError(f"no member and spare in group 0: {job.workers(0)}")
+
+    with CpuShares(1, beside=0.5) as shares:
+        job = Job([agent, agent], tmp_path, shares, groups=1)  # one group, its command twice
+        try:
+            pids, where = placed(job)
+            if not shares.dirs:  # no cgroups here (not root): the bench says so and moves nothing
+                assert shares.isolation.startswith("none (") and where[0] == where[1], (shares.isolation, where)
+                return
+            assert "0.50 cores beside them for the spares" in shares.isolation, shares.isolation
+            assert where == ("group0", "groupbeside"), where
+            for _ in range(400):  # once the spare waits on the lock
+                if job.spares_ready():
+                    break
+                time.sleep(0.05)
+            os.kill(pids[0], signal.SIGKILL)  # the member dies: its spare takes the lock, its agent restarts it
+            after, where = placed(job, not_member=pids[0])
+            assert after[0] == pids[1] and after[1] not in pids, (pids, after)
+            assert where == ("group0", "groupbeside"), where
+        finally:
+            for a in job.agents:
+                os.killpg(a.pid, signal.SIGKILL)
+                a.wait()
