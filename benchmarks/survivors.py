@@ -336,7 +336,7 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None, procs: i
     train = sorted((r["time"], r["step"]) for r in recs if r.get("kind") == "train")
     step_s = statistics.median(r["step_ms"] for r in recs if r.get("kind") == "train" and r["step"] > 1) / 1000
     steps = max(s for _, s in train)
-    gaps, lost, rejoins, regroups, parts, by_kind = [], [], [], [], [], {}
+    gaps, lost, rejoins, regroups, parts, by_kind, costs = [], [], [], [], [], {}, []
     epochs = [r for r in recs if r.get("kind") == "epoch"]
     starts = [r for r in recs if r.get("kind") == "start"]
     for n, f in enumerate(faults):
@@ -352,6 +352,10 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None, procs: i
         resumed_at = after[0][1] - 1  # the step the survivors (or the restart) went on from
         lost.append(max(before) - resumed_at + 1)
         back_at = rejoined(f, epochs, train, recs, starts, procs)
+        horizon = min(until, f["t"] + max(gaps[-1], (back_at or f["t"]) - f["t"]) + 2.0)
+        cost = fault_cost(train, f["t"], horizon)
+        if cost is not None:
+            costs.append(cost)
         if back_at is not None:
             rejoins.append(back_at - f["t"])
             by_kind.setdefault(f.get("kind", "kill"), []).append((gaps[-1], lost[-1], back_at - f["t"]))
@@ -379,7 +383,9 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None, procs: i
         out["goodput"] = round(steps * step_s / wall, 4)
     stat = lambda xs: {"median": round(statistics.median(xs), 3), "max": round(max(xs), 3)} if xs else None  # noqa: E731
     out.update(survivor_gap_s=stat(gaps), new_epoch_s=stat(regroups), steps_lost_per_fault=stat(lost),
-               rejoin_s=stat(rejoins))
+               rejoin_s=stat(rejoins), fault_cost_s=stat(costs))
+    if costs:  # the share of the run the faults took, each measured against the pace just before it
+        out["lost_to_faults"] = round(sum(costs) / wall, 4)
     if parts:  # the medians of a restarted group's rejoin, part by part (the start record's ledger)
         out["rejoin_parts_s"] = {k: round(statistics.median(p.get(k, 0.0) for p in parts), 3)
                                  for k in ["restart", *REJOIN_STATES, "to_first_step"] if any(k in p for p in parts)}
@@ -389,6 +395,21 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None, procs: i
                               "rejoin_s": stat([r for _, _, r in v if r is not None])} for k, v in sorted(by_kind.items())}
     (run_dir / "faults.json").write_text(json.dumps(faults))
     return out
+
+
+def fault_cost(train: list[tuple[float, int]], t: float, horizon: float, pace_of: int = 30) -> float | None:
+    """What a fault at `t` cost the job, from the steps committed around it: the time from the last step
+    before it to the last step by `horizon` (the group back, and 2 s more), less what those steps took at
+    the pace of the `pace_of` steps before the fault (their median interval). Steps trained again (a
+    restart from a snapshot) count against it. Unlike the wall time against the fault-free run's, the
+    drift of a machine's speed over a run (several % here) stays out of it."""
+    before = [(tt, s) for tt, s in train if tt <= t][-(pace_of + 1):]
+    by = [(tt, s) for tt, s in train if t < tt <= horizon]
+    if len(before) < pace_of + 1 or not by:
+        return None
+    pace = statistics.median(b[0] - a[0] for a, b in zip(before, before[1:]))
+    (t0, s0), (t1, s1) = before[-1], by[-1]
+    return round((t1 - t0) - (s1 - s0) * pace, 3)
 
 
 def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list, str]:

@@ -11,7 +11,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch.distributed as dist
 
@@ -42,6 +42,7 @@ class Epoch:
     pg: object = None  # the epoch's gloo process group
     store: object = None  # kept alive with the group (the coordinator hosts it)
     peers: object = None  # sharded groups: the process group of the members holding this one's shard
+    since: float = field(default_factory=time.monotonic)  # when this member learned of it
 
     @property
     def world(self) -> int:
@@ -117,10 +118,13 @@ class Beacon(Links):
             seen = {m: dict(s) for m, s in self._seen.items()}
         others = [m for m in epoch.members if m.number != self.member]
         for m in others:  # a lost member first: it is the cause, the others leaving only follow it
-            if alive.get(m.number) != m.incarnation:
+            # one not heard from yet (this member just started: a spare that took its place) is vouched
+            # for by the coordinator that asked it in, until it has been silent as long as a lost one
+            unheard = m.number not in seen and time.monotonic() - epoch.since < self.lost_after_s
+            if alive.get(m.number) != m.incarnation and not unheard:
                 return f"{self.name(m.number)} lost"
         for m in others:
-            s = seen[m.number]
+            s = seen.get(m.number, {})
             if s.get("state") == "finished" and s.get("epoch") == epoch.number:
                 continue  # it applied the last step, and stays until every member has (`unfinished`)
             if (s.get("epoch") != epoch.number or s.get("state") != "training") and s.get("epoch", -1) >= epoch.number:
@@ -185,6 +189,9 @@ class Beacon(Links):
                     self._make_group(epoch, timeout_s)
                 except MembershipChanged as e:
                     log.warning("epoch %d did not form (%s); trying again", epoch.number, e)
+                    # said in the heartbeats: the others may have made the epoch's group (its thread
+                    # here may still finish it) and must not wait in it for this member
+                    self.set_status(epoch=epoch.number, why=str(e)[:300])
                     continue
                 finally:
                     with self._lock:

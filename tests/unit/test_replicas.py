@@ -323,6 +323,49 @@ def test_a_member_that_left_is_reported_with_the_cause_it_saw():
         a.close()
 
 
+def test_a_member_not_heard_from_yet_is_not_lost_until_it_has_been_silent_as_long_as_a_lost_one():
+    """A spare that takes its place asks to join at once: the coordinator's answer may name a member
+    whose first heartbeat has not reached it yet. It used to call that member lost and drop the epoch,
+    while the others, the epoch's group made, waited in it for this member until the next fault."""
+    a, epoch = coordinator_of_three()
+    try:
+        with a._lock:
+            a._seen[1] = {"inc": "one", "t": time.monotonic(), "eof": False, "epoch": 4, "state": "training"}
+        assert a.lost(epoch) is None  # group 2 not heard from yet: vouched for by the coordinator
+        old = replace(epoch, since=time.monotonic() - a.lost_after_s)
+        assert a.lost(old) == "group 2 lost"  # silent as long as a lost member: lost
+    finally:
+        a.close()
+
+
+def test_a_member_that_drops_an_epoch_says_so_and_the_others_leave_it(monkeypatch):
+    """Where a member gives up an epoch while making its group, the others may already train in it: its
+    heartbeats now name that epoch, and their `lost` says it left, with its cause."""
+    a, epoch = coordinator_of_three()
+    b = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 1, SECRET, 0.05, 60.0)
+    try:
+        tries = iter([MembershipChanged("group 2 lost"), None])
+
+        def make_group(e, timeout_s):
+            if (err := next(tries)) is not None:
+                raise err
+        monkeypatch.setattr(b, "_make_group", make_group)
+        monkeypatch.setattr(b, "_ask", lambda coordinator, step, live: replace(epoch, rank=1))
+        monkeypatch.setattr(b, "alive", lambda: {0: a.incarnation, 1: b.incarnation})
+        seen = []
+        monkeypatch.setattr(b, "set_status", lambda **kw: (seen.append(dict(kw)), Beacon.set_status(b, **kw)))
+        assert b.form(9, True, 2, 5.0, lambda: False) is not None
+        dropped = next(kw for kw in seen if kw.get("epoch") == 4)  # said before it asked again
+        assert b.status["state"] == "training" and dropped["why"] == "group 2 lost", seen
+        with a._lock:  # group 1's heartbeat as it was then, seen by the coordinator training in epoch 4
+            a._seen[1] = {"inc": "one", "t": time.monotonic(), "eof": False, "state": "forming", **dropped}
+            a._seen[2] = {"inc": "two", "t": time.monotonic(), "eof": False, "epoch": 4, "state": "training"}
+        assert a.lost(epoch) == "group 1 left epoch 4 (group 2 lost)"
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_group_of_several_processes_leaves_and_joins_whole():
     """Groups of two processes (members 2g + i). When one process of group 1 is lost, its sibling
     leaves with it (its torchrun restarts both): the coordinator neither waits for it nor lets it in.
