@@ -8,7 +8,11 @@ SIGCONT), a group's agent SIGKILLed with its worker and relaunched (a node lost)
 at once (the third waits without a quorum), every group SIGKILLed (back from the newest snapshot);
 and a network partition (each group in its own network namespace on one bridge; one group's link
 cut for --cut-s seconds). `--soak N` runs only a soak: N faults of all these kinds drawn at random
-(--seed), --soak-every s apart, in one job, against the fault-free run.
+(--seed), --soak-every s apart, in one job, against the fault-free run. `--spares` starts each group's
+command twice (the second stands by: mingpt/replicas/standby.py); with `--spare-cores C`, C cores
+are kept beside the groups' shares (theirs cut from the rest, in every mode) and each group's spare,
+standing by or starting up, runs there, its member in the group's share: a GPU node's idle cores,
+where the restarted process that becomes the next spare does not slow the member training.
 Beside it, the same 3 groups through torchft 0.2.0's Manager (its lighthouse, `Manager.allreduce`,
 `should_commit`, healing by its own transport; benchmarks/torchft_worker.py; skipped where torchft
 is not installed; a CPU share per group too), and the same job under today's single torchrun (3
@@ -30,7 +34,10 @@ compute was thrown away (the step in flight, and for a restart the steps since t
 rejoin_s: the fault to the first step committed with the faulted group back in (torchft: the
 group's own first commit after its restart); rejoin_parts_s: where a restarted group's rejoin went
 (medians: the restart, then its process's ledger, then waiting for its first step); by_kind: the
-same per fault kind, where a run mixes them; final_max_abs_diff: final weights against the
+same per fault kind, where a run mixes them; fault_cost_s: what each fault cost the job, from the
+steps around it (the time from the last step before it to the last step 2 s after its group is back,
+less those steps at the pace of the 30 before it: a machine's drift in speed over a run stays out);
+lost_to_faults: their sum over the wall time; final_max_abs_diff: final weights against the
 fault-free run of the same mode (and, on its own line, the fault-free replica run against today's
 DDP run with the same global batch).
 """

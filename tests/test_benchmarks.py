@@ -98,6 +98,8 @@ def survivors(corpus_file, tmp_path, *only: str) -> list[dict]:
     assert faulted["faults"] == 1 and faulted["steps_lost_per_fault"]["max"] <= 1, out
     assert faulted["rejoin_s"] is not None and faulted["survivor_gap_s"]["max"] > 0, out
     assert 0 < faulted["goodput"] <= 1, out
+    # what the fault cost, against the pace just before it: some time, well under half the run
+    assert faulted["fault_cost_s"] is not None and 0 < faulted["lost_to_faults"] < 0.5, out
     return lines
 
 
