@@ -120,9 +120,6 @@ class Job:
             return str(lock_path(job_secret({"MINGPT_JOB_SECRET": SECRET}), g).stat().st_ino)
         return None
 
-    def holder(self, g: int) -> int | None:
-        return proc_locks()[0].get(self.inode(g))
-
     def workers(self, g: int, held: dict[str, int] | None = None) -> list[int]:
         """Group g's worker processes, of both its torchruns with --spares; the member's first."""
         pids = [p for i in range(g, len(self.agents), self.groups) for p in children(self.agents[i].pid)]
@@ -435,7 +432,8 @@ def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list, 
                *job_args(args.model, args.steps, run_dir, args.corpus, args.snapshot_every, args.set),
                f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}", f"replicas.shares_per_group={args.shares_per_group}"]
         cmds.append((cmd, env))
-    # --spares: each group's command started twice, in the group's CPU share: the second stands by
+    # --spares: each group's command started twice, the second standing by (in the group's CPU share, or
+    # on the cores beside the groups' with --spare-cores)
     return run(cmds * (1 + args.spares), run_dir, faults, args.limit_s, isolate=args.isolate, shares_of=GROUPS,
                beside=args.spare_cores)
 
@@ -524,6 +522,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
                     help="more overrides for mingpt's jobs, e.g. trainer.deterministic=true")
     args = ap.parse_args(argv)
+    if not 0 <= args.spare_cores < (os.cpu_count() or 1):
+        ap.error(f"--spare-cores {args.spare_cores:g}: from 0 to below this machine's {os.cpu_count()} cores")
     if args.spares and args.procs_per_group > 1:
         ap.error("--spares: groups of one process (a spare per member of larger groups is not measured here)")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped bench still removes its cgroups, mends links

@@ -201,7 +201,7 @@ def test_with_cores_beside_the_groups_a_spare_runs_there_and_its_member_in_the_g
     group's CPU share, the group's other process beside it; when the holder dies and the spare takes the
     lock, the spare moves into the group's share and the restarted process out of it."""
     from benchmarks.cpushare import CpuShares
-    from benchmarks.survivors import SECRET, Job
+    from benchmarks.survivors import SECRET, Job, lock_holder
     from mingpt.replicas.standby import lock_path
     from mingpt.runtime.trust import job_secret
 
@@ -218,7 +218,7 @@ def test_with_cores_beside_the_groups_a_spare_runs_there_and_its_member_in_the_g
         """Once the group has a member (a new one, other than `not_member`) and a spare, place them."""
         for _ in range(400):
             pids = job.workers(0)
-            if len(pids) == 2 and pids[0] == job.holder(0) and not_member not in pids:
+            if len(pids) == 2 and lock.exists() and pids[0] == lock_holder(lock) and not_member not in pids:
                 job.place()
                 return pids, (cgroup(pids[0]), cgroup(pids[1]))
             time.sleep(0.05)
