@@ -72,6 +72,7 @@ from mingpt.training.metrics import read_records
 REPO = Path(__file__).resolve().parents[1]
 SECRET = secrets.token_hex(32)  # the same for every group of one bench run
 GROUPS = 3
+PACE_OF = 30  # the steps before a fault whose pace its cost is measured against
 
 
 def job_args(model: str, steps: int, run_dir: Path, corpus: str, snapshot_every: int, extra=()) -> list[str]:
@@ -250,10 +251,11 @@ class Faults:
             return []
         if ending or not self.every or time.time() - t0 < self.next or (self.max_faults and self.n >= self.max_faults):
             return []
-        if not self.training:  # a fault during the start-up tells nothing of survivors: wait for a step
-            # (and with spares, for each group's spare to stand by: a fault at 3 a.m. finds them ready)
-            self.training = job.spares_ready() and any(
-                '"kind": "train"' in m.read_text() for m in self.run_dir.glob("metrics*.jsonl"))
+        if not self.training:  # a fault during the start-up tells nothing of survivors: wait for the steps
+            # that set the pace its cost is measured against (and with spares, for each group's spare to
+            # stand by: a fault at 3 a.m. finds them ready)
+            self.training = job.spares_ready() and max(  # (torchft: a file per group)
+                [m.read_text().count('"kind": "train"') for m in self.run_dir.glob("metrics*.jsonl")], default=0) > PACE_OF
             if not self.training:
                 return []
         kind = self.rng.choice(self.kinds) if self.rng else self.kinds[self.n % len(self.kinds)]
@@ -401,7 +403,7 @@ def measure(run_dir: Path, wall: float, faults: list, ref: dict | None, procs: i
     return out
 
 
-def fault_cost(train: list[tuple[float, int]], t: float, horizon: float, pace_of: int = 30) -> float | None:
+def fault_cost(train: list[tuple[float, int]], t: float, horizon: float, pace_of: int = PACE_OF) -> float | None:
     """What a fault at `t` cost the job, from the steps committed around it: the time from the last step
     before it to the last step by `horizon` (the group back, and 2 s more), less what those steps took at
     the pace of the `pace_of` steps before the fault (their median interval). Steps trained again (a
