@@ -95,6 +95,9 @@ class Job:
         self.cmds, self.run_dir, self.shares, self.groups = cmds, run_dir, shares, groups
         self.agents = [self._start(i) for i in range(len(cmds))]
         self.placed: dict[int, int | None] = {}  # where place() last put each worker
+        # with --spares, each group's member lock (mingpt/replicas/standby.py), found once: asked every 20 ms
+        secret = job_secret({"MINGPT_JOB_SECRET": SECRET})
+        self.locks = [lock_path(secret, g) for g in range(groups)] if len(cmds) > groups else []
 
     def place(self) -> None:
         """With spares and cores beside the groups' shares: each group's member (its lock's holder) in the
@@ -118,7 +121,7 @@ class Job:
     def inode(self, g: int) -> str | None:
         """Group g's member lock's inode, once its file exists."""
         with contextlib.suppress(FileNotFoundError):
-            return str(lock_path(job_secret({"MINGPT_JOB_SECRET": SECRET}), g).stat().st_ino)
+            return str(self.locks[g].stat().st_ino)
         return None
 
     def workers(self, g: int, held: dict[str, int] | None = None) -> list[int]:

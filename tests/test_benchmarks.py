@@ -245,3 +245,4 @@ def test_with_cores_beside_the_groups_a_spare_runs_there_and_its_member_in_the_g
             for a in job.agents:
                 os.killpg(a.pid, signal.SIGKILL)
                 a.wait()
+            lock.unlink(missing_ok=True)  # (as a run's last holder does)

@@ -263,15 +263,13 @@ def kill_a_process_of_group_1_beside_its_spares(run_dir: Path, agents) -> tuple[
     """Groups of two processes, group 1's command twice: once a spare waits on each of the group's two
     member locks (members 2 and 3; a waiter is a blocked lock in /proc/locks), SIGKILL the holder of
     member 3's, process 1 of the member torchrun."""
-    from benchmarks.survivors import lock_holder
+    from benchmarks.survivors import lock_holder, proc_locks
 
     step = wait_for_step(run_dir, 15, agents)
     locks = [lock_path(SECRET.encode(), m) for m in (2, 3)]
     deadline = time.time() + 120
     while True:
-        waiting = Path("/proc/locks").read_text().splitlines()
-        inodes = [str(p.stat().st_ino) if p.exists() else "-" for p in locks]
-        if all(any("->" in line and line.split()[-3].rsplit(":", 1)[-1] == i for line in waiting) for i in inodes):
+        if {str(p.stat().st_ino) if p.exists() else "-" for p in locks} <= proc_locks()[1]:
             break
         assert time.time() < deadline, "the spares never waited on both locks"
         time.sleep(0.05)
