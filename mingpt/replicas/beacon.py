@@ -81,6 +81,7 @@ class Beacon(Links):
         self._replies: dict[str, EpochNews | Wait] = {}  # their answers, by request id
         self._announced: EpochNews | None = None  # the epoch this coordinator announced, until its group is made
         self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
+        self._news = threading.Event()  # a member heard from that was not alive: forming looks again at once
         super().__init__([host_port(p) for p in peers], member, secret, heartbeat_s, lost_after_s, bind_wait_s)
 
     # --- what the trainer asks -------------------------------------------------------------------
@@ -175,6 +176,7 @@ class Beacon(Links):
                         why=re.sub(r"^group \d+( process \d+)? left epoch \d+ \((.*)\)$", r"\2", why)[:300])
         waited = time.monotonic()
         while True:
+            self._news.clear()
             if should_stop():
                 return None
             coordinator = min(self.alive())
@@ -203,7 +205,7 @@ class Beacon(Links):
                 log.warning("replica %s waits for a quorum of %d groups (alive: %s)", self.name(self.member), min_groups,
                             sorted({g // self.procs for g in self.alive()}))
                 waited = time.monotonic()
-            time.sleep(self.heartbeat_s)
+            self._news.wait(self.heartbeat_s)
 
     def _ask(self, coordinator: int, step: int, live: bool) -> Epoch | None:
         rid = secrets.token_hex(6)
@@ -347,7 +349,11 @@ class Beacon(Links):
         news = None
         with self._lock:
             if isinstance(msg, Heartbeat):
+                was = self._seen.get(member)
                 self._seen[member] = {**asdict(msg), "inc": inc, "t": time.monotonic(), "eof": False}
+                if (was is None or was["eof"] or was["inc"] != inc or was["state"] != msg.state
+                        or self._seen[member]["t"] - was["t"] >= self.lost_after_s):
+                    self._news.set()
                 self.max_epoch = max(self.max_epoch, msg.epoch)
             elif isinstance(msg, Join):
                 news = self._announced

@@ -18,7 +18,17 @@ import torch.distributed as dist
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError, member_addresses
 from mingpt.replicas.members import membership, model_of
-from mingpt.replicas.tensors import MAC_COLUMNS, MAX_STATE_JSON, ShareHeader, header_mac, set_grads, state_digest, unpack_state
+from mingpt.replicas.tensors import (
+    MAC_COLUMNS,
+    MAX_STATE_JSON,
+    ShareHeader,
+    buckets,
+    byte_view,
+    header_mac,
+    set_grads,
+    state_digest,
+    unpack_state,
+)
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
 
@@ -269,11 +279,19 @@ class Replicas:
         blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
                   else torch.empty(int(size), dtype=torch.uint8))
         self._broadcast(pg, blob_t, source)
-        # on the host (the exchange's gloo group; a GPU's tensors are copied to and from it)
-        received = [slot.local.detach().cpu().contiguous() if me == source
-                    else torch.empty(slot.local.shape, dtype=slot.local.dtype) for slot in slots]
-        for t in received:
-            self._broadcast(pg, t, source)
+        # on the host (the exchange's gloo group; a GPU's tensors are copied to and from it), packed into
+        # buffers: one collective per buffer, not per tensor (a collective's latency times a few hundred tensors)
+        received = [slot.local.detach().cpu().contiguous() if me == source else None for slot in slots]
+        for size, packed in buckets([slot.local for slot in slots]):
+            buf = torch.empty(size, dtype=torch.uint8)
+            for i, offset in packed:
+                t = slots[i].local
+                part = buf[offset:offset + t.numel() * t.element_size()]
+                if me == source:
+                    part.copy_(byte_view(received[i]))
+                else:
+                    received[i] = part.view(t.dtype).view(t.shape)
+            self._broadcast(pg, buf, source)
         if me == source or me not in behind:  # up to date: what it received is what it holds
             self.live = True
             return healed

@@ -85,6 +85,10 @@ class Links:
         self._tls_server, self._tls_client = contexts(secret)
         self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
         self._senders: dict[int, Channel] = {}
+        # a member that dialled in is up: the sender to it dials now if it waits to (a returning member
+        # hears this one within a handshake, not up to a heartbeat later; set while connected, it only
+        # spares the sender's next wait once)
+        self._dial = {m: threading.Event() for m in range(len(peers)) if m != me}
         self._stop = threading.Event()
         self._told_size = False  # a peer of another size of job was named once (its sender retries every heartbeat)
         self._server = self._listen(bind_wait_s)
@@ -177,6 +181,7 @@ class Links:
                 tls.close()
                 return
             member, inc = hello.member, hello.inc
+            self._dial[member].set()
             channel = Channel(tls, lambda line: self._heard(member, inc, channel, line))
             channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.peers)))
             channel.run()
@@ -226,12 +231,13 @@ class Links:
                     with self._lock:
                         status = dict(self.status)
                     channel.send(Heartbeat(**status))
-                    time.sleep(self.heartbeat_s)
+                    channel.closed.wait(self.heartbeat_s)
             except (OSError, WireError):
                 pass
             if self._senders.get(member) is channel:
                 self._senders.pop(member, None)
             if channel is not None:
                 channel.close()
-            time.sleep(self.heartbeat_s)
+            self._dial[member].wait(self.heartbeat_s)
+            self._dial[member].clear()
 

@@ -47,6 +47,32 @@ def state_digest(key: bytes, slots: list, meta: dict, tensors: list | None = Non
     return h.hexdigest()
 
 
+HEAL_BUCKET_BYTES = 64 * 2**20  # a heal sends the state in buffers of about this size: one collective each
+ALIGN = 16  # each tensor's bytes start at a multiple of this in its buffer (any dtype can view them there)
+
+
+def buckets(tensors: list[torch.Tensor], limit: int = HEAL_BUCKET_BYTES) -> list[tuple[int, list[tuple[int, int]]]]:
+    """The tensors' bytes packed in order into buffers of at most `limit` bytes (a bigger tensor alone in
+    one of its own): [(the buffer's size, [(tensor index, its offset)])]."""
+    out: list[tuple[int, list[tuple[int, int]]]] = []
+    size, members = 0, []
+    for i, t in enumerate(tensors):
+        n = t.numel() * t.element_size()
+        if members and size + n > limit:
+            out.append((size, members))
+            size, members = 0, []
+        members.append((i, size))
+        size = -(-(size + n) // ALIGN) * ALIGN
+    if members:
+        out.append((size, members))
+    return out
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view."""
+    return t.reshape(-1).view(torch.uint8)
+
+
 def flat_grads(model: torch.nn.Module) -> torch.Tensor:
     """Every parameter's gradient (under FSDP: this process's shard of it) in one host tensor (parameter
     order; none: zeros)."""

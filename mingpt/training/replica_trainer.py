@@ -13,6 +13,7 @@ import torch
 
 from mingpt.replicas import MembershipChanged, Replicas, flat_grads
 from mingpt.replicas.standby import MemberLock, StandbyEnded, release
+from mingpt.replicas.wire import contexts
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
 from mingpt.training.snapshots import Start, where_to_start
@@ -206,6 +207,7 @@ def stand_by(cfg, info, lease, lock: MemberLock, ledger, preempt, build: Callabl
     me = f"group {cfg.replicas.group}" + (f" process {env.local_rank}" if env.local_world_size > 1 else "")
     log.info("replica %s runs on this node already: this process stands by as its spare, built, and takes its "
              "place the moment it exits", me)
+    contexts(lock.secret)  # its TLS libraries imported now, not after the takeover (tens of ms there)
     waited, finished = time.monotonic(), RunFinished(store, cfg.trainer.max_steps, first_look_s=LOOK_EVERY_S)
     over = f"replica {me}'s spare ends: the run finished while it stood by"
     if not lock.wait(lambda: (preempt is not None and preempt.requested) or finished()):

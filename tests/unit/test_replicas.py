@@ -2,6 +2,10 @@
 
 import datetime
 import secrets
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from dataclasses import replace
@@ -265,6 +269,67 @@ def test_a_member_that_missed_the_announcement_gets_it_when_it_asks_again():
     finally:
         a.close()
         b.close()
+
+
+def test_a_returning_member_hears_the_others_within_a_handshake_not_a_heartbeat_later():
+    """The others dial a lost member again every heartbeat_s; one that dials in (it is back) is dialled
+    back at once. A returning spare heard the others up to a heartbeat after it started, and only then
+    asked to join (here heartbeat_s is 3 s: it hears them in well under that). Member 1 is a process of
+    its own, SIGKILLed."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    script = textwrap.dedent(f"""
+        import sys, time
+        from mingpt.replicas import Beacon
+        b = Beacon({peers!r}, 1, {SECRET!r}, 3.0, 30.0)
+        print("up", flush=True)
+        time.sleep(60)
+    """)
+    beacons = [Beacon(peers, m, SECRET, 3.0, 30.0) for m in (0, 2)]
+    first = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "up"
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not all(set(b.alive()) == {0, 1, 2} for b in beacons):
+            time.sleep(0.01)
+        assert all(set(b.alive()) == {0, 1, 2} for b in beacons)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        while time.monotonic() < deadline and not all(b.was_lost(1) for b in beacons):
+            time.sleep(0.01)
+        assert all(b.was_lost(1) for b in beacons)
+        t0 = time.monotonic()
+        beacons.append(Beacon(peers, 1, SECRET, 3.0, 30.0))
+        while time.monotonic() - t0 < 10 and set(beacons[-1].alive()) != {0, 1, 2}:
+            time.sleep(0.005)
+        assert set(beacons[-1].alive()) == {0, 1, 2} and time.monotonic() - t0 < 1.5
+    finally:
+        first.kill()
+        for b in beacons:
+            b.close()
+
+
+def test_a_member_forming_alone_asks_as_soon_as_it_hears_the_coordinator():
+    """A member that starts (a spare taking its place) hears no one at first, counts itself the lowest
+    alive, finds no quorum and looks again: at the next news of a member, not a heartbeat later (here
+    heartbeat_s is 3 s: the epoch forms in well under that)."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    a = Beacon(peers, 0, SECRET, 3.0, 30.0)
+    out = {}
+    coordinator = threading.Thread(target=lambda: out.setdefault(0, a.form(5, True, 2, 20.0, lambda: False)))
+    try:
+        coordinator.start()
+        time.sleep(0.5)  # a's sender to member 1 failed to dial: it waits a heartbeat to dial again
+        t0 = time.monotonic()
+        b = Beacon(peers, 1, SECRET, 3.0, 30.0)
+        out[1] = b.form(5, True, 2, 20.0, lambda: False)
+        took = time.monotonic() - t0
+        coordinator.join(timeout=20)
+        assert out[1].numbers() == out[0].numbers() == [0, 1] and out[1].number == out[0].number
+        assert took < 1.5
+    finally:
+        a.close()
+        if "b" in locals():
+            b.close()
 
 
 def test_a_beacon_listens_on_its_own_address_only():
