@@ -281,14 +281,14 @@ class Replicas:
         self._broadcast(pg, blob_t, source)
         # on the host (the exchange's gloo group; a GPU's tensors are copied to and from it), packed into
         # buffers: one collective per buffer, not per tensor (a collective's latency times a few hundred tensors)
-        received = [slot.local.detach().cpu().contiguous() if me == source else None for slot in slots]
+        received: list = [None] * len(slots)
         for size, packed in buckets([slot.local for slot in slots]):
             buf = torch.empty(size, dtype=torch.uint8)
             for i, offset in packed:
                 t = slots[i].local
                 part = buf[offset:offset + t.numel() * t.element_size()]
                 if me == source:
-                    part.copy_(byte_view(received[i]))
+                    part.copy_(byte_view(t.detach().contiguous()))
                 else:
                     received[i] = part.view(t.dtype).view(t.shape)
             self._broadcast(pg, buf, source)
