@@ -82,6 +82,7 @@ class Beacon(Links):
         self._announced: EpochNews | None = None  # the epoch this coordinator announced, until its group is made
         self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
         self._news = threading.Event()  # a member heard from that was not alive: forming looks again at once
+        self._invited: EpochNews | None = None  # an epoch that counts this member in, answering a request it gave up on
         super().__init__([host_port(p) for p in peers], member, secret, heartbeat_s, lost_after_s, bind_wait_s)
 
     # --- what the trainer asks -------------------------------------------------------------------
@@ -200,6 +201,8 @@ class Beacon(Links):
                         self._announced = None
                 self.set_status(state="training", epoch=epoch.number)
                 self.last = epoch
+                with self._lock:
+                    self._invited = None
                 return epoch
             if time.monotonic() - waited > 10:
                 log.warning("replica %s waits for a quorum of %d groups (alive: %s)", self.name(self.member), min_groups,
@@ -217,6 +220,8 @@ class Beacon(Links):
             while min(self.alive()) == coordinator and time.monotonic() < deadline:
                 with self._lock:
                     reply = self._replies.pop(rid, None)
+                    if reply is None and self._invited is not None:  # (the coordinator and the others wait for it)
+                        reply, self._invited = self._invited, None
                 if isinstance(reply, Wait):
                     return None
                 if reply is not None:
@@ -368,6 +373,12 @@ class Beacon(Links):
             with contextlib.suppress(OSError):
                 channel.send(replace(news, id=msg.id))
 
+    def _invites(self, news: EpochNews) -> bool:
+        """Whether `news` counts this member, forming now, into an epoch newer than its last (under the lock)."""
+        return (self.status["state"] == "forming" and news.number >= self.max_epoch
+                and (self.last is None or news.number > self.last.number)
+                and (self.member, self.incarnation) in [(m.member, m.inc) for m in news.members])
+
     def _reply(self, line: bytes) -> None:
         """A coordinator's answer to one of our requests; any other line is dropped."""
         try:
@@ -377,5 +388,10 @@ class Beacon(Links):
         with self._lock:
             if isinstance(msg, (EpochNews, Wait)) and msg.id in self._pending:
                 self._replies[msg.id] = msg
+                return
+            if isinstance(msg, EpochNews) and self._invites(msg):
+                # it answers a request this member gave up on (the coordinator it asked seemed lost a moment,
+                # or another seemed lower): the coordinator counted it in, and the epoch waits for it
+                self._invited = msg
                 return
         self._drop("a coordinator", f"a {type(msg).__name__} that answers no request of ours")

@@ -17,7 +17,7 @@ from conftest import free_port, free_port_runs
 
 from mingpt.config.schema import ConfigError, ReplicasConfig
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas, default_min_groups
-from mingpt.replicas.wire import EpochNews, Join, MemberEntry, Wait
+from mingpt.replicas.wire import EpochNews, Join, MemberEntry, Wait, encode
 from mingpt.runtime.distributed import DistInfo
 
 SECRET = b"unit-test-secret-0123456789abcdef0123"
@@ -330,6 +330,30 @@ def test_a_member_forming_alone_asks_as_soon_as_it_hears_the_coordinator():
         a.close()
         if "b" in locals():
             b.close()
+
+
+def test_an_answer_to_a_request_given_up_on_still_counts_the_member_in():
+    """A member asks a coordinator, gives up (it seemed lost a moment, or another seemed lower) and asks
+    again elsewhere; the first one answers the old request with an epoch that counts the member in, and
+    waits for it. That answer was dropped, and the epoch waited 2 x lost_after_s for the member (a 2.2 s
+    stall in the survivors bench): now the member takes it. Here its new request goes unanswered."""
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    a, b = Beacon(peers, 0, SECRET, 0.05, 1.0), Beacon(peers, 1, SECRET, 0.05, 1.0)
+    try:
+        assert serve([a, b])
+        b.set_status(state="forming")
+        news = EpochNews("5a1e5a1e5a1e", 7, "127.0.0.1", 1, (MemberEntry(0, a.incarnation, 3, True),
+                                                             MemberEntry(1, b.incarnation, 3, True)))
+        b._reply(encode(news))  # the answer to a request b no longer waits for
+        t0 = time.monotonic()
+        epoch = b._ask(0, step=3, live=True)  # a is not coordinating: it does not answer this one
+        assert epoch is not None and epoch.number == 7 and epoch.numbers() == [0, 1] and epoch.rank == 1
+        assert time.monotonic() - t0 < 1.0 and b.dropped["a coordinator"] == 0
+        b._reply(encode(replace(news, members=news.members[:1])))  # an epoch without this member invites nothing
+        assert b._invited is None and b.dropped["a coordinator"] == 1
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_beacon_listens_on_its_own_address_only():
