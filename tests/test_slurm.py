@@ -14,7 +14,7 @@ from conftest import REPO
 SCRIPT = REPO / "slurm" / "train.sbatch"
 
 SRUN = """#!/usr/bin/env bash
-printf '%s\\n' "$@" > "$RECORD/srun.args"
+printf '%s\\0' "$@" > "$RECORD/srun.args"
 echo "${MINGPT_JOB_SECRET:-}" > "$RECORD/srun.env"
 if [[ "${SRUN_MODE:-}" == sleep ]]; then
   trap 'echo TERM > "$RECORD/srun.signal"; exit 75' TERM
@@ -29,6 +29,13 @@ if [[ "$1 $2" == "show hostnames" ]]; then tr ',' '\\n' <<< "$3"; fi
 HOSTNAME = """#!/usr/bin/env bash
 echo "$*" >> "$RECORD/hostname.calls"
 echo node01
+"""
+
+TORCHRUN = """#!/usr/bin/env bash
+echo "$$ $*" >> "$RECORD/torchrun.calls"
+trap 'echo "$$ TERM" >> "$RECORD/torchrun.calls"; exit 75' TERM
+for _ in $(seq "${FAKE_TICKS:-100}"); do sleep 0.05; done
+exit "${FAKE_EXIT:-0}"
 """
 
 
@@ -55,7 +62,7 @@ def test_torchrun_command_line_for_the_allocation(fake_slurm, tmp_path, nodes):
     proc = subprocess.run(["bash", str(SCRIPT), "model=gpt2", "trainer.max_steps=10"],
                           env=slurm_env(fake_slurm, tmp_path, nodes), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
-    args = (tmp_path / "srun.args").read_text().split("\n")
+    args = (tmp_path / "srun.args").read_text().split("\0")
     assert args[:4] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill", "mingpt-torchrun"]
     assert f"--nnodes=1:{len(nodes)}" in args
     assert "--nproc_per_node=8" in args
@@ -83,7 +90,7 @@ def test_a_new_submission_gets_its_own_run_and_a_named_one_continues(fake_slurm,
         env["SLURM_JOB_ID"] = job
         proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
-        dirs.append(next(a for a in (tmp_path / "srun.args").read_text().split("\n") if a.startswith("trainer.run_dir=")))
+        dirs.append(next(a for a in (tmp_path / "srun.args").read_text().split("\0") if a.startswith("trainer.run_dir=")))
     assert dirs == [f"trainer.run_dir={tmp_path}/home/runs/mingpt-{n}" for n in (101, 102, 101)]
 
 
@@ -114,9 +121,10 @@ def test_the_node_count_is_written_once():
     assert "--nnodes=2" not in text and "SLURM_NNODES" in text
 
 
-def test_shellcheck_passes():
+@pytest.mark.parametrize("script", ["train.sbatch", "replicas.sbatch"])
+def test_shellcheck_passes(script):
     shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
-    proc = subprocess.run([shellcheck, str(SCRIPT)], capture_output=True, text=True)
+    proc = subprocess.run([shellcheck, str(REPO / "slurm" / script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
 
@@ -128,7 +136,7 @@ def test_replica_groups_one_per_node(fake_slurm, tmp_path):
     proc = subprocess.run(["bash", str(REPO / "slurm" / "replicas.sbatch"), "model=gpt2"],
                           env=slurm_env(fake_slurm, tmp_path, nodes), capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
-    args = (tmp_path / "srun.args").read_text().split("\n")
+    args = (tmp_path / "srun.args").read_text().split("\0")
     assert args[:3] == ["--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill"]
     command = args[args.index("-c") + 1]
     assert 'mingpt-torchrun --standalone --nproc_per_node="${SLURM_GPUS_ON_NODE:-1}"' in command  # a process per GPU
@@ -136,11 +144,61 @@ def test_replica_groups_one_per_node(fake_slurm, tmp_path):
     assert "replicas.peers=[gpu-a1:29400,gpu-a2:29400,gpu-a3:29400]" in args
     assert f"trainer.run_dir={tmp_path}/home/runs/mingpt-4242" in args and args[-2] == "model=gpt2"
     # what each node runs: the wrapper, given SLURM_NODEID, names its group first
-    ran = subprocess.run(["bash", "-c", command.replace("exec mingpt-torchrun", "echo"), *args[args.index("-c") + 2:-1]],
-                         env={**os.environ, "SLURM_NODEID": "2"}, capture_output=True, text=True, check=True).stdout
-    assert "replicas.group=2" in ran and "replicas.peers=[gpu-a1:29400" in ran
+    (fake_slurm / "mingpt-torchrun").write_text(TORCHRUN)
+    (fake_slurm / "mingpt-torchrun").chmod(0o755)
+    subprocess.run(["bash", "-c", command, *args[args.index("-c") + 2:-1]], check=True, timeout=30,
+                   env={**slurm_env(fake_slurm, tmp_path, nodes), "SLURM_NODEID": "2", "MINGPT_SPARES": "0", "FAKE_TICKS": "0"})
+    ran = (tmp_path / "torchrun.calls").read_text()
+    assert ran.count("\n") == 1 and "replicas.group=2" in ran and "replicas.peers=[gpu-a1:29400" in ran
     secret = (tmp_path / "srun.env").read_text().strip()
     assert len(secret) == 64 and not any(secret in a for a in args)
+
+
+
+
+def node_command(fake_slurm, tmp_path, **extra) -> tuple[str, list[str]]:
+    """The command srun runs on each node, and its arguments, as the replica script hands them over."""
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "replicas.sbatch"), "model=gpt2"],
+                          env=slurm_env(fake_slurm, tmp_path, ["n1", "n2", "n3"], **extra), capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    args = (tmp_path / "srun.args").read_text().split("\0")
+    return args[args.index("-c") + 1], args[args.index("-c") + 2:-1]
+
+
+@pytest.mark.parametrize("fail", [0, 3])
+def test_a_warm_spare_per_node_runs_the_groups_command_twice_and_ends_with_it(fake_slurm, tmp_path, fail):
+    """MINGPT_SPARES=1: each node starts its group's torchrun twice (the second stands by as the
+    member's spare: mingpt/replicas/standby.py), SLURM's SIGTERM reaches both, and the node's task
+    exits with the first failure (or 0). Without it, the node's task is its one torchrun (exec)."""
+    (fake_slurm / "mingpt-torchrun").write_text(TORCHRUN)
+    (fake_slurm / "mingpt-torchrun").chmod(0o755)
+    command, args = node_command(fake_slurm, tmp_path, MINGPT_SPARES="1")
+    env = {**slurm_env(fake_slurm, tmp_path, ["n1"]), "SLURM_NODEID": "1", "MINGPT_SPARES": "1",
+           "FAKE_EXIT": str(fail)}
+    ran = subprocess.run(["bash", "-c", command, *args], env=env, capture_output=True, text=True, timeout=30)
+    calls = (tmp_path / "torchrun.calls").read_text().splitlines()
+    assert len(calls) == 2 and len({c.split(" ", 1)[1] for c in calls}) == 1 and "replicas.group=1" in calls[0]
+    assert ran.returncode == fail
+    (tmp_path / "torchrun.calls").unlink()
+    node = subprocess.Popen(["bash", "-c", command, *args], env=env)  # SLURM's SIGTERM to the node's task
+    deadline = time.time() + 20
+    calls = tmp_path / "torchrun.calls"
+    while time.time() < deadline and len(calls.read_text().splitlines() if calls.exists() else []) < 2:
+        time.sleep(0.05)
+    node.send_signal(signal.SIGTERM)
+    assert node.wait(timeout=20) == 75
+    assert sum(line.endswith(" TERM") for line in (tmp_path / "torchrun.calls").read_text().splitlines()) == 2
+    one, args = node_command(fake_slurm, tmp_path)
+    assert subprocess.run(["bash", "-c", one, *args], env={**env, "MINGPT_SPARES": "0"}, timeout=30).returncode == fail
+    assert len((tmp_path / "torchrun.calls").read_text().splitlines()) == 5  # the two spares' runs, then one
+
+
+def test_a_spare_setting_other_than_0_or_1_is_refused(fake_slurm, tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "slurm" / "replicas.sbatch")],
+                          env=slurm_env(fake_slurm, tmp_path, ["n1"], MINGPT_SPARES="yes"), capture_output=True,
+                          text=True, timeout=30)
+    assert proc.returncode == 2 and "MINGPT_SPARES must be 0 (no spare) or 1" in proc.stderr
 
 
 @pytest.mark.parametrize("script", ["train.sbatch", "replicas.sbatch"])
