@@ -205,3 +205,53 @@ def test_two_containers_as_two_nodes_lose_one_and_take_it_back(image, s3, tmp_pa
 def listening(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+KILL_MEMBER = """
+import os, signal
+for p in filter(str.isdigit, os.listdir("/proc")):  # the entrypoint torchrun's worker (an exec'd one is no child of PID 1)
+    try:
+        ppid = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1]
+        if ppid == "1" and b"mingpt.main" in open(f"/proc/{p}/cmdline", "rb").read():
+            os.kill(int(p), signal.SIGKILL)
+            print("killed", p)
+    except OSError:
+        pass
+"""
+
+
+def test_a_warm_spare_exec_d_in_a_groups_container_takes_a_killed_members_place(image, tmp_path):
+    """docs/replicas.md, Docker: two replica groups as two containers (--network host); group 1's spare
+    is the same command run again with `podman exec` in its container (its /tmp, its network). The
+    member's worker SIGKILLed: the spare takes its place and heals from group 0, and the job trains on
+    with both groups."""
+    vol, tag = volume(tmp_path, "data"), uuid.uuid4().hex[:8]
+    names = [f"mingpt-test-g{g}-{tag}" for g in range(2)]
+    peers = f"replicas.peers=[127.0.0.1:{free_port()},127.0.0.1:{free_port()}]"
+    env = {**os.environ, "MINGPT_JOB_SECRET": secrets.token_hex(32)}
+    group = ["--standalone", "--nproc_per_node=1", "--max-restarts=100", *TRAIN, "trainer.run_dir=/data/mingpt/runs/r",
+             peers, "replicas.min_groups=1"]
+    logs = [tmp_path / f"g{g}.log" for g in range(2)] + [tmp_path / "spare.log"]
+    procs = [start(run_cmd(image, names[g], vol, *group, f"replicas.group={g}", env=("MINGPT_JOB_SECRET",)), logs[g], env)
+             for g in range(2)]
+    metrics = vol / "runs" / "r" / "metrics.jsonl"
+    try:
+        wait_until(lambda: any(r.get("kind") == "train" and r.get("members") == [0, 1] for r in records(metrics)), procs,
+                   timeout=300, what="both groups training")
+        procs.append(start([*PODMAN, "exec", "-e", "MINGPT_JOB_SECRET", names[1], "mingpt-torchrun", *group,
+                            "replicas.group=1"], logs[2], env))
+        wait_until(lambda: "stands by as its spare" in logs[2].read_text(), procs, timeout=300, what="the spare standing by")
+        killed = subprocess.run([*PODMAN, "exec", names[1], "python", "-c", KILL_MEMBER], capture_output=True, text=True,
+                                timeout=60)
+        assert killed.stdout.count("killed") == 1, killed.stdout + killed.stderr
+        wait_until(lambda: "healed from replica group 0" in logs[2].read_text(), procs, timeout=120,
+                   what="the spare in its member's place")
+        took = len(records(metrics))
+        wait_until(lambda: sum(r.get("kind") == "train" and r.get("members") == [0, 1] for r in records(metrics)[took:]) >= 3,
+                   procs, timeout=120, what="both groups training again")
+        # the container's torchrun restarted its worker: it finds the member's place taken, and stands by in turn
+        wait_until(lambda: "stands by as its spare" in logs[1].read_text(), procs, timeout=300, what="the next spare")
+    finally:
+        remove(*names)
+    spare = logs[2].read_text()
+    assert "this spare takes its place" in spare and "Traceback" not in spare, spare[-3000:]
