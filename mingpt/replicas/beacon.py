@@ -81,7 +81,6 @@ class Beacon(Links):
         self._replies: dict[str, EpochNews | Wait] = {}  # their answers, by request id
         self._announced: EpochNews | None = None  # the epoch this coordinator announced, until its group is made
         self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
-        self._news = threading.Event()  # a member heard from that was not alive: forming looks again at once
         self._invited: EpochNews | None = None  # an epoch that counts this member in, answering a request it gave up on
         super().__init__([host_port(p) for p in peers], member, secret, heartbeat_s, lost_after_s, bind_wait_s)
 

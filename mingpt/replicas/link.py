@@ -89,6 +89,8 @@ class Links:
         # hears this one within a handshake, not up to a heartbeat later; set while connected, it only
         # spares the sender's next wait once)
         self._dial = {m: threading.Event() for m in range(len(peers)) if m != me}
+        # news of a member (heard from anew, or a channel to it up): a member forming an epoch looks again
+        self._news = threading.Event()
         self._stop = threading.Event()
         self._told_size = False  # a peer of another size of job was named once (its sender retries every heartbeat)
         self._server = self._listen(bind_wait_s)
@@ -226,6 +228,7 @@ class Links:
                     continue
                 channel = Channel(tls, self._reply)
                 self._senders[member] = channel
+                self._news.set()
                 threading.Thread(target=channel.run, daemon=True).start()
                 while not self._stop.is_set() and not channel.closed.is_set():
                     with self._lock:

@@ -259,7 +259,7 @@ class Channel:
                     raise WireError(f"a line over {MAX_LINE} bytes")
                 for line in lines:
                     self.on_line(line)
-        except (OSError, WireError):
+        except (OSError, WireError, ValueError):  # ValueError: closed by another thread (its fd is -1 in select)
             pass
         finally:
             self.close()
