@@ -279,19 +279,7 @@ class Replicas:
         blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
                   else torch.empty(int(size), dtype=torch.uint8))
         self._broadcast(pg, blob_t, source)
-        # on the host (the exchange's gloo group; a GPU's tensors are copied to and from it), packed into
-        # buffers: one collective per buffer, not per tensor (a collective's latency times a few hundred tensors)
-        received: list = [None] * len(slots)
-        for size, packed in buckets([slot.local for slot in slots]):
-            buf = torch.empty(size, dtype=torch.uint8)
-            for i, offset in packed:
-                t = slots[i].local
-                part = buf[offset:offset + t.numel() * t.element_size()]
-                if me == source:
-                    part.copy_(byte_view(t.detach().contiguous()))
-                else:
-                    received[i] = part.view(t.dtype).view(t.shape)
-            self._broadcast(pg, buf, source)
+        received = self._broadcast_slots(pg, slots, source, me == source)
         if me == source or me not in behind:  # up to date: what it received is what it holds
             self.live = True
             return healed
@@ -307,6 +295,24 @@ class Replicas:
         load(meta)
         self.live = True
         return healed
+
+    def _broadcast_slots(self, pg, slots: list, source: int, sends: bool) -> list:
+        """The slots' tensors from `source` (`sends`: this member is it), on the host (the exchange's gloo
+        group; a GPU's tensors are copied to and from it), packed into buffers: one collective per buffer,
+        not per tensor (a collective's latency times a few hundred tensors). A receiver's are views into
+        the buffers; the sender's list is empty."""
+        received: list = [None] * len(slots) if not sends else []
+        for size, packed in buckets([slot.local for slot in slots]):
+            buf = torch.empty(size, dtype=torch.uint8)
+            for i, offset in packed:
+                t = slots[i].local
+                part = buf[offset:offset + t.numel() * t.element_size()]
+                if sends:
+                    part.copy_(byte_view(t.detach().contiguous()))
+                else:
+                    received[i] = part.view(t.dtype).view(t.shape)
+            self._broadcast(pg, buf, source)
+        return received
 
     def _broadcast(self, pg, t: torch.Tensor, source: int) -> None:
         opts = dist.BroadcastOptions()
