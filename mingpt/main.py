@@ -72,6 +72,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     at its start by main(); a tool or test that assembles a run itself gets a new one.)"""
     ledger = ledger or Ledger()
     ledger.switch("data_load")
+    cfg = cfg.for_world(info.world_size)
     spare = spare_lock(cfg)  # replica groups: a member's second process on its node stands by as its spare
     replicas = build_replicas(cfg) if spare is None else None  # listening first: the other groups see it start
     cfg, start = where_to_start(cfg, info, lease)
@@ -237,7 +238,7 @@ def start_process(cfg: RunConfig, info: DistInfo, ledger: Ledger) -> DistInfo:
         info.hostname, info.local_world_size, info.rank, info.world_size, info.restart_count)
     preflight(cfg, info)
     if info.restart_count == 0:  # once per launch, on the first rank; a record per line (grep, and
-        for line in summary(cfg):  # every line of the log starts alike)
+        for line in summary(cfg, info.world_size):  # every line of the log starts alike)
             log.info("settings: %s", line)
     return info
 

@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from conftest import REPO, SHARED_DATA
+from conftest import REPO, gpt2_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def test_plan():
 
 
 def test_data(tmp_path):
-    out = bench("data", "--ranks-file", str(SHARED_DATA / "r50k_base.tiktoken"), "--sizes", "200KB", "--s3-sizes", "200KB",
+    out = bench("data", "--ranks-file", gpt2_ranks(), "--sizes", "200KB", "--s3-sizes", "200KB",
                 "--prepare-mb", "1", "--repeats", "1", "--steps", "12", "--tmp", str(tmp_path),
                 "--model", "model=gpt-nano", "data.block_size=64", "trainer.batch_size=2")
     assert re.search(r"200KB .* local .* MiB", out) and re.search(r"200KB .* s3 .* MiB", out), out

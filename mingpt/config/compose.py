@@ -113,12 +113,16 @@ def dashed_settings(overrides: list[str], refuse: bool = False) -> list[str]:
     return dashed
 
 
-def summary(cfg: RunConfig) -> list[str]:
-    """The settings a user checks before a long run, on one screen (`--cfg job` prints every key)."""
+def summary(cfg: RunConfig, world_size: int = 1) -> list[str]:
+    """The settings a user checks before a long run on `world_size` processes, on one screen (`--cfg job`
+    prints every key)."""
     m, d, o, t, s, r = cfg.model, cfg.data, cfg.optim, cfg.trainer, cfg.snapshot, cfg.replicas
+    micro = str(cfg.for_world(world_size).trainer.micro_batch)
+    if not t.micro_batch_size:
+        micro += " (chosen: a micro-batch per stage for each pipeline)" if t.pipeline_parallel > 1 else " (chosen)"
     steps = f"{t.max_steps} steps, evaluated every {t.eval_every} on {t.eval_iters} batches" if t.eval_every else \
         f"{t.max_steps} steps, no evaluation"
-    batch = (f"{t.batch_size} sequences of {d.block_size} tokens a step, micro-batches of {t.micro_batch_size}"
+    batch = (f"{t.batch_size} sequences of {d.block_size} tokens a step, micro-batches of {micro}"
              if d.kind == "stream" else f"documents, {d.documents.micro_batches_per_step} micro-batches of "
              f"{d.documents.token_budget} tokens a step")
     layers, heads, width = m.shape

@@ -20,6 +20,9 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names it and says what to do."""
 
 
+AUTO_MICRO_BATCH = 32  # trainer.micro_batch_size=0 (chosen): at most this many sequences a forward pass
+
+
 def _check(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -141,9 +144,10 @@ class TrainerConfig:
     batch_size: int = 32
     """Fixed blocks (data.kind=stream): the global batch in sequences per optimizer step, whatever
     the world size. Documents are batched by data.documents instead."""
-    micro_batch_size: int = 32
+    micro_batch_size: int = 0
     """Fixed blocks: sequences per forward pass on one rank at most (accumulation steps follow from
-    it); a batch_size below it is one micro-batch."""
+    it); a batch_size below it is one micro-batch. 0 = chosen: 32, and under `pipeline_parallel` few
+    enough that each pipeline has a micro-batch per stage (the settings screen says what was chosen)."""
     eval_every: int = 250
     """Evaluate on the validation split every N steps (and at the end); 0 disables."""
     eval_iters: int = 20
@@ -199,7 +203,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(self.max_steps > 0, f"trainer.max_steps must be positive, got {self.max_steps}")
-        _check(self.batch_size > 0 and self.micro_batch_size > 0, "trainer.batch_size and micro_batch_size must be positive")
+        _check(self.batch_size > 0 and self.micro_batch_size >= 0,
+               "trainer.batch_size must be positive and micro_batch_size >= 0 (0 = chosen)")
         _check(self.precision in ("auto", "fp32", "bf16", "fp16"),
                f"trainer.precision={self.precision!r}: use auto, fp32, bf16 or fp16")
         _check(self.log_every > 0, f"trainer.log_every must be positive, got {self.log_every}")
@@ -216,7 +221,7 @@ class TrainerConfig:
     @property
     def micro_batch(self) -> int:
         """Sequences per forward pass (fixed blocks)."""
-        return min(self.micro_batch_size, self.batch_size)
+        return min(self.micro_batch_size or AUTO_MICRO_BATCH, self.batch_size)
 
 
 @dataclass(frozen=True)
@@ -371,6 +376,17 @@ class RunConfig:
         _check(self.data.kind == "stream" or (self.trainer.batch_size, self.trainer.micro_batch_size) == fixed,
                "trainer.batch_size and trainer.micro_batch_size size batches of fixed blocks; documents are "
                "batched by data.documents.token_budget and data.documents.micro_batches_per_step")
+
+    def for_world(self, world_size: int) -> RunConfig:
+        """This config on `world_size` processes: under a pipeline, a chosen micro_batch_size (0) gives each
+        pipeline at least a micro-batch per stage, which 1F1B needs (smaller ones also shrink the bubble)."""
+        t = self.trainer
+        if t.micro_batch_size or t.pipeline_parallel == 1 or self.data.kind != "stream":
+            return self
+        pipelines = max(1, world_size // (t.pipeline_parallel * t.tensor_parallel))
+        per_pipeline = -(-t.batch_size // pipelines)
+        chosen = max(1, min(AUTO_MICRO_BATCH, per_pipeline // t.pipeline_parallel))
+        return dataclasses.replace(self, trainer=dataclasses.replace(t, micro_batch_size=chosen))
 
     def to_dict(self) -> dict:
         """Plain containers (no tensors), for manifests and snapshots."""

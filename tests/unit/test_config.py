@@ -64,7 +64,7 @@ def test_command_line_overrides():
      r"^data.documents.text_field applies to data.documents.format=jsonl only \(it is text\)"),
     (["data=shakespeare_speeches", "data.documents.format=jsonl", "data.documents.separator=---"],
      r"^data.documents.separator applies to data.documents.format=text only \(it is jsonl\)"),
-    (["trainer.micro_batch_size=0"], "trainer.batch_size and micro_batch_size must be positive"),
+    (["trainer.micro_batch_size=-1"], r"trainer.batch_size must be positive and micro_batch_size >= 0 \(0 = chosen\)"),
     (["snapshot.resume=yes"], "snapshot.resume='yes': use latest, never, or the path"),
     (["model.preset=gpt-5"], "not a known preset"),
     (["trainer.precision=fp8"], "trainer.precision='fp8'"),

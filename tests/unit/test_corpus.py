@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import SHARED_DATA, load_documents, read_corpus
+from conftest import gpt2_ranks, load_documents, read_corpus
 
 from mingpt.config.schema import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
@@ -13,7 +13,7 @@ from mingpt.data.datasets import StreamDataset
 
 
 def data_config(path, kind="char", cache="cache", block_size=32, **kw) -> DataConfig:
-    ranks = str(SHARED_DATA / "r50k_base.tiktoken") if kind == "bpe" else None
+    ranks = gpt2_ranks() if kind == "bpe" else None
     return DataConfig(path=str(path), fetch_default=False, block_size=block_size, cache_dir=str(cache),
                       tokenizer=TokenizerConfig(kind, ranks), **kw)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import RANKS, SMALL, dataset_files, texts
+from conftest import SMALL, dataset_files, gpt2_ranks, texts
 
 from mingpt.config.schema import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
@@ -21,14 +21,14 @@ from mingpt.model.tokenizer import TokenizerError, build_bpe
 
 
 def test_parallel_prepare_writes_the_bytes_of_one_process(inputs, tmp_path):
-    one = prepare([str(inputs)], str(tmp_path / "one"), SMALL, ranks_file=RANKS, workers=1)
-    two = prepare([str(inputs)], str(tmp_path / "two"), SMALL, ranks_file=RANKS, workers=2)
+    one = prepare([str(inputs)], str(tmp_path / "one"), SMALL, ranks_file=gpt2_ranks(), workers=1)
+    two = prepare([str(inputs)], str(tmp_path / "two"), SMALL, ranks_file=gpt2_ranks(), workers=2)
     assert dataset_files(tmp_path / "one") == dataset_files(tmp_path / "two")
     assert len(one["shards"]) > 10 and one["dtype"] == "uint16"
     assert max(s["bytes"] for s in one["shards"]) <= SMALL.shard_bytes
     # 1 book + 3 x 300 JSON lines + 250 rows, each ending with end-of-text
     assert one["documents"] == 1 + 900 + 250 == two["documents"]
-    tok = build_bpe(RANKS)
+    tok = build_bpe(gpt2_ranks())
     data = PreparedData(str(tmp_path / "two"), str(tmp_path / "cache"), 1)
     ends = data.doc_ends()
     book = (inputs / "a_book.txt").read_text()
@@ -42,7 +42,7 @@ def test_a_prepare_killed_midway_continues_to_the_same_result(tmp_path):
     src.mkdir()
     for i in range(3):
         (src / f"part{i}.txt").write_text("\n".join(texts(20000, 10 + i)) + "\n")  # ~9 MB of text in all
-    cmd = [sys.executable, "-m", "mingpt.cli.prepare", str(src), "--tokenizer.ranks_file", RANKS, "--workers", "1",
+    cmd = [sys.executable, "-m", "mingpt.cli.prepare", str(src), "--tokenizer.ranks_file", gpt2_ranks(), "--workers", "1",
            "--unit-mb", "0.25"]
     out = tmp_path / "out"
     proc = subprocess.Popen([*cmd, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -78,7 +78,7 @@ def train_weights(data_path: str, tmp_path: Path, name: str, *overrides: str) ->
     from mingpt.runtime.distributed import DistInfo
 
     cfg = compose([*TINY, f"data.path={data_path}", f"data.cache_dir={tmp_path / ('cache-' + name)}",
-                   "data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={RANKS}",
+                   "data.tokenizer.kind=bpe", f"data.tokenizer.ranks_file={gpt2_ranks()}",
                    f"trainer.run_dir={tmp_path / name}", *overrides])
     trainer = assemble(cfg, DistInfo())
     try:
@@ -96,8 +96,8 @@ def test_training_from_s3_equals_training_from_local_disk(inputs, tmp_path, s3, 
     bucket = f"prep-{kind}"
     fs.mkdir(bucket)
     fs.put(str(inputs) + "/", f"{bucket}/raw/", recursive=True)
-    remote = prepare([f"s3://{bucket}/raw"], f"s3://{bucket}/prepared", SMALL, ranks_file=RANKS, workers=2)
-    local = prepare([str(inputs)], str(tmp_path / "prepared"), SMALL, ranks_file=RANKS, workers=1)
+    remote = prepare([f"s3://{bucket}/raw"], f"s3://{bucket}/prepared", SMALL, ranks_file=gpt2_ranks(), workers=2)
+    local = prepare([str(inputs)], str(tmp_path / "prepared"), SMALL, ranks_file=gpt2_ranks(), workers=1)
     assert remote["shards"] == local["shards"] and remote["tokens"] == local["tokens"]
     batching = (["trainer.batch_size=8", "trainer.micro_batch_size=4"] if kind == "stream" else
                 ["data.documents.token_budget=64", "data.documents.micro_batches_per_step=4"])
@@ -121,7 +121,7 @@ def test_a_damaged_shard_on_s3_is_named(inputs, tmp_path, s3):
 
     fs = s3fs.S3FileSystem()
     fs.mkdir("prep-damaged")
-    m = prepare([str(inputs / "b.jsonl")], "s3://prep-damaged/ds", SMALL, ranks_file=RANKS, workers=1)
+    m = prepare([str(inputs / "b.jsonl")], "s3://prep-damaged/ds", SMALL, ranks_file=gpt2_ranks(), workers=1)
     victim = m["shards"][1]
     data = bytearray(fs.cat_file(f"prep-damaged/ds/{victim['name']}"))
     data[10] ^= 0xFF
@@ -143,32 +143,32 @@ def test_bad_inputs_are_named(inputs, tmp_path):
     pq.write_table(pa.table({"content": ["a"], "url": ["u"]}), tmp_path / "other.parquet")
     with pytest.raises(DataError, match=r"other.parquet has no column 'text' \(its columns: content, url\); set "
                                         r"--text-field"):
-        prepare([str(tmp_path / "other.parquet")], str(tmp_path / "x"), SMALL, ranks_file=RANKS, workers=1)
+        prepare([str(tmp_path / "other.parquet")], str(tmp_path / "x"), SMALL, ranks_file=gpt2_ranks(), workers=1)
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n' * 5 + '["a list"]\n')
     with pytest.raises(DataError, match=r"bad.jsonl line 6 is a JSON list, not an object"):
-        prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "y"), Settings(unit_bytes=40), ranks_file=RANKS,
+        prepare([str(tmp_path / "bad.jsonl")], str(tmp_path / "y"), Settings(unit_bytes=40), ranks_file=gpt2_ranks(),
                 workers=1)
     with pytest.raises(DataError, match="input .*missing.txt does not exist"):
-        prepare([str(tmp_path / "missing.txt")], str(tmp_path / "z"), SMALL, ranks_file=RANKS, workers=1)
+        prepare([str(tmp_path / "missing.txt")], str(tmp_path / "z"), SMALL, ranks_file=gpt2_ranks(), workers=1)
     # the same output for other inputs: refused, nothing of the first preparation touched
     (tmp_path / "p.txt").write_text("some text\n" * 100)
     before = {p: p.read_bytes() for p in (tmp_path / "y").rglob("*") if p.is_file()}
     with pytest.raises(DataError, match="holds an unfinished preparation of other inputs or settings"):
-        prepare([str(tmp_path / "p.txt")], str(tmp_path / "y"), SMALL, ranks_file=RANKS, workers=1)
+        prepare([str(tmp_path / "p.txt")], str(tmp_path / "y"), SMALL, ranks_file=gpt2_ranks(), workers=1)
     assert {p: p.read_bytes() for p in (tmp_path / "y").rglob("*") if p.is_file()} == before
     # a finished dataset: the same command says so, another one is refused
-    prepare([str(tmp_path / "p.txt")], str(tmp_path / "done"), SMALL, ranks_file=RANKS, workers=1)
-    assert prepare([str(tmp_path / "p.txt")], str(tmp_path / "done"), SMALL, ranks_file=RANKS, workers=1)["tokens"] > 0
+    prepare([str(tmp_path / "p.txt")], str(tmp_path / "done"), SMALL, ranks_file=gpt2_ranks(), workers=1)
+    assert prepare([str(tmp_path / "p.txt")], str(tmp_path / "done"), SMALL, ranks_file=gpt2_ranks(), workers=1)["tokens"] > 0
     with pytest.raises(DataError, match="done already holds a prepared dataset of other inputs or settings"):
-        prepare([str(inputs / "b.jsonl")], str(tmp_path / "done"), SMALL, ranks_file=RANKS, workers=1)
+        prepare([str(inputs / "b.jsonl")], str(tmp_path / "done"), SMALL, ranks_file=gpt2_ranks(), workers=1)
     with pytest.raises(DataError, match=r"was prepared with the bpe tokenizer; set data.tokenizer.kind=bpe \(it is "
                                         r"data.tokenizer.kind=char\)"):
         load_corpus(DataConfig(path=str(tmp_path / "done"), cache_dir=str(tmp_path / "cache")))
 
 
 def test_a_prepared_dataset_of_another_tokenizer_than_the_snapshot_is_named(inputs, tmp_path):
-    prepare([str(inputs / "b.jsonl")], str(tmp_path / "ds"), SMALL, ranks_file=RANKS, workers=1)
-    d = DataConfig(path=str(tmp_path / "ds"), cache_dir=str(tmp_path / "cache"), tokenizer=TokenizerConfig("bpe", RANKS))
+    prepare([str(inputs / "b.jsonl")], str(tmp_path / "ds"), SMALL, ranks_file=gpt2_ranks(), workers=1)
+    d = DataConfig(path=str(tmp_path / "ds"), cache_dir=str(tmp_path / "cache"), tokenizer=TokenizerConfig("bpe", gpt2_ranks()))
     with pytest.raises(TokenizerError, match=r"was tokenized with GPT-2 BPE \(ranks sha256 .*\), the snapshot to "
                                              r"resume with char \(3 characters\)"):
         load_corpus(d, tokenizer_state={"kind": "char", "chars": "abc", "eot": False})
@@ -198,5 +198,5 @@ def test_an_unreachable_s3_source_is_one_line(tmp_path, monkeypatch):
     t = time.monotonic()
     with pytest.raises(DataError, match=r"cannot reach s3://nowhere/corpus \(.*\); check the path, and for s3:// the "
                                         "endpoint"):
-        prepare(["s3://nowhere/corpus"], str(tmp_path / "x"), SMALL, ranks_file=RANKS, workers=1)
+        prepare(["s3://nowhere/corpus"], str(tmp_path / "x"), SMALL, ranks_file=gpt2_ranks(), workers=1)
     print(f"failed after {time.monotonic() - t:.1f} s")

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mingpt.config.compose import compose
+from mingpt.config.compose import compose, summary
 from mingpt.config.schema import ConfigError
 from mingpt.data.samplers import LengthGroupedSampler
 from mingpt.model.gpt import GPT, GPTConfig
@@ -58,6 +58,31 @@ def test_impossible_pipelines_are_named_with_the_fix(layers, stages, world, sche
     got = problem(cfg, stages, world, schedule, micro)
     assert (got is None) if message is None else got.startswith(message), got
     assert got is None or "\n" not in got
+
+
+@pytest.mark.parametrize("overrides, world, chosen", [
+    ([], 2, 16),  # the defaults: 32 sequences, one pipeline of 2 stages
+    (["trainer.pipeline_parallel=4", "model.n_layer=4"], 4, 8),
+    (["trainer.batch_size=64"], 4, 16),  # 2 pipelines of 2 stages: 32 sequences each
+    (["trainer.batch_size=8", "trainer.tensor_parallel=2", "model.n_head=2"], 4, 4),  # 1 pipeline: tp ranks are one
+    (["trainer.pipeline_schedule=gpipe", "trainer.batch_size=3"], 2, 1),
+    (["trainer.micro_batch_size=32"], 2, 32),  # set: kept (and refused in one line by 1F1B, as before)
+])
+def test_a_pipeline_left_to_its_defaults_gets_the_micro_batches_its_schedule_needs(overrides, world, chosen):
+    """trainer.pipeline_parallel=2 with nothing else set runs (it was refused: 1F1B had one micro-batch of
+    32 for 2 stages), and the settings screen says the micro-batch size was chosen."""
+    from mingpt.main import micro_batches_per_rank
+
+    cfg = compose(["trainer.pipeline_parallel=2", *overrides])
+    fitted = cfg.for_world(world)
+    assert fitted.trainer.micro_batch == chosen
+    t = fitted.trainer
+    gpt = GPTConfig(preset=None, n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=10)
+    fits = problem(gpt, t.pipeline_parallel, world, t.pipeline_schedule,
+                   micro_batches_per_rank(fitted, world // (t.pipeline_parallel * t.tensor_parallel))) is None
+    assert fits == ("trainer.micro_batch_size=32" not in overrides)
+    screen = next(line for line in summary(cfg, world) if line.startswith("batch"))
+    assert f"micro-batches of {chosen}" in screen and ("chosen" in screen) == fits
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -7,7 +7,7 @@ import uuid
 
 import numpy as np
 import pytest
-from conftest import RANKS, SMALL
+from conftest import SMALL, gpt2_ranks
 
 from mingpt.config.schema import DataConfig, TokenizerConfig
 from mingpt.data import DataError, load_corpus
@@ -72,16 +72,16 @@ def test_a_cache_limit_beyond_the_disk_is_refused(inputs, tmp_path, s3, monkeypa
     import s3fs
 
     s3fs.S3FileSystem().mkdir("prep-disk")
-    m = prepare([str(inputs / "b.jsonl")], "s3://prep-disk/ds", SMALL, ranks_file=RANKS, workers=1)
+    m = prepare([str(inputs / "b.jsonl")], "s3://prep-disk/ds", SMALL, ranks_file=gpt2_ranks(), workers=1)
     d = DataConfig(path="s3://prep-disk/ds", cache_dir=str(tmp_path / "cache"), shard_cache_gb=1e9,
-                   tokenizer=TokenizerConfig("bpe", RANKS))
+                   tokenizer=TokenizerConfig("bpe", gpt2_ranks()))
     load_corpus(d).close()  # a limit larger than any disk, but the dataset is small: only what it needs counts
     small_disk = shutil.disk_usage(tmp_path)._replace(free=sum(s["bytes"] for s in m["shards"]) // 2)
     monkeypatch.setattr("mingpt.data.prepared.shutil.disk_usage", lambda path: small_disk)
     with pytest.raises(DataError, match=r"needs 0.0 GiB \(data.shard_cache_gb=1e\+09\) but its disk has 0.0 GiB free; "
                                         "lower data.shard_cache_gb or point data.cache_dir at a larger disk"):
         load_corpus(DataConfig(path="s3://prep-disk/ds", cache_dir=str(tmp_path / "cache2"), shard_cache_gb=1e9,
-                               tokenizer=TokenizerConfig("bpe", RANKS)))
+                               tokenizer=TokenizerConfig("bpe", gpt2_ranks())))
 
 
 def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs, tmp_path, s3):
@@ -93,7 +93,7 @@ def test_the_shard_cache_keeps_its_limit_evicting_the_least_recently_used(inputs
     fs = s3fs.S3FileSystem()
     fs.mkdir("prep-lru")
     m = prepare([str(inputs / "b.jsonl")], "s3://prep-lru/ds", Settings(unit_bytes=8192, shard_bytes=512),
-                ranks_file=RANKS, workers=1)
+                ranks_file=gpt2_ranks(), workers=1)
     a, b, c = [s for s in m["shards"] if s["bytes"] == 512][:3]  # three of the same size
     cache = ShardCache(DatasetDir("s3://prep-lru/ds"), tmp_path / "cache", limit=a["bytes"] + b["bytes"])
     cached = lambda: sorted(p.name for p in (tmp_path / "cache").glob("*.bin"))  # noqa: E731
@@ -121,7 +121,7 @@ def test_the_shard_cache_survives_a_copy_vanishing_under_another_local_rank(inpu
 
     s3fs.S3FileSystem().mkdir("prep-race")
     m = prepare([str(inputs / "b.jsonl")], "s3://prep-race/ds", Settings(unit_bytes=8192, shard_bytes=512),
-                ranks_file=RANKS, workers=1)
+                ranks_file=gpt2_ranks(), workers=1)
     a, b, c = [s for s in m["shards"] if s["bytes"] == 512][:3]
     cache = ShardCache(DatasetDir("s3://prep-race/ds"), tmp_path / "cache", limit=a["bytes"] + b["bytes"])
     cache.get(a)
@@ -149,7 +149,7 @@ def test_a_failing_background_copy_is_reported_by_the_next_read(inputs, tmp_path
     from mingpt.data.prepared import ShardCache
 
     s3fs.S3FileSystem().mkdir("prep-thread")
-    m = prepare([str(inputs / "b.jsonl")], "s3://prep-thread/ds", SMALL, ranks_file=RANKS, workers=1)
+    m = prepare([str(inputs / "b.jsonl")], "s3://prep-thread/ds", SMALL, ranks_file=gpt2_ranks(), workers=1)
 
     def broken(self, entry):
         raise OSError(28, "No space left on device")

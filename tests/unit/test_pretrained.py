@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import BLOCK, SHARED_DATA, bpe_overrides, hf_logits
+from conftest import BLOCK, bpe_overrides, hf_logits
 
 from mingpt.config.compose import compose
 from mingpt.config.schema import ConfigError
@@ -16,7 +16,6 @@ from mingpt.model.pretrained import PretrainedError, locate, read_config, read_w
 from mingpt.runtime.distributed import DistInfo
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency: pip install -e .[test]")
-RANKS = SHARED_DATA / "r50k_base.tiktoken"
 
 
 def test_init_from_a_checkpoint_gives_transformers_logits_and_a_snapshot_wins_on_restart(hf_dir, corpus_file,

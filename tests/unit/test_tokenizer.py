@@ -1,5 +1,5 @@
 import pytest
-from conftest import SHARED_DATA, char_tokenizer, make_ranks_file
+from conftest import char_tokenizer, gpt2_ranks, make_ranks_file
 
 from mingpt.model.tokenizer import GPT2_RANKS_SHA256, BPETokenizer, TokenizerError, build_bpe, encoding_from_ranks, from_state
 
@@ -34,6 +34,6 @@ def test_bpe_ranks_file_is_checked_against_gpt2_hash(tmp_path):
 
 
 def test_gpt2_bpe_from_local_ranks_file():
-    tok = build_bpe(str(SHARED_DATA / "r50k_base.tiktoken"))
+    tok = build_bpe(gpt2_ranks())
     assert tok.vocab_size == 50257 and tok.eot_id == 50256
     assert tok.encode("Hello world") == [15496, 995]
