@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
-    RANKS,
     REPO,
     SMALL,
     bpe_overrides,
     dataset_files,
     free_port,
+    gpt2_ranks,
     make_docs_corpus,
     read_metrics,
     records,
@@ -204,9 +204,9 @@ def torchrun_cmd_c10d() -> list[str]:
 def test_ranks_under_torchrun_prepare_one_dataset_together(inputs, tmp_path):
     from conftest import REPO, torchrun_cmd, torchrun_env
 
-    prepare([str(inputs)], str(tmp_path / "one"), SMALL, ranks_file=RANKS, workers=1)
+    prepare([str(inputs)], str(tmp_path / "one"), SMALL, ranks_file=gpt2_ranks(), workers=1)
     proc = subprocess.run(torchrun_cmd(2, "-m", "mingpt.cli.prepare", str(inputs), "--out", str(tmp_path / "two"),
-                                       "--tokenizer.ranks_file", RANKS, "--unit-mb", str(SMALL.unit_bytes / 2**20),
+                                       "--tokenizer.ranks_file", gpt2_ranks(), "--unit-mb", str(SMALL.unit_bytes / 2**20),
                                        "--shard-mb", str(SMALL.shard_bytes / 2**20)),
                           cwd=REPO, env=torchrun_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

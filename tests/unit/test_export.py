@@ -6,7 +6,7 @@ import stat
 
 import pytest
 import torch
-from conftest import BLOCK, RANKS, bpe_overrides, hf_logits, save_state
+from conftest import BLOCK, bpe_overrides, gpt2_ranks, hf_logits, save_state
 
 from mingpt.cli.export import export
 from mingpt.config.compose import compose
@@ -27,7 +27,7 @@ def test_export_loads_in_transformers_with_our_logits_and_tokenizer(hf_dir, corp
     trainer.train()
     trainer.close()
     out = tmp_path / "export"
-    note = export(str(run_dir / "snapshots"), out, ranks_file=str(RANKS))
+    note = export(str(run_dir / "snapshots"), out, ranks_file=gpt2_ranks())
     assert "exported step 2" in note and "tokenizer files written" in note
     hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     ids = torch.randint(0, 50257, (2, BLOCK))
@@ -35,7 +35,7 @@ def test_export_loads_in_transformers_with_our_logits_and_tokenizer(hf_dir, corp
     torch.testing.assert_close(hf_logits(hf, ids), ours, atol=1e-5, rtol=0)
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     text = "ROMEO:  Wherefore art thou?\n\tNaïve café – 東京 🙂 it's 1234 isn't"
-    assert hf_tok.encode(text) == build_bpe(str(RANKS)).encode(text)
+    assert hf_tok.encode(text) == build_bpe(gpt2_ranks()).encode(text)
     assert hf_tok.decode(hf_tok.encode(text)) == text
 
 
