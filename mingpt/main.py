@@ -168,6 +168,7 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
                            tensor_parallel=cfg.trainer.tensor_parallel,
                            pipeline_parallel=cfg.trainer.pipeline_parallel, schedule=cfg.trainer.pipeline_schedule,
                            micro_batches=partial(micro_batches_per_rank, cfg))
+    gpt.checkpoint_activations(cfg.trainer.activation_checkpointing)
     if start.pretrained is not None and fresh:
         checkpoint_vocab = read_config(start.pretrained)["vocab_size"]
         if checkpoint_vocab != cfg.model.vocab_size:
@@ -175,8 +176,8 @@ def build_model(cfg: RunConfig, info: DistInfo, start: Start) -> Parallel:
                                   f"tokenizer {cfg.model.vocab_size}: use GPT-2's BPE ranks")
         load_into(gpt, start.pretrained)
         log.info("initialised from %s (%s)", cfg.model.init_from, start.pretrained)
-    log.info("model %s: %.2fM parameters, context %d, %s", cfg.model.preset or "custom", gpt.num_params() / 1e6,
-             cfg.model.block_size, parallel)
+    log.info("model %s: %.2fM parameters, context %d, %s%s", cfg.model.preset or "custom", gpt.num_params() / 1e6,
+             cfg.model.block_size, parallel, ", activation checkpointing" * cfg.trainer.activation_checkpointing)
     return parallel
 
 

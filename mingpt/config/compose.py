@@ -135,6 +135,7 @@ def summary(cfg: RunConfig, world_size: int = 1) -> list[str]:
             f"layout    {t.parallel}" + (f", tensor parallel {t.tensor_parallel}" if t.tensor_parallel > 1 else "")
             + (f", pipeline {t.pipeline_parallel} ({t.pipeline_schedule})" if t.pipeline_parallel > 1 else "")
             + f", precision {t.precision}" + (", compiled" if t.compile else "")
+            + (", activation checkpointing" if t.activation_checkpointing else "")
             + (f", replica group {r.group} of {len(r.peers)}" if r.enabled else ""),
             f"snapshots {cfg.snapshot_store}, every {s.every_steps} steps"
             + (f" or {s.every_seconds:g} s" if s.every_seconds else "") + f", keep {s.keep_last}, resume {s.resume}",

@@ -158,6 +158,10 @@ class TrainerConfig:
     """"auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16" or "fp16" (with GradScaler)."""
     compile: bool = False
     """torch.compile the model."""
+    activation_checkpointing: bool = False
+    """Keep only each block's input for the backward and recompute the rest there: the blocks'
+    activations no longer held (the largest part of memory at long contexts and big micro-batches),
+    for about a third more compute; the same gradients. `python -m benchmarks memory --ac` measures it."""
     deterministic: bool = False
     """Deterministic GPU kernels (torch.use_deterministic_algorithms, a fixed cuBLAS workspace): two
     runs of one config, and a run resumed after a fault, end bitwise equal on GPUs too, at some speed

@@ -59,8 +59,10 @@ def test_pipeline_gradients_equal_one_process_and_the_tied_matrix_stays_tied(tmp
                            f"data.cache_dir={tmp_path / 'cache'}", "trainer.batch_size=6", "trainer.micro_batch_size=2",
                            "snapshot.resume=never", f"trainer.pipeline_parallel={stages}",
                            f"trainer.pipeline_schedule={schedule}", f"trainer.parallel={data}",
-                           f"trainer.tensor_parallel={tp}", f"trainer.run_dir={tmp_path / 'run'}"))
+                           f"trainer.tensor_parallel={tp}", f"trainer.run_dir={tmp_path / 'run'}",
+                           f"trainer.activation_checkpointing={schedule == 'interleaved'}"))
     assert f"{data}{f' x tensor parallel {tp}' * (tp > 1)} x pipeline {stages} ({schedule})" in log
+    assert (schedule == "interleaved") == ("activation checkpointing" in log)  # (against one process without)
     ranks = stage_files(out, nproc)
     first = assert_one_process_grads(ranks, one, stages)
     for r in ranks[1:nproc // stages]:  # data-parallel copies of stage 0 hold the same gradients (FSDP's gathered)

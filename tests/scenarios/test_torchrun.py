@@ -101,13 +101,17 @@ def test_an_error_under_torchrun_is_printed_once_and_is_torchruns_root_cause(cor
     assert "Error executing job" not in out
 
 
-@pytest.mark.parametrize("batch, micro, parallel", [(5, 2, "ddp"), (5, 2, "fsdp")], ids=["uneven", "uneven-fsdp"])
-def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, batch, micro, parallel):
+@pytest.mark.parametrize("batch, micro, parallel, ac", [(5, 2, "ddp", False), (5, 2, "fsdp", True)],
+                         ids=["uneven", "uneven-fsdp-activation-checkpointing"])
+def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, batch, micro, parallel, ac):
+    """(FSDP with activation checkpointing, against one process without it: the same gradients.)"""
     args = [*TINY, *common(corpus_file, tmp_path), f"trainer.batch_size={batch}", f"trainer.micro_batch_size={micro}",
             "snapshot.resume=never", f"trainer.parallel={parallel}"]
     one, two = tmp_path / "g1.pt", tmp_path / "g2.pt"
     run([sys.executable, "tests/scenarios/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
-    run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}"))
+    log = run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}",
+                           f"trainer.activation_checkpointing={ac}"))
+    assert ac == ("activation checkpointing" in log)
     g1, g2 = torch.load(one), torch.load(two)
     assert g1.keys() == g2.keys()
     for name in g1:
@@ -115,11 +119,12 @@ def test_two_processes_give_the_same_gradients_as_one(corpus_file, tmp_path, bat
     assert max(g.abs().max().item() for g in g1.values()) > 1e-3  # real, non-zero gradients
 
 
-@pytest.mark.parametrize("tp", [1, 2], ids=["ddp", "tensor-parallel"])
+@pytest.mark.parametrize("tp", [1, 2], ids=["ddp", "tensor-parallel-activation-checkpointing"])
 def test_documents_two_processes_give_the_same_gradients_as_one(tmp_path, tp):
     """Length-grouped document batches, 3 micro-batches per step over 2 ranks: uneven token counts.
     Under tensor parallelism the 2 processes split each block and each sequence, whose lengths
-    (of any parity here) the group pads to a multiple of 2 and cuts back."""
+    (of any parity here) the group pads to a multiple of 2 and cuts back; they checkpoint activations
+    too (one process does not)."""
     corpus = make_docs_corpus(tmp_path)
     args = [*TINY, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "data=shakespeare_speeches",
             "data.block_size=32", "data.documents.token_budget=128", "data.documents.micro_batches_per_step=3",
@@ -127,8 +132,9 @@ def test_documents_two_processes_give_the_same_gradients_as_one(tmp_path, tp):
     one, two = tmp_path / "g1.pt", tmp_path / "g2.pt"
     run([sys.executable, "tests/scenarios/grad_worker.py", str(one), *args, f"trainer.run_dir={tmp_path / 'a'}"])
     log = run(torchrun_cmd(2, "tests/scenarios/grad_worker.py", str(two), *args, f"trainer.run_dir={tmp_path / 'b'}",
-                           f"trainer.tensor_parallel={tp}"))
+                           f"trainer.tensor_parallel={tp}", f"trainer.activation_checkpointing={tp > 1}"))
     assert "length_grouped batching" in log and (tp == 1 or "ddp x tensor parallel 2" in log)
+    assert (tp > 1) == ("activation checkpointing" in log)
     g1, g2 = torch.load(one), torch.load(two)
     for name in g1:
         torch.testing.assert_close(g2[name], g1[name], rtol=1e-4, atol=1e-6, msg=name)

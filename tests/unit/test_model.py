@@ -120,3 +120,33 @@ def test_one_initialisation_path_whatever_the_placement():
     torch.manual_seed(3)
     assert torch.equal(a.wte.weight, GPT(cfg).wte.weight)
     assert abs(float(a.wte.weight.detach().std()) - 0.02) < 0.002  # N(0, 0.02)
+
+
+def test_activation_checkpointing_keeps_less_for_the_backward_and_gives_the_same_gradients():
+    """Per block: the backward recomputes what the forward no longer keeps (dropout's noise included),
+    so the gradients are bitwise those without it, and the tensors saved for the backward shrink."""
+    cfg = GPTConfig(preset=None, n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=50, dropout=0.1)
+
+    def step(checkpointed: bool):
+        torch.manual_seed(0)
+        gpt = GPT(cfg).train()
+        gpt.checkpoint_activations(checkpointed)
+        x, y = torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16))
+        saved = []
+
+        def pack(t):
+            saved.append(t.untyped_storage().nbytes() if not isinstance(t, torch.nn.Parameter) else 0)
+            return t
+
+        torch.manual_seed(1)  # the dropout noise
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _, loss = gpt(x, y)
+        loss.backward()
+        return {n: p.grad for n, p in gpt.named_parameters()}, sum(saved)
+
+    plain, kept = step(False)
+    checkpointed, kept_checkpointed = step(True)
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        assert torch.equal(plain[name], checkpointed[name]), name
+    assert kept_checkpointed < kept / 2, (kept_checkpointed, kept)
