@@ -162,7 +162,8 @@ def heatmap_figure(run: Run) -> str:
         for name, c in pairs:
             grid[index[name], j] = c / median
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.35 * max(1, len(rows))))
-    spread = max(0.1, float(np.nanmax(np.abs(grid - 1))) if recs else 0.1)
+    # the colour scale of the usual spread (99% of the cells): one step 8x its median washed out every other
+    spread = max(0.1, float(np.nanpercentile(np.abs(grid - 1), 99)) if recs else 0.1)
     im = ax.imshow(grid, aspect="auto", cmap="coolwarm", vmin=1 - spread, vmax=1 + spread, interpolation="nearest")
     ax.set_yticks(range(len(rows)), rows)
     ticks = np.linspace(0, max(0, len(recs) - 1), min(10, max(1, len(recs)))).astype(int)
