@@ -81,7 +81,7 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     parallel = build_model(cfg, info, start)
     optimizer = init_state(build_optimizer(parallel.local, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay))
     metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard)
-    hosts = [f"{h}:{lr}" for h, lr in distributed.all_gather_objects((info.hostname, info.local_rank))]
+    hosts = distributed.rank_names(distributed.all_gather_objects((info.hostname, info.node, info.local_rank)))
     if spare is not None:  # built: it takes its member's place the moment the member's process exits
         replicas, start = stand_by(cfg, info, lease, spare, ledger, preempt, build_replicas, start.store)
     started = partial(record_start, ledger, info, start, parallel.name, hosts, cfg.replicas.group if replicas else None)

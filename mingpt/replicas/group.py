@@ -85,6 +85,7 @@ class Replicas:
         self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
         self.flags = (False, False)  # (preempted, save interval elapsed) on any member, at the last exchange
         self.shares_record: list = []  # the last step's (group that trained it, samples, sum of sample ids) of each share
+        self.group_compute: list = []  # the last step's [group, compute ms] of every group in it (its slowest process)
         self.failed_heals = 0  # states received that did not match their sender's digest (healed again)
 
     @classmethod
@@ -319,24 +320,30 @@ class Replicas:
         opts.rootRank, opts.rootTensor = source, 0
         self.wait(pg.broadcast([t], opts))
 
-    def reduce(self, model: torch.nn.Module, rows: dict, step: int, preempted: bool, timed: bool) -> float:
+    def reduce(self, model: torch.nn.Module, rows: dict, step: int, preempted: bool, timed: bool,
+               compute_s: float = 0.0) -> float:
         """The step's gradient into `model`: every share's (`rows`: share -> (flat gradient, summed
         token loss, micro-batches)), summed in share order; this member's flags (a preemption signal,
-        the save interval elapsed, a group waiting to join) are agreed by the same exchange. Returns
-        the step's summed token loss. A sync: the exchange runs on the host."""
+        the save interval elapsed, a group waiting to join) are agreed by the same exchange, and its
+        seconds computing its shares (`compute_s`) told to all. Returns the step's summed token loss. A
+        sync: the exchange runs on the host."""
         if preempted and self.procs > 1:  # the agent's SIGTERM after a process of this group died is no preemption
             time.sleep(2 * self.beacon.heartbeat_s)  # (the dead process's connection closed first: give it time)
             self.check_group()
         joiners = float(bool(self.beacon.joiners(self.epoch)))
         heads = {share: ShareHeader(float(preempted), float(timed), joiners, float(loss.item()),
                                     float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),
-                                    float(self.beacon.member // self.procs))
+                                    float(self.beacon.member // self.procs), float(compute_s))
                  for share, (_, loss, mbs) in rows.items()}
         total, every = self.membership.exchange(self, step, rows, heads, next(model.parameters()).device)
         set_grads(model, total)
         self.flags = (any(h.preempted for h in every), any(h.timed for h in every))
         self.rejoin_pending = any(h.joiners for h in every)
         self.shares_record = [[int(h.group), int(h.samples), int(h.ids)] for h in every]
+        by_group: dict[int, float] = {}
+        for h in every:
+            by_group[int(h.group)] = max(by_group.get(int(h.group), 0.0), h.compute)
+        self.group_compute = [[g, round(1000 * s, 2)] for g, s in sorted(by_group.items())]
         return sum(h.loss for h in every)
 
     def finish(self) -> None:

@@ -125,7 +125,7 @@ class WholeGroup:
             raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
         # (each part's samples counted once: the processes of a tensor-parallel group train the same part)
         flags, parts = (agreed[1:4] > 0).tolist(), (agreed[4:] / self.tp).view(n, 2).tolist()
-        return total, [ShareHeader(*map(float, flags), h.loss, samples, ids, h.group)
+        return total, [ShareHeader(*map(float, flags), h.loss, samples, ids, h.group, h.compute)
                        for h, (samples, ids) in zip(every, parts)]
 
 

@@ -22,6 +22,7 @@ class ShareHeader(NamedTuple):
     samples: float  # how many samples it trained
     ids: float  # the sum of their ids (every member trains the same samples of a share, whoever it is)
     group: float  # the group that trained it (its member's group)
+    compute: float  # that member's seconds computing its shares of the step (the report's time per group)
 
 MAC_COLUMNS = 4  # a header's HMAC-SHA256, its 32 bytes carried as four float64 columns
 

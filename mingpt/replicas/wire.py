@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 
-PROTOCOL = 3  # checked at hello: groups of another release refuse each other (3: the state `finished`)
+PROTOCOL = 4  # checked at hello: groups of another release refuse each other (4: a share header's compute)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
 HANDSHAKE_S = 5.0
 

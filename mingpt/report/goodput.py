@@ -61,7 +61,11 @@ class Attempt:
 
     @property
     def startup_s(self) -> float:
-        """From its processes' start to its first step done (its first record after the start's)."""
+        """From its processes' start to its first step done (its first record after the start's). A replica
+        group's start: to its start record, written once it joined an epoch and healed, every state of that
+        record counted (its wait to be let in and its heal, "regroup", included), so its parts add up to it."""
+        if "group" in self.start:
+            return sum(self.start["s"].values())
         first = self.ledgers[1] if len(self.ledgers) > 1 else self.ledgers[0]
         return sum(first["s"][p] for p in STARTUP)
 
@@ -96,6 +100,7 @@ class Account:
     idle: list[tuple[float, float]] = field(default_factory=list)  # (from, to): between two jobs, not the job's
     replicas: bool = False
     faults: int = 0  # replica groups: the epochs formed because a group was lost (each lost its step in flight)
+    lost_at: dict[int, float] = field(default_factory=dict)  # replica groups: per restart, when its group was lost
 
     @property
     def goodput(self) -> float:
@@ -201,7 +206,25 @@ def account_replicas(records: list[dict], attempts: list[Attempt]) -> Account:
         restarts += [i] if group in seen or a.start.get("restart", 0) > 0 else []
         seen.add(group)
     return Account(wall, seconds, startup, attempts, [0] * len(attempts), [0.0] * len(attempts), restarts, t0,
-                   replicas=True, faults=faults)
+                   replicas=True, faults=faults, lost_at=_lost_at(epochs, attempts, restarts))
+
+
+def group_of(member: int, epoch: dict) -> int:
+    """A member's group (members g * procs + i)."""
+    return member // epoch.get("procs", 1)
+
+
+def _lost_at(epochs: list[dict], attempts: list[Attempt], restarts: list[int]) -> dict[int, float]:
+    """Per restart of a group, when the group was lost: the first epoch without it since its start
+    before (the other groups trained on; the group was away from then until its start record)."""
+    out = {}
+    for i in restarts:
+        group = attempts[i].start.get("group")
+        before = [a.start["time"] for a in attempts[:i] if a.start.get("group") == group]
+        since = before[-1] if before else float("-inf")
+        out[i] = next((e["time"] for e in epochs if since < e["time"] <= attempts[i].t0 + attempts[i].startup_s
+                       and group not in {group_of(m, e) for m in e.get("members", [])}), attempts[i].t0)
+    return out
 
 
 def _pauses(records: list[dict], usual: float) -> tuple[float, float, int]:

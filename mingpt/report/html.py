@@ -117,10 +117,12 @@ def throughput_figure(run: Run) -> str:
     off = [(m, top) for m, v in zip(minutes, rates) if v > top]
     if off:
         ax.plot(*zip(*off), "^", ms=5, color="red", label=f"{len(off)} off the scale")
-        ax.legend(loc="lower right", fontsize=8)
     ax.set_ylim(0, top)
+    shaded = _restart_spans(acc)
     ax.set(xlabel="job time (min; the time between jobs left out)", ylabel="tokens/s",
-           title="throughput and MFU (shaded: restarts, from the last record before a fault to the first step after it)")
+           title="throughput and MFU" + ("" if not shaded else " (shaded: restarts of a group, from its loss to its"
+                                         " return; the others trained on)" if acc.replicas else " (shaded: restarts,"
+                                         " from the last record before a fault to the first step after it)"))
     # MFU is tokens/s times a constant of the model and hardware: a second scale, not a second series
     per_token = [100 * r["mfu"] / r["tokens_per_s"] for r in recs if r.get("mfu") and r.get("tokens_per_s")]
     if per_token:
@@ -128,26 +130,40 @@ def throughput_figure(run: Run) -> str:
         low, high = ax.get_ylim()
         mfu.set_ylim(low * float(np.median(per_token)), high * float(np.median(per_token)))
         mfu.set_ylabel("MFU (%)")
-    for i, a in enumerate(acc.attempts):
-        if acc.gaps[i] > 0:
-            ax.axvspan(acc.clock(a.t0 - acc.gaps[i]) / 60, acc.clock(a.t0 + a.startup_s) / 60, color="#b5179e",
-                       alpha=0.25)
+    for n, (start, end) in enumerate(shaded):
+        ax.axvspan(start / 60, end / 60, color="#b5179e", alpha=0.25, label=None if n else "restart")
+    if off or shaded:
+        ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     return _figure(fig, "throughput", "Tokens/s (dots, left) and MFU (right) of every logged step over the job's "
                    "time.", len(recs))
 
 
+def _restart_spans(acc) -> list[tuple[float, float]]:
+    """The restarts the summary counts, as (job seconds from, to): a plain job's from its last
+    record before the fault to the first step after it; a replica group's from the epoch formed without
+    it to its return (its start record), while the other groups trained on."""
+    spans = []
+    for i in acc.restarts:
+        a = acc.attempts[i]
+        start = acc.lost_at.get(i, a.t0) if acc.replicas else a.t0 - acc.gaps[i]
+        spans.append((acc.clock(start), acc.clock(a.t0 + a.startup_s)))
+    return spans
+
+
 def heatmap_figure(run: Run) -> str:
-    recs = [(r, h) for r, h in run.logged if r.get("compute_ms") and len(r["compute_ms"]) == len(h)]
-    rows = sorted({host for _, h in recs for host in h})
-    grid = np.full((len(rows), len(recs)), np.nan)
-    index = {host: i for i, host in enumerate(rows)}
-    for j, (r, hosts) in enumerate(recs):
-        median = max(float(np.median(r["compute_ms"])), 1e-9)
-        for host, c in zip(hosts, r["compute_ms"]):
-            grid[index[host], j] = c / median
+    # a replica job's rows are its groups (each record carries every group's compute), a plain job's its ranks
+    recs = [(r, pairs) for r, pairs in run.logged if pairs]
+    rows = sorted({name for _, pairs in recs for name, _ in pairs})
+    grid = np.full((len(rows), len(recs)), np.nan)  # blank: not in that step (a replica group away)
+    index = {name: i for i, name in enumerate(rows)}
+    for j, (_, pairs) in enumerate(recs):
+        median = max(float(np.median([c for _, c in pairs])), 1e-9)
+        for name, c in pairs:
+            grid[index[name], j] = c / median
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.35 * max(1, len(rows))))
-    spread = max(0.1, float(np.nanmax(np.abs(grid - 1))) if recs else 0.1)
+    # the colour scale of the usual spread (99% of the cells): one step 8x its median washed out every other
+    spread = max(0.1, float(np.nanpercentile(np.abs(grid - 1), 99)) if recs else 0.1)
     im = ax.imshow(grid, aspect="auto", cmap="coolwarm", vmin=1 - spread, vmax=1 + spread, interpolation="nearest")
     ax.set_yticks(range(len(rows)), rows)
     ticks = np.linspace(0, max(0, len(recs) - 1), min(10, max(1, len(recs)))).astype(int)
@@ -162,8 +178,10 @@ def heatmap_figure(run: Run) -> str:
         column += id(r) in kept
     for j in sorted(set(starts)):  # a restart: the steps after it were logged again
         ax.axvline(j - 0.5, color="black", lw=1.5)
-    ax.set(xlabel="logged step (black lines: restarts, after which steps are trained again)",
-           title="compute time per logged step, each rank against the step's median (red: slower)")
+    who = "each replica group (blank: away)" if acc.replicas else "each rank"
+    ax.set(xlabel="logged step" + ("" if acc.replicas else " (black lines: restarts, after which steps are trained "
+                                   "again)"), title=f"compute time per logged step, {who} against the step's median "
+                                                    "(red: slower)")
     fig.colorbar(im, ax=ax, fraction=0.02, label="x median")
     return _figure(fig, "ranks", "Each rank's step compute time over the step's median, per logged step: a slow "
                    "host is a red row.", int(np.isfinite(grid).sum()))
@@ -198,7 +216,9 @@ def snapshot_figure(run: Run) -> str:
 
 def goodput_figure(run: Run) -> str:
     acc = run.account
-    fig, (bar, timeline) = plt.subplots(2, 1, figsize=(12, 3.6), gridspec_kw={"height_ratios": [1, 1.4]})
+    lanes = len({a.start.get("group") for a in acc.attempts}) if acc.replicas else 1
+    fig, (bar, timeline) = plt.subplots(2, 1, figsize=(12, 3.1 + 0.5 * lanes),
+                                        gridspec_kw={"height_ratios": [1, 0.9 + 0.5 * lanes]})
     left = 0.0
     for c in CATEGORIES:
         share = acc.seconds[c] / acc.wall if acc.wall else 0.0
@@ -208,17 +228,39 @@ def goodput_figure(run: Run) -> str:
         left += share
     bar.set(xlim=(0, 1), yticks=[], xticks=[], title=f"goodput {100 * acc.goodput:.1f}% of {acc.wall:.0f} s")
     bar.legend(ncol=4, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), frameon=False)
-    for i, a in enumerate(acc.attempts):  # each start: down, start-up, then training until its last record
+    if acc.replicas:
+        _group_lanes(timeline, acc)
+    for i, a in enumerate([] if acc.replicas else acc.attempts):  # each start: down, start-up, then training
         start_s, left = a.startup_s, acc.clock(a.t0)
         if acc.gaps[i]:
             timeline.barh(0, acc.gaps[i], left=left - acc.gaps[i], color=COLORS["down"])
         timeline.barh(0, start_s, left=left, color=COLORS["startup"])
         timeline.barh(0, a.end - a.t0 - start_s, left=left + start_s, color=COLORS["training"])
-    timeline.set(yticks=[], xlabel="job time (s; the time between jobs left out)",
+    timeline.set(xlabel="job time (s; the time between jobs left out)",
                  title="starts: restart (purple), start-up (orange), then training with its evaluations and saves (green)")
+    if not acc.replicas:
+        timeline.set(yticks=[])
     fig.subplots_adjust(hspace=1.4)
     return _figure(fig, "goodput", "Where the wall time went, and the life of the job start by start.",
                    len(acc.attempts))
+
+
+def _group_lanes(ax, acc) -> None:
+    """A replica job's starts, a lane per group (the others trained through a group's restart): each
+    start's start-up to its return (its start record), training until the group was lost (the epoch
+    formed without it), then its restart (purple) until its processes started again."""
+    groups = sorted({a.start.get("group") for a in acc.attempts}, key=str)
+    lane = {g: len(groups) - 1 - n for n, g in enumerate(groups)}  # the first group on top
+    end = acc.clock(acc.t0 + acc.wall)
+    for i, a in enumerate(acc.attempts):
+        y, left, back = lane[a.start.get("group")], acc.clock(a.t0), acc.clock(a.t0 + a.startup_s)
+        ax.barh(y, back - left, left=left, color=COLORS["startup"])
+        later = [j for j in acc.restarts if j > i and acc.attempts[j].start.get("group") == a.start.get("group")]
+        lost = acc.clock(acc.lost_at[later[0]]) if later else end
+        ax.barh(y, max(0.0, lost - back), left=back, color=COLORS["training"])
+        if later:
+            ax.barh(y, max(0.0, acc.clock(acc.attempts[later[0]].t0) - lost), left=lost, color=COLORS["down"])
+    ax.set_yticks([lane[g] for g in groups], [f"group {g}" for g in groups])
 
 
 def write_html(run: Run, path: Path, name: str) -> None:

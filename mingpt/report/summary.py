@@ -21,7 +21,7 @@ class Run:
     train: dict[int, dict]  # step -> its last train record (a step trained again is logged again)
     evals: dict[int, dict]
     snapshots: list[dict]
-    logged: list[tuple[dict, list[str]]]  # every train record in file order, with the hosts of its ranks
+    logged: list[tuple[dict, list[tuple[str, float]]]]  # every train record in file order, with its compute_of
 
     @classmethod
     def of(cls, records: list[dict]) -> Run:
@@ -32,7 +32,7 @@ class Run:
                 current = r.get("hosts") or []
             elif kind == "train":
                 train[r["step"]] = r
-                logged.append((r, current))
+                logged.append((r, compute_of(r, current)))
             elif kind == "eval":
                 evals[r["step"]] = r
             elif kind == "snapshot":
@@ -41,20 +41,30 @@ class Run:
                    logged)
 
     def slowest(self, top: int = 3) -> list[tuple[str, float, float]]:
-        """(host:local rank, share of logged steps where it was the slowest, its mean compute time
+        """(rank or replica group, share of logged steps where it was the slowest, its mean compute time
         over the step's median), slowest first."""
         ratios, slowest, steps = defaultdict(list), defaultdict(int), 0
-        for r, hosts in self.logged:
-            compute = r.get("compute_ms") or []
-            if len(compute) < 2 or len(hosts) != len(compute):
+        for _, pairs in self.logged:
+            if len(pairs) < 2:
                 continue
             steps += 1
+            names, compute = zip(*pairs)
             median = max(float(np.median(compute)), 1e-9)
-            for host, c in zip(hosts, compute):
-                ratios[host].append(c / median)
-            slowest[hosts[int(np.argmax(compute))]] += 1
+            for name, c in pairs:
+                ratios[name].append(c / median)
+            slowest[names[int(np.argmax(compute))]] += 1
         rows = [(h, slowest[h] / steps, float(np.mean(v))) for h, v in ratios.items()]
         return sorted(rows, key=lambda row: (-row[2], -row[1]))[:top]
+
+
+def compute_of(r: dict, hosts: list[str]) -> list[tuple[str, float]]:
+    """A train record's compute milliseconds by who computed them: every replica group's (the groups of
+    the epoch, one row each; its ranks' own are the leading group's only), else every rank's, named as
+    its start record names them (`hosts`, of the same world size: none where they do not match)."""
+    if "group_compute_ms" in r:
+        return [(f"group {g}", ms) for g, ms in r["group_compute_ms"]]
+    compute = r.get("compute_ms") or []
+    return list(zip(hosts, compute)) if len(hosts) == len(compute) else []
 
 
 def _s(seconds: float) -> str:
@@ -118,9 +128,12 @@ def _restart_lines(acc) -> list[str]:
         lines.append("  restarts (a group's processes started again; they healed from a live group):")
         for i in acc.restarts[-5:]:
             a = attempts[i]
-            # where its return went, by the start record's ledger (written once it joined and healed)
-            parts = " | ".join(f"{PHASES.get(k, 'joining and healing')} {v:.1f}" for k, v in a.start["s"].items()
-                               if (k in PHASES or k == "regroup") and v >= 0.05)
+            # where its return went, by the start record's ledger (written once it joined and healed): every
+            # state of it, as the start-up shown is their sum (Attempt.startup_s); those under 0.05 s together
+            shown = {k: v for k, v in a.start["s"].items() if v >= 0.05}
+            rest = a.startup_s - sum(shown.values())
+            parts = " | ".join([f"{PHASES.get(k, 'joining and healing' if k == 'regroup' else k)} {v:.1f}"
+                                for k, v in shown.items()] + ([f"the rest {rest:.1f}"] if rest >= 0.05 else []))
             lines.append(f"    group {a.start.get('group')}: back at step {a.first_step:,}, start-up {a.startup_s:.1f} s"
                          + (f" ({parts})" if parts else ""))
     if restarts:

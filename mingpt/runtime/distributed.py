@@ -202,6 +202,17 @@ def all_gather_objects(obj) -> list:
     return out
 
 
+def rank_names(places: list[tuple[str, int, int]]) -> list[str]:
+    """Every rank's name in logs and records, from each rank's (hostname, node, local rank): "host:local_rank",
+    with "(node N)" added where one host runs more than one node's processes (several agents on one
+    machine: each has its local ranks 0..n, so host and local rank alone would name two processes as one).
+    The node is torchrun's for this start: the names are unique within a start, not across restarts."""
+    nodes: dict[str, set[int]] = {}
+    for host, node, _ in places:
+        nodes.setdefault(host, set()).add(node)
+    return [f"{host}:{local}" + (f" (node {node})" if len(nodes[host]) > 1 else "") for host, node, local in places]
+
+
 def broadcast_object(obj, src: int = 0):
     """Send a picklable object from rank src to all ranks."""
     if not dist.is_initialized():
@@ -251,7 +262,7 @@ def is_peer_failure(e: BaseException) -> bool:
 
 def lost_peer(e: BaseException, hosts: list[str], me: int = -1) -> str:
     """A broken collective in our words: which host and ranks went away (from the peer address gloo
-    names, matched against `hosts`, every rank's "host:local_rank"), and how. gloo's own text names a
+    names, matched against `hosts`, every rank's name from `rank_names`), and how. gloo's own text names a
     source file, an ephemeral port, and sometimes "GLHF"."""
     import re
 

@@ -95,6 +95,7 @@ class ReplicaTrainer(Trainer):
         rows = {s: row for s, row in self._redo[1].items() if s in mine} if self._redo and self._redo[0] == step else {}
         if rows:
             log.info("step %d trained again: %d of this group's shares done before the fault kept", step, len(rows))
+        started = time.monotonic()
         try:
             for share in mine:
                 if share not in rows:
@@ -104,7 +105,8 @@ class ReplicaTrainer(Trainer):
                     if r.membership.decides_alone:  # a member lost: on to the redo now, not after the other
                         r.check()  # shares (whole groups: the group's processes decide together, in the exchange)
             self.ledger.switch("step_compute")
-            total = r.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested, self.policy.interval_elapsed())
+            total = r.reduce(self.parallel.gpt, rows, step, self.policy.preempt.requested, self.policy.interval_elapsed(),
+                             time.monotonic() - started)
         except MembershipChanged:
             self._redo = (step, rows)
             raise
@@ -113,7 +115,8 @@ class ReplicaTrainer(Trainer):
 
     def record_extra(self) -> dict:
         epoch = self.replicas.epoch
-        return {"world_size": epoch.world, "members": epoch.numbers(), "shares": self.replicas.shares_record}
+        return {"world_size": epoch.world, "members": epoch.numbers(), "shares": self.replicas.shares_record,
+                "group_compute_ms": self.replicas.group_compute}
 
     @property
     def saves(self) -> bool:

@@ -171,3 +171,20 @@ def test_a_restarted_process_starts_at_the_step_it_healed_to(faulted):
     healed = [min(heals, key=lambda e: abs(e["time"] - r["time"]))["step"] for r in restarted]  # its own heal
     print(f"restarted processes' start records at steps {[r['step'] for r in restarted]}; healed at {healed}")
     assert [r["step"] for r in restarted] == healed and len(healed) == KILLS
+
+
+def test_every_groups_compute_time_is_recorded_and_a_restart_adds_up(faulted):
+    """Every train record carries the compute time of each group of its epoch (the report's heatmap: a row
+    per group; a record's own ranks are the leading group's only), and the summary's start-up of each
+    group's return is the sum of its parts."""
+    recs, out = faulted
+    procs = next(r.get("procs", 1) for r in recs if r.get("kind") == "epoch")
+    for r in (r for r in recs if r.get("kind") == "train"):
+        assert [g for g, _ in r["group_compute_ms"]] == sorted({m // procs for m in r["members"]}), r
+        assert all(ms > 0 for _, ms in r["group_compute_ms"]), r
+    assert re.search(r"slowest ranks.*\n\s+group \d", out), out
+    backs = re.findall(r"back at step [\d,]+, start-up ([\d.]+) s \(([^)]*)\)", out)
+    assert len(backs) == KILLS, out
+    for total, parts in backs:
+        shown = [float(p.rsplit(" ", 1)[1]) for p in parts.split(" | ")]
+        assert float(total) == pytest.approx(sum(shown), abs=0.05 * len(shown)), (total, parts)

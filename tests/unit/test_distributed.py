@@ -104,3 +104,26 @@ def test_a_lost_peer_is_named_in_our_words_by_host_and_rank(message, said):
                     me=1)  # this rank shares the peers' address: it is not named
     assert out == said
     assert "pair.cc" not in out and "GLHF" not in out
+
+
+def test_two_nodes_on_one_host_are_named_apart_and_their_slowest_rank_too(caplog):
+    """Two torchrun agents on one machine (loopback nodes), each with local ranks 0 and 1: "host:local_rank"
+    named two processes as one ("vm:0"), in the records, the report and the slowest-rank log line."""
+    import logging
+
+    from mingpt.report.summary import Run
+    from mingpt.runtime.distributed import lost_peer, rank_names
+    from mingpt.training.metrics import train_record
+
+    names = rank_names([("vm", 0, 0), ("vm", 0, 1), ("vm", 1, 0), ("vm", 1, 1)])
+    assert names == ["vm:0 (node 0)", "vm:1 (node 0)", "vm:0 (node 1)", "vm:1 (node 1)"]
+    assert rank_names([("a", 0, 0), ("a", 0, 1), ("b", 1, 0)]) == ["a:0", "a:1", "b:0"]  # a node per host: as before
+    step = {"step": 5, "tokens_seen": 50, "tokens": 10, "lr": 1e-3, "grad_norm": 1.0}
+    with caplog.at_level(logging.INFO):
+        record = train_record(step, 2.0, 0.1, [0.01, 0.01, 0.03, 0.01], names, 1.0, 1e9)
+    assert "slowest vm:0 (node 1), rank 2" in caplog.text
+    start = {"kind": "start", "step": 0, "hosts": names}
+    slow = Run.of([start, record, {**record, "step": 10}]).slowest(top=4)
+    assert len(slow) == 4 and slow[0][0] == "vm:0 (node 1)", slow  # four processes, the slow one apart
+    said = lost_peer(RuntimeError("Connection reset by peer [127.0.0.1]:35112"), ["localhost:0 (node 1)"])
+    assert said.startswith("lost host localhost, rank 0 ")  # the host is still read from the name

@@ -434,13 +434,13 @@ def test_an_exchange_header_without_the_jobs_mac_is_refused():
 
 def test_a_share_header_crosses_the_exchange_by_name():
     """The header a share's trainer sends (its flags, loss, samples, who trained it) is a named record,
-    not seven positions read back as h[0]..h[6]."""
+    not eight positions read back as h[0]..h[7]."""
     from mingpt.replicas.tensors import ShareHeader
 
     r = Replicas(HealBeacon(0, SECRET), members=2, min_groups=1, timeout_s=10, per_group=2)
     r.epoch = Epoch(1, [Member(0, "a", 5, True)], 0)
     r.epoch.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
-    sent = {s: ShareHeader(0.0, 1.0, 0.0, 2.5 * s, 4.0, 10.0 + s, 0.0) for s in range(4)}
+    sent = {s: ShareHeader(0.0, 1.0, 0.0, 2.5 * s, 4.0, 10.0 + s, 0.0, 0.01 * s) for s in range(4)}
     _, every = r.exchange(3, {s: torch.ones(5) for s in range(4)}, sent)
     got = [ShareHeader(*h) for h in every]
     assert got == [sent[s] for s in range(4)] and got[2].loss == 5.0 and got[3].ids == 13.0

@@ -2,6 +2,9 @@
 and the plots; the steps in flight of a replica job; the time axes without the idle time between jobs;
 the throughput plot scaled to its steady points."""
 
+import re
+
+import matplotlib.colors
 import pytest
 from conftest import ledger
 
@@ -21,8 +24,8 @@ def train(step, t, ms=100.0, tok_s=1000.0):
             "loss": 1.0, "tokens_seen": 100 * step}
 
 
-def epoch(step, t, why, regroup_s, healed=()):
-    return {"kind": "epoch", "step": step, "time": t, "why": why, "regroup_s": regroup_s, "groups": [0, 1, 2],
+def epoch(step, t, why, regroup_s, healed=(), members=(0, 1, 2)):
+    return {"kind": "epoch", "step": step, "time": t, "why": why, "regroup_s": regroup_s, "members": list(members),
             "healed": list(healed)}
 
 
@@ -33,7 +36,7 @@ def replica_job():
         *[start(100, 0, g) for g in range(3)],
         epoch(0, 105, "start", 0.01),
         *[train(s, 105 + 0.1 * s) for s in range(1, 21)],
-        epoch(20, 107.35, "group 0 lost", 0.25),  # 0.1 s of the step in flight, then the regroup
+        epoch(20, 107.35, "group 0 lost", 0.25, members=(1, 2)),  # 0.1 s of the step in flight, then the regroup
         *[train(s, 107.35 + 0.15 * (s - 20), ms=150) for s in range(21, 31)],  # two survivors, three shares each
         start(108, 30, 0, restart=1, regroup=0.3),  # the restarted process's start record, once it healed: its step
         epoch(30, 109.0, "start", 1.0, healed=[0]),  # written by group 0, who waited 1 s to be let in
@@ -110,3 +113,63 @@ def test_a_point_far_above_the_rest_does_not_flatten_the_throughput_plot(monkeyp
                train(50, 150, tok_s=265451)]  # a rate measured over a wrong interval
     ax = html.throughput_figure(Run.of(records)).axes[0]
     assert ax.get_ylim()[1] <= 3.2 * 1025
+
+
+def test_a_groups_restart_is_drawn_in_its_groups_lane_while_the_others_train(monkeypatch):
+    """Group 0's restart (lost at 107.35, started again at 108, back at 109.3) is group 0's: its lane shows
+    the restart and the start-up, the other groups' lanes train straight through it (it was drawn as a
+    start-up of the whole job)."""
+    monkeypatch.setattr(html, "_figure", lambda fig, *args: fig)
+    timeline = html.goodput_figure(Run.of(replica_job())).axes[1]
+    lanes = {t.get_text(): y for t, y in zip(timeline.get_yticklabels(), timeline.get_yticks())}
+    assert sorted(lanes) == ["group 0", "group 1", "group 2"], lanes
+    bars = [(p.get_y() + p.get_height() / 2, p.get_x(), p.get_x() + p.get_width(), matplotlib.colors.to_hex(
+        p.get_facecolor())) for p in timeline.patches if p.get_width() > 0]
+    during = [(y, color) for y, x0, x1, color in bars if x0 < 8.5 < x1]  # the restart's start-up: job second 8.5
+    assert sorted(during) == sorted([(lanes["group 0"], html.COLORS["startup"]), (lanes["group 1"], html.COLORS["training"]),
+                                     (lanes["group 2"], html.COLORS["training"])]), bars
+    down = [(y, x0, x1) for y, x0, x1, color in bars if color == html.COLORS["down"]]
+    assert down == [(lanes["group 0"], pytest.approx(7.35), pytest.approx(8))], bars  # from its loss to its new processes
+
+
+def test_the_throughput_plot_shades_the_restarts_it_names_and_names_none_where_there_are_none(monkeypatch):
+    """Its title said "shaded: restarts" and nothing was shaded in a replica job (the groups' restarts have no
+    job-wide down time)."""
+    monkeypatch.setattr(html, "_figure", lambda fig, *args: fig)
+    ax = html.throughput_figure(Run.of(replica_job())).axes[0]
+    spans = [p.get_x() for p in ax.patches]
+    assert "shaded: restarts" in ax.get_title() and spans == [pytest.approx(7.35 / 60)], (ax.get_title(), spans)
+    plain = html.throughput_figure(Run.of([start(100, 0), *[train(s, 100 + s) for s in range(1, 10)]])).axes[0]
+    assert not plain.patches and "shaded" not in plain.get_title()
+
+
+def test_a_groups_start_up_is_the_sum_of_the_parts_shown():
+    """The parts of a group's return (its joining and healing among them) add up to the start-up shown; 39.1 s
+    of parts were shown against 37.8 s, the wait to join and heal left out of the total."""
+    records = replica_job()
+    back = next(i for i, r in enumerate(records) if r.get("kind") == "start" and r["restart"] == 1)
+    records[back] = start(108, 30, 0, restart=1, config=30.8, process_group=0.02, preflight=0.03,
+                          data_load=3.1, restore=0.04, regroup=1.3)  # (model=1 too)
+    line = next(x for x in summary(Run.of(records), "r").splitlines() if "group 0: back at step 30" in x)
+    total = float(re.search(r"start-up ([\d.]+) s", line).group(1))
+    parts = [float(v) for v in re.findall(r"([\d.]+)(?: \||\))", line.split("(", 1)[1])]
+    assert "joining and healing 1.3" in line and total == pytest.approx(sum(parts), abs=0.05 * len(parts)), line
+    assert total == pytest.approx(36.29, abs=0.05), line
+
+
+def test_the_heatmap_of_a_replica_job_has_a_row_per_group_with_its_compute_time(monkeypatch):
+    """Each record carries every group's compute time of the step (its own ranks': the leading group's only,
+    one process, always 1x its own median: one empty row); a group away is blank."""
+    monkeypatch.setattr(html, "_figure", lambda fig, *args: fig)
+    records = [{**r, "hosts": ["vm:0"]} if r.get("kind") == "start" else r for r in replica_job()]
+    for r in records:
+        if r.get("kind") == "train":
+            groups = [1, 2] if 21 <= r["step"] <= 30 else [0, 1, 2]
+            r |= {"compute_ms": [50.0], "group_compute_ms": [[g, 50.0 * (1.5 if g == 2 else 1)] for g in groups]}
+    ax = html.heatmap_figure(Run.of(records)).axes[0]
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    grid = ax.get_images()[0].get_array()
+    assert rows == ["group 0", "group 1", "group 2"], rows
+    assert (grid[2].min(), grid[2].max()) == (pytest.approx(1.2), pytest.approx(1.5))  # group 2: the slow one
+    assert int(grid[0].mask.sum()) == 10  # group 0 away for the 10 steps of its restart: blank
+    assert "slowest ranks" in summary(Run.of(records), "r") and "group 2" in summary(Run.of(records), "r")
