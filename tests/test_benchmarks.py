@@ -149,14 +149,18 @@ def test_s3tune():
 
 def test_memory(corpus_file):
     """Two processes: DDP holds every weight on each; TP2 half of each split one, and half of the
-    split layers' activations."""
+    split layers' activations; activation checkpointing keeps fewer activations under both, and no
+    other bytes."""
     out = bench("memory", "--model", "gpt-nano", "--nproc", "2", "--layouts", "ddp", "tp2-ddp", "--block", "32",
-                "--data", str(corpus_file), "model.n_head=2")
-    rows = {r.split("|")[1].strip(): [float(x) for x in r.split("|")[2:7]] for r in out.splitlines()
+                "--data", str(corpus_file), "--ac", "--steps", "1", "model.n_head=2")
+    rows = {r.split("|")[1].strip(): [float(x) for x in r.split("|")[2:9]] for r in out.splitlines()
             if r.startswith(("| ddp ", "| tp2-ddp "))}
-    assert rows.keys() == {"ddp", "tp2-ddp"}, out
-    (p1, g1, o1, a1, _), (p2, g2, o2, a2, _) = rows["ddp"], rows["tp2-ddp"]
+    assert rows.keys() == {"ddp", "tp2-ddp", "ddp +ac", "tp2-ddp +ac"}, out
+    (p1, g1, o1, a1, _, _, _), (p2, g2, o2, a2, _, _, _) = rows["ddp"], rows["tp2-ddp"]
     assert p2 < p1 and g2 < g1 and o2 < o1 and 0 < a2 < a1, out
+    for layout in ("ddp", "tp2-ddp"):
+        plain, ac = rows[layout], rows[f"{layout} +ac"]
+        assert ac[:3] == plain[:3] and 0 < ac[3] < plain[3] and ac[5] > 0 and ac[6] > 0, out
 
 
 def test_pipeline(corpus_file):
