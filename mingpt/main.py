@@ -79,7 +79,8 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     cfg, corpus = build_data(cfg, start, info)
     ledger.switch("model")
     parallel = build_model(cfg, info, start)
-    optimizer = init_state(build_optimizer(parallel.local, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay))
+    optimizer = init_state(build_optimizer(parallel.local, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay,
+                                                 cfg.trainer.optimizer))
     metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard)
     hosts = distributed.rank_names(distributed.all_gather_objects((info.hostname, info.node, info.local_rank)))
     if spare is not None:  # built: it takes its member's place the moment the member's process exits

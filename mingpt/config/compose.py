@@ -130,7 +130,7 @@ def summary(cfg: RunConfig, world_size: int = 1) -> list[str]:
             + (f", from {m.init_from}" if m.init_from else ""),
             f"data      {d.path} ({d.tokenizer.kind} tokens), {d.val_fraction:.0%} held out for validation",
             f"batch     {batch}", f"steps     {steps}, logged every {t.log_every}",
-            f"optimizer AdamW, lr {o.lr:g} (warm-up {o.warmup_steps} steps, cosine to {o.min_lr:g}), weight decay "
+            f"optimizer {'Muon (blocks) + AdamW' if t.optimizer == 'muon' else 'AdamW'}, lr {o.lr:g} (warm-up {o.warmup_steps} steps, cosine to {o.min_lr:g}), weight decay "
             f"{o.weight_decay:g}, clip {o.grad_clip:g}",
             f"layout    {t.parallel}" + (f", tensor parallel {t.tensor_parallel}" if t.tensor_parallel > 1 else "")
             + (f", pipeline {t.pipeline_parallel} ({t.pipeline_schedule})" if t.pipeline_parallel > 1 else "")

@@ -158,6 +158,10 @@ class TrainerConfig:
     """"auto" (bf16 autocast on CUDA, fp32 on CPU), "fp32", "bf16" or "fp16" (with GradScaler)."""
     compile: bool = False
     """torch.compile the model."""
+    optimizer: str = "adamw"
+    """"adamw", or "muon": torch's Muon (momentum 0.95, Nesterov, its update scaled to AdamW's size so
+    optim.lr and its schedule serve both) for the blocks' matrices, AdamW for embeddings, norms and
+    biases. A snapshot continues with the optimizer it was trained with."""
     activation_checkpointing: bool = False
     """Keep only each block's input for the backward and recompute the rest there: the blocks'
     activations no longer held (the largest part of memory at long contexts and big micro-batches),
@@ -213,6 +217,9 @@ class TrainerConfig:
                f"trainer.precision={self.precision!r}: use auto, fp32, bf16 or fp16")
         _check(self.log_every > 0, f"trainer.log_every must be positive, got {self.log_every}")
         _check(self.parallel in ("ddp", "fsdp", "hsdp"), f"trainer.parallel={self.parallel!r}: use ddp, fsdp or hsdp")
+        _check(self.optimizer in ("adamw", "muon"), f"trainer.optimizer={self.optimizer!r}: use adamw or muon")
+        _check(self.optimizer != "muon" or self.precision != "fp16",
+               "trainer.optimizer=muon with trainer.precision=fp16 is not supported: use bf16 (or fp32)")
         _check(self.tensor_parallel >= 1, f"trainer.tensor_parallel must be >= 1 (1 = off), got {self.tensor_parallel}")
         _check(self.pipeline_parallel >= 1,
                f"trainer.pipeline_parallel must be >= 1 (1 = off), got {self.pipeline_parallel}")

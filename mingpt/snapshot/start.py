@@ -31,9 +31,12 @@ def check_compatible(cfg: RunConfig, manifest: dict) -> None:
     saved_tok = manifest.get("tokenizer", {}).get("kind")
     if saved_tok != cfg.data.tokenizer.kind:
         diff.append(f"data.tokenizer.kind: snapshot {saved_tok!r} vs config {cfg.data.tokenizer.kind!r}")
+    saved_opt = manifest["config"].get("trainer", {}).get("optimizer", "adamw")  # (older snapshots: AdamW's)
+    if saved_opt != cfg.trainer.optimizer:  # each keeps other state: Muon a momentum, AdamW two moments
+        diff.append(f"trainer.optimizer: snapshot {saved_opt!r} vs config {cfg.trainer.optimizer!r}")
     if diff:
         raise MismatchError(
-            "the snapshot to resume has another model shape or tokenizer (" + "; ".join(diff) + "). Use the "
+            "the snapshot to resume has another model shape, tokenizer or optimizer (" + "; ".join(diff) + "). Use the "
             "snapshot's settings to continue it, or start a new run in its own directory: trainer.run_dir=runs/NEW"
         )
     # Compare as JSON sees them, so that a tuple and the list it was saved as are equal.

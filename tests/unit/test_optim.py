@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mingpt.model.gpt import GPT, GPTConfig
-from mingpt.training.optim import lr_at, param_groups
+from mingpt.training.optim import build_optimizer, init_state, lr_at, param_groups
 
 
 # expected factors of lr=1.0, min_lr=0.1, warmup 10, max 110 (torchtitan-style table)
@@ -24,3 +24,32 @@ def test_decay_only_on_2d_weights():
     assert n == sum(p.numel() for p in model.parameters())  # the tied weight counted once
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert isinstance(torch.optim.AdamW([decay, no_decay]), torch.optim.AdamW)
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest_and_both_learn():
+    """trainer.optimizer=muon: torch's Muon over every block's 2-D matrix, AdamW over the embeddings (the
+    tied head), norms and biases; its state exists before the first step (a snapshot can load into it),
+    by parameter, and the schedule's lr reaches every group."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(preset=None, n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=40))
+    opt = init_state(build_optimizer(gpt, 3e-3, (0.9, 0.95), 0.1, "muon"))
+    names = {p: n for n, p in gpt.named_parameters()}
+    keys = {names[p]: sorted(opt.state[p]) for p in names}
+    assert {n for n, k in keys.items() if k == ["momentum_buffer"]} == {
+        n for n, p in gpt.named_parameters() if n.startswith("blocks.") and p.dim() == 2}
+    assert keys["wte.weight"] == keys["blocks.0.ln_1.weight"] == keys["blocks.0.attn.c_q.bias"] == \
+        ["exp_avg", "exp_avg_sq", "step"]
+    assert len(opt.state) == len(names) and sum(len(g["params"]) for g in opt.param_groups) == len(names)
+    for group in opt.param_groups:
+        group["lr"] = 3e-3
+    x = torch.randint(0, 40, (8, 16))
+    losses = []
+    for _ in range(20):
+        _, loss = gpt(x, x)
+        losses.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert losses[-1] < 0.5 * losses[0]
+    assert all(p.grad is None for p in gpt.parameters())
+    assert opt.state[gpt.blocks[0].mlp.c_fc.weight]["momentum_buffer"].abs().sum() > 0
