@@ -123,7 +123,7 @@ class Beacon(Links):
             # for by the coordinator that asked it in, until it has been silent as long as a lost one
             unheard = m.number not in seen and time.monotonic() - epoch.since < self.lost_after_s
             if alive.get(m.number) != m.incarnation and not unheard:
-                return f"{self.name(m.number)} lost"
+                return f"{self.name(m.number)} lost ({self._how_lost(seen.get(m.number), m.incarnation)})"
         for m in others:
             s = seen.get(m.number, {})
             if s.get("state") == "finished" and s.get("epoch") == epoch.number:
@@ -132,6 +132,16 @@ class Beacon(Links):
                 # (a heartbeat of the previous epoch may be late); it left for the cause it saw first
                 return f"{self.name(m.number)} left epoch {epoch.number}" + (f" ({s['why']})" if s.get("why") else "")
         return None
+
+    def _how_lost(self, seen: dict | None, incarnation: str) -> str:
+        """How a member of an epoch was lost, from its last heartbeat as this beacon saw it (`seen`)."""
+        if seen is None:
+            return f"never heard from in {self.lost_after_s:g} s"
+        if seen["inc"] != incarnation and not seen["eof"]:
+            return "it restarted: a new process in its place"
+        if seen["eof"]:
+            return "its connection closed"
+        return f"not heard from in {self.lost_after_s:g} s"
 
     def unfinished(self, epoch: Epoch) -> list[int]:
         """Members still training in `epoch`: not finished, not gone to form another, not lost."""

@@ -205,8 +205,14 @@ class Replicas:
             time.sleep(0.0002)
         try:
             work.wait()
-        except RuntimeError as e:  # gloo's first line names its source file first: "[.../pair.cc:553] Connection ..."
-            raise MembershipChanged(re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]) from None
+        except RuntimeError as e:
+            # a killed member's gloo connection and its beacon's close together: the beacon names the member
+            # and how it was lost, given a moment to read the close; else gloo's first line (which names its
+            # source file first: "[.../pair.cc:553] Connection ...")
+            deadline = time.monotonic() + self.beacon.heartbeat_s
+            while (why := self.beacon.lost(self.epoch)) is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            raise MembershipChanged(why or re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]) from None
 
     def exchange(self, step: int, rows: dict[int, torch.Tensor],
                  headers: dict[int, list[float]]) -> tuple[torch.Tensor, list]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -16,6 +17,7 @@ from mingpt.replicas.standby import MemberLock, StandbyEnded, release
 from mingpt.replicas.wire import contexts
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
+from mingpt.training.metrics import peak_flops
 from mingpt.training.snapshots import Start, where_to_start
 from mingpt.training.state import StepStats, Todo
 from mingpt.training.trainer import StopTraining, Trainer, _weighted
@@ -62,6 +64,8 @@ class ReplicaTrainer(Trainer):
         try:
             return self.train_step()
         except MembershipChanged as e:  # the step is dropped on every member; the next epoch trains it
+            log.warning("replica epoch %d ended at step %d: %s; the next epoch trains the step again",
+                        self.replicas.epoch.number, self.progress.step, e)
             self.data.sampler.load_state_dict(before)
             if not self.regroup(str(e)):
                 raise StopTraining(self.run_over.seen) from None
@@ -122,6 +126,15 @@ class ReplicaTrainer(Trainer):
     def saves(self) -> bool:
         return self.replicas.saves  # one member (or one group, a shard each) saves for the job
 
+    def peak(self) -> float:
+        # Every live group's hardware: the tokens/s logged beside MFU are the job's (every share of the
+        # step), over a step time the exchange makes common to all groups. Not this group's own shares over
+        # its own peak: that is the logging group's figure only, and differs from the others' while a lost
+        # group's shares are dealt out. A group is one node: a member per process (a GPU each), a machine
+        # per group on CPU (`procs` processes per node).
+        job = replace(self.info, world_size=self.replicas.epoch.world, local_world_size=self.replicas.procs)
+        return peak_flops(self.cfg, job, self.device)
+
     def close(self, wait: bool = True) -> None:
         super().close(wait)  # (the leader's last snapshot committed)
         done = wait and self.progress.step >= self.cfg.max_steps
@@ -136,7 +149,7 @@ class ReplicaTrainer(Trainer):
         """Form the next epoch and bring every member to the newest state among them; False when a
         preemption signal came first (the process stops without saving: it is no member), or the
         other groups finished the run meanwhile."""
-        t0, p = time.monotonic(), self.progress
+        t0, p, last = time.monotonic(), self.progress, self.replicas.epoch
         with self.ledger.during("regroup"):
             while True:
                 epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested or self.run_over(),
@@ -160,10 +173,17 @@ class ReplicaTrainer(Trainer):
                                                         self.load_state)
                     break
                 except MembershipChanged as e:  # lost while healing: form the next epoch
+                    log.warning("replica epoch %d ended while healing: %s", epoch.number, e)
                     why = str(e)
+        name = self.replicas.beacon.name
         if self.replicas.beacon.member in healed:
             self._redo = None  # other weights now: nothing computed before holds
-            log.info("healed from replica %s: at step %d", self.replicas.beacon.name(source), p.step)
+            log.info("healed from replica %s: at step %d", name(source), p.step)
+        if last is not None:  # (at this member's start every group joins: the epoch's line says which)
+            procs = self.replicas.procs
+            for g in sorted({m // procs for m in epoch.numbers()} - {m // procs for m in last.numbers()}):
+                log.info("replica group %d joined at step %d%s", g, p.step,
+                         f", healed from {name(source)}" if g * procs in healed else "")
         if self.leads:
             self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "members": epoch.numbers(),
                                 "procs": self.replicas.procs,

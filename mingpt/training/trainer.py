@@ -101,22 +101,27 @@ class Trainer:
         """This process writes its share of the snapshots (every rank does)."""
         return True
 
+    def peak(self) -> float:
+        """The peak FLOP/s of the hardware that trains the step, for MFU: the job's ranks'."""
+        return peak_flops(self.cfg, self.info, self.device)
+
     def train(self) -> bool:
         """Train to max_steps; False when stopped early by a preemption signal (after saving)."""
         p, cfg = self.progress, self.cfg
         if p.step >= cfg.max_steps:
             log.info("already at step %d of %d; nothing to train", p.step, cfg.max_steps)
             return True
-        log.info("training from step %d to %d on %s (%s), precision %s%s", p.step, cfg.max_steps, self.where(),
-                 self.parallel, self.amp_dtype or "fp32", ", deterministic kernels" if cfg.deterministic else "")
-        if self.policy.stop_requested(self.agreed_flags()):
-            if self.info.is_rank0:
-                log.warning("%s before the first step", self.policy.preempt.describe())
-            return False
         self.watchdog.start()
         self.ledger.switch("first_step")
         self._t0 = time.monotonic()
         try:
+            self.begin()  # (a replica group's member learns its step here: healed from the others, or loaded)
+            log.info("training from step %d to %d on %s (%s), precision %s%s", p.step, cfg.max_steps, self.where(),
+                     self.parallel, self.amp_dtype or "fp32", ", deterministic kernels" if cfg.deterministic else "")
+            if self.policy.stop_requested(self.agreed_flags()):
+                if self.info.is_rank0:
+                    log.warning("%s before the first step", self.policy.preempt.describe())
+                return False
             with progress_bar(self.info.is_rank0 and cfg.progress, p.step, cfg.max_steps) as bar:
                 finished = self._loop(bar)
         except StopTraining as e:
@@ -134,8 +139,7 @@ class Trainer:
         step time logged is the ledger's (the seconds in its step states), so evaluating and saving
         never count as steps."""
         p, cfg = self.progress, self.cfg
-        self.begin()
-        timer = StepTimer(self.ledger.step_seconds, p.step)
+        timer, shown = StepTimer(self.ledger.step_seconds, p.step), p.step
         while p.step < cfg.max_steps:
             stats = self.attempt_step()
             if stats is None:  # dropped: trained again from the state now held
@@ -143,7 +147,9 @@ class Trainer:
                 continue
             p.step, p.tokens_seen = p.step + 1, p.tokens_seen + stats.tokens
             self.watchdog.beat(p.step)
-            bar.update(1)
+            # the bar shows the job's step: a heal moves it without training here (its rate is the job's too)
+            bar.update(p.step - shown)
+            shown = p.step
             todo = self.decide(p.step)
             if todo.log:
                 self._log_train(stats, timer.per_step(p.step))
@@ -310,7 +316,7 @@ class Trainer:
                         "grad_norm": stats.grad_norm.item()}
                 record = train_record(step, loss, step_s, compute, self.hosts,
                                       self.parallel.gpt.flops_per_token(self.data.train.block_size),
-                                      peak_flops(self.cfg, self.info, self.device))
+                                      self.peak())
                 self.metrics.write({**record, "epoch": self.data.sampler.epoch, **self.record_extra(),
                                     **self.data.train.batch_stats(stats.split)})
 

@@ -194,7 +194,16 @@ def check_survived(reference, run_dir: Path, logs: list[Path], lost: int, fault:
 def test_a_killed_group_costs_a_step_and_heals_from_a_peer(reference, tmp_path):
     run_dir, logs, fault = run_job(tmp_path, reference["corpus"], kill_group_0)
     check_survived(reference, run_dir, logs, lost=0, fault=fault)
-    assert "healed from replica group" in logs[0].read_text()
+    killed = logs[0].read_text()
+    healed = re.findall(r"healed from replica group [12]: at step (\d+)", killed)  # (also at the start, if late)
+    starts = re.findall(rf"training from step (\d+) to {STEPS}", killed)
+    # its second start says the step it trains from: the one it was healed to, not 0
+    assert healed and len(starts) == 2 and starts[-1] == healed[-1], killed[-3000:]
+    for survivor in (logs[1].read_text(), logs[2].read_text()):  # which group, how, when; and its return
+        assert re.search(r"replica epoch \d+ ended at step \d+: .*group 0 lost \(its connection closed\)", survivor), \
+            survivor[-3000:]
+        assert re.search(rf"replica group 0 joined at step {healed[-1]}, healed from group [12]", survivor), \
+            survivor[-3000:]
 
 
 def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):

@@ -407,7 +407,7 @@ def test_a_member_that_left_is_reported_with_the_cause_it_saw():
         assert a.lost(epoch) == "group 1 left epoch 4 (group 2 lost)"
         with a._lock:
             a._seen[2]["eof"] = True  # now the coordinator sees group 2 gone too: the cause comes first
-        assert a.lost(epoch) == "group 2 lost"
+        assert a.lost(epoch) == "group 2 lost (its connection closed)"
     finally:
         a.close()
 
@@ -422,7 +422,26 @@ def test_a_member_not_heard_from_yet_is_not_lost_until_it_has_been_silent_as_lon
             a._seen[1] = {"inc": "one", "t": time.monotonic(), "eof": False, "epoch": 4, "state": "training"}
         assert a.lost(epoch) is None  # group 2 not heard from yet: vouched for by the coordinator
         old = replace(epoch, since=time.monotonic() - a.lost_after_s)
-        assert a.lost(old) == "group 2 lost"  # silent as long as a lost member: lost
+        assert a.lost(old) == "group 2 lost (never heard from in 60 s)"  # silent as long as a lost member: lost
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize(("heard", "cause"), [
+    ({"eof": True}, "its connection closed"),  # SIGKILLed: the kernel closed its connections
+    ({"t": -61.0}, "not heard from in 60 s"),  # frozen, or cut off: silent for lost_after_s
+    ({"inc": "two-again"}, "it restarted: a new process in its place"),  # back before its silence was noticed
+])
+def test_a_lost_member_is_named_with_how_it_was_lost(heard, cause):
+    """The survivors' log and the epoch record say which member was lost and how the beacon knows it."""
+    a, epoch = coordinator_of_three()
+    try:
+        now = time.monotonic()
+        with a._lock:
+            a._seen[1] = {"inc": "one", "t": now, "eof": False, "epoch": 4, "state": "training"}
+            a._seen[2] = {"inc": "two", "eof": False, "epoch": 4, "state": "training", **heard,
+                          "t": now + heard.get("t", 0.0)}
+        assert a.lost(epoch) == f"group 2 lost ({cause})"
     finally:
         a.close()
 
@@ -533,3 +552,53 @@ def test_a_member_that_finished_is_not_lost_and_the_last_waits_for_the_others():
         assert a.unfinished(epoch) == []
     finally:
         a.close()
+
+
+@pytest.mark.parametrize(("live_groups", "procs", "sharded", "device", "peak"), [
+    (3, 1, False, "cpu", 3e11),  # a machine per group (a group is one node)
+    (2, 1, False, "cpu", 2e11),  # a group lost: only the live groups' hardware trains
+    (3, 2, False, "cpu", 3e11),  # groups of two processes: still a machine each
+    (3, 2, False, "cuda", 6e12),  # a GPU per process, every process of every live group
+    (2, 4, True, "cuda", 8e12),  # FSDP inside each group: the same count
+])
+def test_mfu_under_replica_groups_counts_the_peak_of_every_live_group(live_groups, procs, sharded, device, peak):
+    """The tokens/s beside MFU are the job's (every share of the step): the peak is every live group's,
+    not one machine's (which made MFU grow with the number of groups)."""
+    from mingpt.config.schema import TrainerConfig
+    from mingpt.replicas import member_view
+    from mingpt.training.replica_trainer import ReplicaTrainer
+
+    t = ReplicaTrainer.__new__(ReplicaTrainer)  # the figure alone: no model, no process group
+    t.cfg, t.device = TrainerConfig(cpu_peak_flops=1e11, gpu_peak_flops=1e12), torch.device(device)
+    t.info = member_view(DistInfo(world_size=procs, local_world_size=procs), sharded)
+    members = [Member(m, "x", 9, True) for m in range(live_groups * procs)]
+    t.replicas = type("Groups", (), {"epoch": Epoch(4, members, 0), "procs": procs})()
+    assert t.peak() == peak
+
+
+def test_a_collective_broken_by_a_lost_member_names_it_as_the_beacon_knows_it():
+    """gloo may report a killed member's closed connection before the beacon reads its own close: the
+    step's fault still names the member and how it was lost, not gloo's address and source file."""
+    class Failed:
+        def is_completed(self):
+            return True
+
+        def wait(self):
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                               "[127.0.0.1]:38211")
+
+    class Beacon(StubBeacon):
+        heartbeat_s, reads = 0.1, 0
+
+        def lost(self, epoch):
+            self.reads += 1  # its reader sees the close a moment later
+            return "group 1 lost (its connection closed)" if self.reads > 3 else None
+
+    r = Replicas(Beacon(0), members=3, min_groups=2, timeout_s=5)
+    r.epoch = epoch_of([0, 1, 2], 0)
+    with pytest.raises(MembershipChanged, match=r"^group 1 lost \(its connection closed\)$"):
+        r.wait(Failed())
+    r.beacon = StubBeacon(0)  # never lost as the beacon knows it: gloo's words, its source file cut
+    r.beacon.heartbeat_s = 0.01
+    with pytest.raises(MembershipChanged, match=r"^Connection closed by peer \[127\.0\.0\.1\]:38211$"):
+        r.wait(Failed())

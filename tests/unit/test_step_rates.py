@@ -20,7 +20,7 @@ class Member(ReplicaTrainer):
         self.progress, self.cfg, self.clock = Progress(), SimpleNamespace(max_steps=max_steps), 0.0
         self.ledger = SimpleNamespace(step_seconds=lambda: self.clock)
         self.watchdog = SimpleNamespace(beat=lambda step: None)
-        self.replicas = SimpleNamespace(rejoin_pending=False)
+        self.replicas = SimpleNamespace(rejoin_pending=False, epoch=SimpleNamespace(number=3))
         self.data = SimpleNamespace(sampler=SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None))
         self.heals, self.lose_at, self.join_at, self.logged = heals, lose_at, join_at, {}
         self.joined = None
@@ -54,7 +54,10 @@ class Member(ReplicaTrainer):
     Member(150, {"a group joins": 134}, join_at=125),  # a member behind the others, healed as a group joins
 ], ids=["heal at start", "heal after a fault", "heal as a group joins"])
 def test_a_logged_step_time_is_that_of_the_steps_trained_here(member):
-    assert member._loop(SimpleNamespace(update=lambda n: None))  # the loop of train(), no progress bar
+    member.begin()  # train()'s start, then its loop
+    start, shown = member.progress.step, []
+    assert member._loop(SimpleNamespace(update=shown.append))
     assert member.logged and max(member.logged) == 150
+    assert start + sum(shown) == 150  # the progress bar shows the job's step, the heals' steps included
     for step, step_s in member.logged.items():
         assert step_s == pytest.approx(STEP_S), (step, member.logged)

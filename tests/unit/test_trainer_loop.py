@@ -1,6 +1,8 @@
 """The base loop (mingpt/training/trainer.py) on its own: no model, no process group, no subsystem.
 Steps are scripted; what the loop does after each one comes from `decide`, in nanoGPT's order."""
 
+import contextlib
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -62,14 +64,8 @@ def test_a_preemption_saves_the_step_it_arrived_in_and_stops():
     assert t.progress.step == 8 and t.done[-2:] == [("save", 8), ("finish", 8)]
 
 
-@pytest.mark.parametrize("finished", [True, False])
-def test_a_layer_ends_the_run_through_stop_training(finished):
-    """A layer's hook (e.g. replica groups finding the run finished elsewhere) ends train() with its word."""
-    t = Scripted(max_steps=10, every_steps=0)
-
-    def begin():
-        raise StopTraining(finished)
-
+def ready_to_train(t: Scripted, begin) -> Scripted:
+    """`t` with what train() itself asks for, and `begin` as its layer's start."""
     t.begin = begin
     t.amp_dtype, t.parallel = None, "single"
     t.where = lambda: "1 rank"
@@ -77,4 +73,39 @@ def test_a_layer_ends_the_run_through_stop_training(finished):
     t.info.is_rank0 = False
     t.watchdog = SimpleNamespace(start=lambda: None, stop=lambda: None, beat=lambda s: None)
     t.ledger.switch = lambda state: None
+    t.record_time = lambda: None
+    return t
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_layer_ends_the_run_through_stop_training(finished):
+    """A layer's hook (e.g. replica groups finding the run finished elsewhere) ends train() with its word."""
+    def begin():
+        raise StopTraining(finished)
+
+    t = ready_to_train(Scripted(max_steps=10, every_steps=0), begin)
     assert t.train() is finished and t.progress.step == 0
+
+
+def test_the_start_line_and_the_progress_bar_count_from_the_step_the_layer_starts_at(monkeypatch, caplog):
+    """A replica group that returns learns its step in its layer's start (healed from the others to step
+    73 of 300): the start line and the progress bar (its percent and time left) count from there, not
+    from the step it had before."""
+    import mingpt.training.trainer as trainer
+
+    t = Scripted(max_steps=300, every_steps=0)
+    t = ready_to_train(t, lambda: setattr(t.progress, "step", 73))
+    t.cfg.progress = t.info.is_rank0 = True
+    t.cfg.run_dir, t.snapshotter = "runs/x", SimpleNamespace(store=SimpleNamespace(url="runs/x/snapshots"))
+    bars = []
+
+    @contextlib.contextmanager
+    def progress_bar(enabled, start, total):
+        bars.append([enabled, start, total, 0])
+        yield SimpleNamespace(update=lambda n: bars[-1].__setitem__(3, bars[-1][3] + n))
+
+    monkeypatch.setattr(trainer, "progress_bar", progress_bar)
+    caplog.set_level(logging.INFO, logger="mingpt")
+    assert t.train() is True
+    assert "training from step 73 to 300 on 1 rank (single), precision fp32" in caplog.text
+    assert bars == [[True, 73, 300, 300 - 73]]
