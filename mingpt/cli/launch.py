@@ -33,11 +33,11 @@ import socket
 import sys
 import uuid
 
-# The C++ warnings of this process (a rendezvous store that went away: three of them, each a line and
-# some 30 `frame #N` lines) say what our one line then says. torch reads the level once, as it loads:
-# set for the agent only, and unset at once, so that the workers keep theirs.
+# c10d's C++ warnings and errors in this process (a rendezvous store that went away: three of them, each
+# a line and some 30 `frame #N` lines; one that cannot be reached: one) say what our one line then says.
+# torch reads the level once, as it loads: set for the agent only, then unset, so the workers keep theirs.
 if _QUIET_CPP := "TORCH_CPP_LOG_LEVEL" not in os.environ:
-    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
 import torch  # noqa: F401 - loaded here, under that level
 
 if _QUIET_CPP:

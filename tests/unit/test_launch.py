@@ -143,3 +143,46 @@ def test_the_launcher_leaves_good_settings_hydras_flags_and_other_scripts_to_the
     for cmd in (["mingpt/main.py", "model=gpt-nano"], ["mingpt/main.py", "--cfg", "job"], ["other.py", "--max_stepz=1"]):
         main(["--standalone", "--nproc_per_node=2", *cmd])
     assert started == [["model=gpt-nano"], ["--cfg", "job"], ["--max_stepz=1"]]
+
+
+C10D_CLIENT = """
+import socket, sys, threading
+from datetime import timedelta
+if sys.argv[1] == "agent":
+    import mingpt.cli.launch  # what mingpt-torchrun loads first
+from torch.distributed import TCPStore
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen()
+def hang_up():  # a store that goes away: c10d's client logs it from C++, with its stack frames
+    while True:
+        peer, _ = server.accept()
+        peer.recv(64)
+        peer.close()
+threading.Thread(target=hang_up, daemon=True).start()
+try:
+    TCPStore("127.0.0.1", server.getsockname()[1], is_master=False, timeout=timedelta(seconds=2))
+except Exception as e:
+    print(type(e).__name__)
+"""
+
+
+def test_the_agent_prints_no_cpp_stack_frames_of_a_lost_store_and_its_workers_keep_them():
+    """Before: a node whose rendezvous host died printed three c10d warnings of about 30 `frame #N` lines
+    each before the launcher's one line. The C++ log level is the agent's alone: not in its environment."""
+    import os
+    import subprocess
+    import sys
+
+    def run(who: str) -> subprocess.CompletedProcess:
+        env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+        return subprocess.run([sys.executable, "-c", C10D_CLIENT, who], capture_output=True, text=True, timeout=120,
+                              env=env)
+
+    plain, agent = run("plain"), run("agent")
+    assert plain.stdout.strip() == agent.stdout.strip() == "DistNetworkError"  # the Python error is ours to say
+    assert "frame #" in plain.stderr  # a process other than the agent (a worker) still has them
+    assert "frame #" not in agent.stderr and "[c10d]" not in agent.stderr, agent.stderr
+    assert "TORCH_CPP_LOG_LEVEL" not in subprocess.run(
+        [sys.executable, "-c", "import os, mingpt.cli.launch; print(sorted(os.environ))"], capture_output=True,
+        text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}).stdout
