@@ -15,9 +15,11 @@ from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
-from mingpt.runtime.orphan import die_with_agent
+from mingpt.runtime.orphan import die_with_agent, quiet_ctrl_c_while_starting
 
 die_with_agent()  # first: a worker whose agent dies must die with it
+if __name__ in ("__main__", "__mp_main__"):  # run, not imported (a spawned pool's process re-runs it too)
+    quiet_ctrl_c_while_starting()  # a Ctrl-C during the imports: one line, not a traceback a worker
 import hydra
 import numpy as np
 import torch

@@ -17,7 +17,10 @@ What it changes:
 - each worker is told its agent's pid (MINGPT_AGENT_PID), so that one whose agent died while it
   started exits at once (mingpt/runtime/orphan.py);
 - a rendezvous that cannot form is one line saying what to check, and so is a value in its store
-  that was forged (mingpt.runtime.trust.SignedStore) or never came.
+  that was forged (mingpt.runtime.trust.SignedStore) or never came; the agent's C++ warnings (with
+  their stack frames) are not printed;
+- the settings are checked here, before any worker starts (a typo is one line, exit 2, in a second);
+- a Ctrl-C while the workers start ends the job at once: one line, exit 130.
 """
 
 from __future__ import annotations
@@ -29,6 +32,16 @@ import signal
 import socket
 import sys
 import uuid
+
+# c10d's C++ warnings and errors in this process (a rendezvous store that went away: three of them, each
+# a line and some 30 `frame #N` lines; one that cannot be reached: one) say what our one line then says.
+# torch reads the level once, as it loads: set for the agent only, then unset, so the workers keep theirs.
+if _QUIET_CPP := "TORCH_CPP_LOG_LEVEL" not in os.environ:
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+import torch  # noqa: F401 - loaded here, under that level
+
+if _QUIET_CPP:
+    del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 from mingpt.runtime.distributed import RESTART_SIGNAL
 from mingpt.runtime.orphan import AGENT_ENV
@@ -90,7 +103,8 @@ def _agent_class():
 
         def _restart_workers(self, worker_group) -> None:
             # torchrun's own restart lines are quieted (see main): one line of ours, where it happens
-            print(f"mingpt-torchrun: {restart_reason(self._last)}: restarting the workers on "
+            state = getattr(getattr(self._rdzv_handler, "_state_holder", None), "state", None)  # torch's dynamic one
+            print(f"mingpt-torchrun: {restart_reason(self._last, state)}: restarting the workers on "
                   f"{socket.gethostname()} ({self._remaining_restarts} restarts left)", file=sys.stderr, flush=True)
             self._restarting = True
             try:
@@ -109,14 +123,24 @@ def _agent_class():
     return Agent
 
 
-def restart_reason(result) -> str:
+def restart_reason(result, state=None) -> str:
     """Why the agent restarts its workers, from its last look at them: a worker that failed, or
-    (the workers healthy) nodes waiting to join. The agent has signalled nobody yet, so a worker killed
-    by a signal is the cause and a peer that exited within the same look is its loss of that worker
-    (torchrun's clock for failures counts whole seconds: the earliest second does not tell them apart)."""
+    (the workers healthy) nodes waiting for a new rendezvous round. The agent has signalled nobody yet,
+    so a worker killed by a signal is the cause and a peer that exited within the same look is its loss
+    of that worker (torchrun's clock for failures counts whole seconds: the earliest second does not tell
+    them apart). `state`: the rendezvous's (torch's _RendezvousState, just synced by num_nodes_waiting);
+    a node waiting that is a participant of this round is an agent of the job restarting its workers
+    (an agent keeps its name, host_pid_id, for its life), any other is a node joining."""
     failures = list(getattr(result, "failures", {}).values()) if result is not None else []
     if not failures:
-        return "a node joined the job"
+        if state is None:  # another rendezvous: all it says is that a node waits
+            return "a node asked for a new rendezvous round (one joined, or a node's workers restarted)"
+        waiting = sorted(state.wait_list, key=repr)
+        again = [n for n in waiting if n in state.participants]
+        joined = [n for n in waiting if n not in state.participants]
+        said = [f"the workers on {n.addr} (agent pid {n.pid}) restarted" for n in again]
+        said += [f"a node joined the job ({n.addr}, agent pid {n.pid})" for n in joined]
+        return "; ".join(said) or "a node asked for a new rendezvous round"
     first = min([f for f in failures if f.exitcode < 0] or failures, key=lambda f: f.timestamp)
     how = (f"was killed by {signal.Signals(-first.exitcode).name}" if first.exitcode < 0
            else f"exited with code {first.exitcode}")
@@ -147,6 +171,21 @@ def exit_code_of_failures(failures: list) -> int:
     return 128 - first.exitcode
 
 
+def check_settings(args) -> None:
+    """The workers' settings, composed and validated here before any worker starts (a mistyped key
+    cost every worker its imports first), where the script is this package's main.py; a ConfigError
+    says what the first worker would. Hydra's own flags (--cfg job) are left to the workers."""
+    from mingpt.config.compose import compose, dashed_settings
+
+    main = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "main.py")
+    ours = args.training_script == "mingpt.main" if args.module else (
+        not args.no_python and os.path.realpath(args.training_script) == os.path.realpath(main))
+    overrides = list(args.training_script_args)
+    if ours and not (any(a.startswith("-") for a in overrides) and not dashed_settings(overrides)):
+        dashed_settings(overrides, refuse=True)
+        compose(overrides)
+
+
 def _set_up(argv: list[str], torchrun, launcher):
     """torchrun's arguments with our rendezvous, the workers' parent named for them, and our agent."""
     args = torchrun.parse_args(argv)
@@ -175,15 +214,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     from torch.distributed.launcher import api as launcher
 
+    from mingpt.config.schema import ConfigError
+
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _set_up(argv, torchrun, launcher)
     endpoint = args.rdzv_endpoint
     try:
+        check_settings(args)
         if args.rdzv_backend == "mingpt":
             job_secret()  # a missing or unsafe secret: one line here, before any rendezvous
         torchrun.run(args)
-    except SecretError as e:
+    except (SecretError, ConfigError) as e:
         sys.exit(_say(str(e), 2))
+    except KeyboardInterrupt:  # before the workers started (torchrun's handler comes with them; see orphan.py)
+        sys.exit(_say("Ctrl-C while starting: stopped before training, nothing to save", 130))
     except (ForgedValueError, RendezvousStateError) as e:  # a value or state in the store that the job did not write
         sys.exit(_say(str(e).strip().splitlines()[0], 1))
     except DistStoreError as e:  # a value the agents exchange never came: another node stopped in the rendezvous

@@ -37,6 +37,7 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import threading
 from datetime import timedelta
 
@@ -92,11 +93,27 @@ def _store(params: RendezvousParameters, timeout: timedelta):
     is_host = params.get_as_bool("is_host")
     if is_host is not False:
         try:
-            return bound_store(host, port, True, timeout, multi_tenant=True, wait_for_workers=False)
+            store = bound_store(host, port, True, timeout, multi_tenant=True, wait_for_workers=False)
+            _say_who_hosts(params.endpoint, port, True)
+            return store
         except OSError:  # not this machine's address, or the port is taken (another agent here hosts it)
             if is_host:
                 raise
-    return bound_store(host, port, False, timeout)
+    store = bound_store(host, port, False, timeout)
+    if is_host is None:  # is_host=0 names a store of its own (mingpt-rendezvous): nothing to warn of
+        _say_who_hosts(params.endpoint, port, False)
+    return store
+
+
+def _say_who_hosts(endpoint: str, port: int, here: bool) -> None:
+    """One line at the start of a job of several nodes: which agent hosts the rendezvous store, and
+    that the job ends with it (port 0: --standalone, one node, nothing to say)."""
+    if port == 0:
+        return
+    who = ("this agent hosts the rendezvous store at " + endpoint if here else
+           f"the rendezvous store at {endpoint} is hosted by the agent started first there (or by mingpt-rendezvous)")
+    print(f"mingpt-torchrun: {who}: if that agent stops, the job stops on every node (a store of its own, "
+          "mingpt-rendezvous, removes that single point: docs/multi-node.md)", file=sys.stderr, flush=True)
 
 
 def create(params: RendezvousParameters):

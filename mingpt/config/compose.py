@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import re
 import typing
 from pathlib import Path
@@ -192,4 +193,29 @@ def suggest_key(key: str) -> str | None:
 
 def from_dict(values: dict[str, Any]) -> RunConfig:
     """Build and validate the run's config from plain (already resolved) containers."""
-    return _build(RunConfig, dict(values), "")
+    cfg = _build(RunConfig, dict(values), "")
+    check_extras(cfg)
+    return cfg
+
+
+# The optional extras (pyproject.toml) that a setting needs in training: (the setting, whether the
+# config asks for it, the module, the extra). `report` (matplotlib) is mingpt-report's alone, and
+# Parquet (pyarrow) mingpt-prepare's: training reads text and JSON lines.
+EXTRAS = (
+    ("trainer.tensorboard=true", lambda cfg: cfg.trainer.tensorboard, "tensorboard", "tensorboard"),
+    ("a zstd-compressed corpus (data.path=*.zst)", lambda cfg: cfg.data.path.endswith(".zst"), "zstandard",
+     "formats"),
+)
+
+
+def check_extras(cfg: RunConfig) -> None:
+    """Refuse a setting whose optional extra is not installed, before anything is built (it would
+    fail minutes later, once the corpus and the model are)."""
+    for setting, wanted, module, extra in EXTRAS:
+        if not wanted(cfg):
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise ConfigError(f"{setting} needs {module}, which is not installed: pip install 'mingpt[{extra}]' "
+                              f"(in a checkout: pip install -e '.[{extra}]')") from None

@@ -1,6 +1,6 @@
-"""A torchrun worker dies with its agent. Standard library only: main.py calls this before the
-imports that take seconds, so the window in which a dying agent leaves an orphan is the
-interpreter's start.
+"""A torchrun worker dies with its agent, and a Ctrl-C while it starts ends it quietly. Standard
+library only: main.py calls these before the imports that take seconds, so the window in which a
+dying agent leaves an orphan, or a Ctrl-C a traceback, is the interpreter's start.
 
 torchrun starts each worker in its own session, so a SIGKILLed agent (a node's job killed by a
 scheduler, an OOM killer) would leave workers that keep training, and writing snapshots, beside the
@@ -39,6 +39,25 @@ def die_with_agent() -> None:
         os.environ[AGENT_ENV] = f"{os.getpid()}:{os.environ['TORCHELASTIC_RUN_ID']}"
     elif parent != _PARENT or (parent == 1 and not _is_launcher(1)):
         os._exit(1)
+
+
+EXIT_INTERRUPTED = 130  # the shell's 128 + SIGINT (mingpt.runtime.distributed's, which this module cannot import)
+
+
+def quiet_ctrl_c_while_starting() -> None:
+    """Until the run installs its own handler (PreemptionFlag: save at the end of a step, then stop), a
+    Ctrl-C ends this process at once with one line and 130: nothing has trained, so nothing is lost.
+    Before, the imports it interrupted printed a KeyboardInterrupt traceback per worker (about 55 lines
+    each), or threw it through torch's C++ (std::terminate)."""
+    signal.signal(signal.SIGINT, _stop_while_starting)
+
+
+def _stop_while_starting(signum, frame) -> None:  # noqa: ARG001 - signal handler signature
+    if "__mp_main__" in sys.modules:  # a pool's process (spawn re-imports main.py): its parent decides
+        return
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # one line a node (os.write: safe in a signal handler)
+        os.write(2, b"Ctrl-C while starting: stopped before training, nothing to save\n")
+    os._exit(EXIT_INTERRUPTED)
 
 
 def _agent() -> int | None:

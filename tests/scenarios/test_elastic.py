@@ -141,7 +141,8 @@ def test_lose_a_node_continue_at_world_size_1_and_rejoin(reference, tmp_path, st
     assert survivor_log.count("lost contact with a peer") == 1, survivor_log[-4000:]
     assert "Error executing job" not in survivor_log and "Traceback" not in survivor_log, survivor_log[-4000:]
     if launcher == "mingpt":  # the returning node restarts the survivor's workers: said so, never a preemption
-        assert "mingpt-torchrun: a node joined the job: restarting the workers on" in survivor_log, survivor_log[-4000:]
+        assert re.search(r"mingpt-torchrun: a node joined the job \(\S+, agent pid \d+\): restarting the workers on",
+                         survivor_log), survivor_log[-4000:]
         assert "torchrun restarts the workers: snapshot of step" in survivor_log, survivor_log[-4000:]
         assert "stopping on SIGTERM" not in survivor_log and "the same command resumes" not in survivor_log
     logs = "".join((tmp_path / f"{n}.log").read_text() for n in "abc")

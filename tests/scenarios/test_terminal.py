@@ -155,3 +155,24 @@ def test_ctrl_c_under_the_readmes_launcher_exits_75_with_our_lines_only(corpus_f
     assert f"stopping on SIGINT: snapshot of step {step} saved" in term.text
     for torchruns in ("Traceback", "torch/distributed", "SignalException", "OMP_NUM_THREADS"):
         assert torchruns not in term.text, term.text[-3000:]
+
+
+def test_ctrl_c_while_the_workers_import_ends_the_job_at_once_in_one_line(corpus_file, tmp_path):
+    """The README's launcher, Ctrl-C (SIGINT to the terminal's process group) while both workers still
+    import torch: before, about 110 lines of KeyboardInterrupt tracebacks (or torch's C++ terminate),
+    and once an agent that ran on until a SIGTERM. Now one line, and the job ends with 130."""
+    cmd = [sys.executable, "-m", "mingpt.cli.launch", "--standalone", "--nproc_per_node=2", "mingpt/main.py",
+           "model=gpt-nano", "data.block_size=32", *common(corpus_file, tmp_path, tmp_path / "run"), "trainer.max_steps=3"]
+    term = Terminal(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    deadline = time.time() + 120
+    while True:  # both workers are in their imports once torch's library is loaded into them
+        workers = Path(f"/proc/{term.proc.pid}/task/{term.proc.pid}/children").read_text().split()
+        if len(workers) == 2 and all("libtorch_cpu" in Path(f"/proc/{w}/maps").read_text() for w in workers):
+            break
+        assert time.time() < deadline and term.proc.poll() is None, term.text[-3000:]
+        term.read(0.01)
+    os.killpg(term.proc.pid, signal.SIGINT)
+    assert term.finish(timeout=30) == 130, term.text[-3000:]
+    assert " joined: " not in term.text, term.text[-3000:]  # the workers were still starting
+    assert "Traceback" not in term.text and "KeyboardInterrupt" not in term.text, term.text[-3000:]
+    assert term.text.strip().splitlines() == ["Ctrl-C while starting: stopped before training, nothing to save"], term.text

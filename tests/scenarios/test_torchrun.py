@@ -150,12 +150,16 @@ LAUNCH = [sys.executable, "-m", "mingpt.cli.launch", "--standalone", "--nproc_pe
 ])
 def test_a_bad_setting_under_the_readmes_launcher_is_one_line_exit_2_and_never_retried(tmp_path, bad, message):
     """Plain torchrun: exit 1, about 45 lines of its own, and the bad config attempted 4 times under
-    --max-restarts=3. The README's launcher: our one line, exit 2, one attempt."""
+    --max-restarts=3. The README's launcher: our one line, exit 2, one attempt; a setting of the config
+    is refused by the launcher itself, before any worker starts (a worker first imports torch)."""
     proc = subprocess.run([*LAUNCH, "mingpt/main.py", *TINY, f"trainer.run_dir={tmp_path / 'run'}", bad], cwd=REPO,
                           env={**torchrun_env(), "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     lines = [line for line in out.splitlines() if line.strip()]
+    if bad.startswith("trainer."):  # the launcher's one line; no worker started
+        assert lines == [f"mingpt-torchrun: {message}; `python -m mingpt.main --cfg job` lists every key"], out
+        return
     assert len([line for line in lines if " ERROR " in line]) == 1 and message in out, out
     assert all(re.match(r"\d\d:\d\d:\d\d \S+:\d \[rank ", line) for line in lines), out  # our log lines only
 

@@ -1,4 +1,6 @@
 import dataclasses
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -87,3 +89,22 @@ def test_the_settings_a_run_starts_with_fit_one_screen_and_name_what_a_user_chec
                  "300 steps, evaluated every 250", "lr 0.001", "runs/micro/snapshots, every 500 steps",
                  "mingpt-report runs/micro"):
         assert said in text, said
+
+
+@pytest.mark.parametrize("overrides, module, extra", [
+    (["trainer.tensorboard=true"], "tensorboard", "tensorboard"),
+    (["data.path=corpus.jsonl.zst"], "zstandard", "formats"),
+])
+def test_a_setting_whose_extra_is_not_installed_is_refused_when_composing(tmp_path, monkeypatch, overrides, module,
+                                                                          extra):
+    """Before: trainer.tensorboard=true without TensorBoard failed in a traceback once the corpus and the
+    model were built. A shadow package that raises ImportError stands for the extra not installed."""
+    assert compose(overrides)  # installed (the test extras): accepted
+    (tmp_path / module).mkdir()
+    (tmp_path / module / "__init__.py").write_text(f"raise ImportError('No module named {module}')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    key = re.escape(overrides[0].split("=")[0])
+    with pytest.raises(ConfigError, match=rf"{key}.* needs {module}, which is not installed: pip install 'mingpt\[{extra}\]'"):
+        compose(overrides)
+    assert compose([]).trainer.tensorboard is False  # a setting that needs no extra never asks for it

@@ -1,5 +1,6 @@
 """The training command as a user starts it: what a start that fails leaves behind."""
 
+import os
 import subprocess
 import sys
 
@@ -103,3 +104,19 @@ def test_nanogpts_dashed_habit_gets_one_line_that_says_how():
     assert proc.stderr.strip().endswith("--max_steps=10: settings are written without dashes, key=value (did you mean "
                                         "trainer.max_steps=10?)")
     assert proc.stderr.count("\n") == 1 and "usage" not in proc.stderr
+
+
+def test_tensorboard_not_installed_is_one_line_before_anything_is_built(corpus_file, tmp_path):
+    """Before: a 20-line traceback (exit 1) once the corpus and the model were built. A shadow package
+    that raises ImportError, first on the path, stands for TensorBoard not installed."""
+    (tmp_path / "shadow" / "tensorboard").mkdir(parents=True)
+    (tmp_path / "shadow" / "tensorboard" / "__init__.py").write_text("raise ImportError('No module named tensorboard')\n")
+    proc = subprocess.run([sys.executable, "-m", "mingpt.main", *TINY, "trainer.tensorboard=true",
+                           f"data.path={corpus_file}", f"data.cache_dir={tmp_path / 'cache'}",
+                           f"trainer.run_dir={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "shadow"), str(REPO)])})
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().endswith("trainer.tensorboard=true needs tensorboard, which is not installed: pip install "
+                                        "'mingpt[tensorboard]' (in a checkout: pip install -e '.[tensorboard]')")
+    assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()  # no corpus prepared, no run

@@ -215,3 +215,29 @@ def test_a_launch_nonce_not_signed_with_the_jobs_secret_is_refused():
     with pytest.raises(SecretError, match="not signed with this job's secret"):
         agreed_launch_id(store, secret, "run1")
     assert agreed_launch_id(store, secret, "run2") == agreed_launch_id(store, secret, "run2")
+
+
+def test_each_agent_says_at_start_which_agent_hosts_the_rendezvous_store(monkeypatch, capsys):
+    """Before: nothing said which agent hosted it (the README's HOST1 is "either machine"), nor that the
+    job ends with it."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from mingpt.cli.rendezvous import create
+
+    for name in ("MINGPT_LAUNCH_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_JOB_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
+    endpoint, held = f"127.0.0.1:{free_port()}", []
+
+    def agent(endpoint: str, **conf) -> list[str]:
+        held.append(create(RendezvousParameters("mingpt", endpoint, "run1", 1, 2, **conf)))
+        return capsys.readouterr().err.splitlines()
+
+    (first,) = agent(endpoint)
+    assert first.startswith(f"mingpt-torchrun: this agent hosts the rendezvous store at {endpoint}: if that agent "
+                            "stops, the job stops on every node (a store of its own, mingpt-rendezvous, removes")
+    (second,) = agent(endpoint)
+    assert second.startswith(f"mingpt-torchrun: the rendezvous store at {endpoint} is hosted by the agent started "
+                             "first there (or by mingpt-rendezvous): if that agent stops, the job stops on every node")
+    assert agent(endpoint, is_host="0") == []  # a store of its own (mingpt-rendezvous): nothing to warn of
+    assert agent("127.0.0.1:0") == []  # --standalone: one node
