@@ -119,6 +119,7 @@ def summary(cfg: RunConfig, world_size: int = 1) -> list[str]:
     prints every key)."""
     m, d, o, t, s, r = cfg.model, cfg.data, cfg.optim, cfg.trainer, cfg.snapshot, cfg.replicas
     micro = str(cfg.for_world(world_size).trainer.micro_batch)
+    optimizer = "Muon (the blocks' matrices) + AdamW" if t.optimizer == "muon" else "AdamW"
     if not t.micro_batch_size:
         micro += " (chosen: a micro-batch per stage for each pipeline)" if t.pipeline_parallel > 1 else " (chosen)"
     steps = f"{t.max_steps} steps, evaluated every {t.eval_every} on {t.eval_iters} batches" if t.eval_every else \
@@ -131,7 +132,7 @@ def summary(cfg: RunConfig, world_size: int = 1) -> list[str]:
             + (f", from {m.init_from}" if m.init_from else ""),
             f"data      {d.path} ({d.tokenizer.kind} tokens), {d.val_fraction:.0%} held out for validation",
             f"batch     {batch}", f"steps     {steps}, logged every {t.log_every}",
-            f"optimizer {'Muon (blocks) + AdamW' if t.optimizer == 'muon' else 'AdamW'}, lr {o.lr:g} (warm-up {o.warmup_steps} steps, cosine to {o.min_lr:g}), weight decay "
+            f"optimizer {optimizer}, lr {o.lr:g} (warm-up {o.warmup_steps} steps, cosine to {o.min_lr:g}), weight decay "
             f"{o.weight_decay:g}, clip {o.grad_clip:g}",
             f"layout    {t.parallel}" + (f", tensor parallel {t.tensor_parallel}" if t.tensor_parallel > 1 else "")
             + (f", pipeline {t.pipeline_parallel} ({t.pipeline_schedule})" if t.pipeline_parallel > 1 else "")
@@ -205,6 +206,7 @@ EXTRAS = (
     ("trainer.tensorboard=true", lambda cfg: cfg.trainer.tensorboard, "tensorboard", "tensorboard"),
     ("a zstd-compressed corpus (data.path=*.zst)", lambda cfg: cfg.data.path.endswith(".zst"), "zstandard",
      "formats"),
+    ("snapshot.uploader=boto3", lambda cfg: cfg.snapshot.uploader == "boto3", "boto3", "boto3"),
 )
 
 

@@ -301,16 +301,18 @@ def unix_listeners(pids: list[int]) -> list[str]:
     return held
 
 
-def test_fsdp_sigkill_resumes_bitwise_and_loads_at_one_rank_under_ddp(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_fsdp_sigkill_resumes_bitwise_and_loads_at_one_rank_under_ddp(tmp_path, optimizer):
     """FSDP2 at 2 ranks: a SIGKILLed worker resumes under FSDP at 2 ranks bitwise equal to the
     uninterrupted run; the same run's snapshot continues at 1 rank under DDP within a tolerance: one
     rank sums each step's micro-batches in another order (float addition is not associative), and
     the shorter last step of an epoch is cut into other micro-batches, so dropout draws other noise
-    there. The first step after the resume shows that the state itself loaded exactly."""
+    there. The first step after the resume shows that the state itself loaded exactly. The same with
+    Muon: its momentum, sharded by FSDP, saved, resumed and resharded as AdamW's moments are."""
     from conftest import make_corpus
 
     corpus = make_corpus(tmp_path)
-    fsdp = ["trainer.parallel=fsdp"]
+    fsdp = ["trainer.parallel=fsdp", f"trainer.optimizer={optimizer}"]
     ref_dir = tmp_path / "ref"
     proc = subprocess.run(torchrun_cmd(2, "mingpt/main.py", *args(corpus, tmp_path, ref_dir), *fsdp), cwd=REPO,
                           env=torchrun_env(), capture_output=True, text=True, timeout=300)
@@ -335,7 +337,8 @@ def test_fsdp_sigkill_resumes_bitwise_and_loads_at_one_rank_under_ddp(tmp_path):
     assert store.read_manifest(start.path)["files"].keys() >= {"shard-00000-of-00002.bin", "shard-00001-of-00002.bin"}
     one_dir = tmp_path / "one"
     proc = subprocess.run([sys.executable, "-m", "mingpt.main", *args(corpus, tmp_path, one_dir), "trainer.parallel=ddp",
-                           f"snapshot.resume={start.path}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+                           f"trainer.optimizer={optimizer}", f"snapshot.resume={start.path}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert f"resumed from snapshot step {start.step}" in proc.stderr and "now 1 with single" in proc.stderr
     weights = final_weights(one_dir)
