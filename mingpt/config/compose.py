@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import re
 import typing
 from pathlib import Path
@@ -138,7 +139,8 @@ def summary(cfg: RunConfig, world_size: int = 1) -> list[str]:
             + (f", replica group {r.group} of {len(r.peers)}" if r.enabled else ""),
             f"snapshots {cfg.snapshot_store}, every {s.every_steps} steps"
             + (f" or {s.every_seconds:g} s" if s.every_seconds else "") + f", keep {s.keep_last}, resume {s.resume}",
-            f"run       {t.run_dir} (metrics.jsonl; a report: mingpt-report {t.run_dir})"]
+            f"run       {t.run_dir} (metrics.jsonl; a report: mingpt-report {t.run_dir})"
+            + (f", tracked by {t.tracker} ({t.tracker_project})" if t.tracker != "none" else "")]
 
 
 def _build(cls, values: dict[str, Any], where: str):
@@ -191,4 +193,13 @@ def suggest_key(key: str) -> str | None:
 
 def from_dict(values: dict[str, Any]) -> RunConfig:
     """Build and validate the run's config from plain (already resolved) containers."""
-    return _build(RunConfig, dict(values), "")
+    cfg = _build(RunConfig, dict(values), "")
+    if cfg.trainer.tracker != "none":
+        needs_extra(f"trainer.tracker={cfg.trainer.tracker}", cfg.trainer.tracker, cfg.trainer.tracker)
+    return cfg
+
+
+def needs_extra(setting: str, module: str, extra: str) -> None:
+    """A setting that needs an optional package: a ConfigError naming the extra that installs it."""
+    if importlib.util.find_spec(module) is None:
+        raise ConfigError(f"{setting} needs the {module} package, which is not installed: pip install 'mingpt[{extra}]'")
