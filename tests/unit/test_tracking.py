@@ -14,8 +14,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, free_port
+
 from mingpt.config.compose import compose, needs_extra
 from mingpt.config.schema import ConfigError
 
@@ -54,7 +54,11 @@ def mlflow_server(tmp_path_factory):
         yield uri
     finally:
         os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers: a session of their own
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # still draining its connections
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
 
 
 def test_an_mlflow_run_resumed_is_one_tracked_run_with_both_starts(mlflow_server, corpus_file, tmp_path):
@@ -145,8 +149,8 @@ def test_a_wandb_offline_run_resumed_continues_the_same_run_id(corpus_file, tmp_
 def test_a_tracker_whose_server_is_down_is_one_warning_and_the_run_finishes(corpus_file, tmp_path):
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proc = train(tmp_path, corpus_file, 3, "trainer.tracker=mlflow", env={"MLFLOW_TRACKING_URI": closed})
-    warnings = [line for line in proc.stderr.splitlines() if "mlflow tracker" in line]
-    assert len(warnings) == 1 and "WARNING" in warnings[0], proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if " WARNING " in line]  # its HTTP client's retries: none
+    assert len(warnings) == 1 and "mlflow tracker" in warnings[0], proc.stderr[-3000:]
     assert "opening the tracked run failed" in warnings[0] and "the run goes on" in warnings[0]
     assert "Traceback" not in proc.stderr and "finished: step 3" in proc.stderr
 
