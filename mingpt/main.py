@@ -36,6 +36,7 @@ from mingpt.model.tokenizer import TokenizerError
 from mingpt.parallel.layouts import Parallel, ParallelError, parallelize
 from mingpt.replicas import GroupRestart, ReplicaError, Replicas, member_view, one_launch
 from mingpt.replicas.standby import StandbyEnded
+from mingpt.report import goodput
 from mingpt.runtime import distributed
 from mingpt.runtime.console import setup_logging
 from mingpt.runtime.distributed import DistInfo, PreemptionFlag
@@ -59,6 +60,7 @@ from mingpt.training.snapshots import (
     where_to_start,
 )
 from mingpt.training.state import TrainData
+from mingpt.training.tracking import open_tracker
 from mingpt.training.trainer import Trainer
 
 log = logging.getLogger("mingpt")
@@ -83,7 +85,10 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     parallel = build_model(cfg, info, start)
     optimizer = init_state(build_optimizer(parallel.local, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay,
                                                  cfg.trainer.optimizer))
-    metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard)
+    tracker = open_tracker(cfg.trainer.tracker, cfg.trainer.run_dir, cfg.trainer.tracker_project, cfg.to_dict(),
+                           ends_with=partial(goodput.figures, cfg.trainer.run_dir))
+    metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard,
+                            tracker=tracker)
     hosts = distributed.rank_names(distributed.all_gather_objects((info.hostname, info.node, info.local_rank)))
     if spare is not None:  # built: it takes its member's place the moment the member's process exits
         replicas, start = stand_by(cfg, info, lease, spare, ledger, preempt, build_replicas, start.store)

@@ -141,7 +141,8 @@ def summary(cfg: RunConfig, world_size: int = 1) -> list[str]:
             + (f", replica group {r.group} of {len(r.peers)}" if r.enabled else ""),
             f"snapshots {cfg.snapshot_store}, every {s.every_steps} steps"
             + (f" or {s.every_seconds:g} s" if s.every_seconds else "") + f", keep {s.keep_last}, resume {s.resume}",
-            f"run       {t.run_dir} (metrics.jsonl; a report: mingpt-report {t.run_dir})"]
+            f"run       {t.run_dir} (metrics.jsonl; a report: mingpt-report {t.run_dir})"
+            + (f", tracked by {t.tracker} ({t.tracker_project})" if t.tracker != "none" else "")]
 
 
 def _build(cls, values: dict[str, Any], where: str):
@@ -207,6 +208,8 @@ EXTRAS = (
     ("a zstd-compressed corpus (data.path=*.zst)", lambda cfg: cfg.data.path.endswith(".zst"), "zstandard",
      "formats"),
     ("snapshot.uploader=boto3", lambda cfg: cfg.snapshot.uploader == "boto3", "boto3", "boto3"),
+    ("trainer.tracker=wandb", lambda cfg: cfg.trainer.tracker == "wandb", "wandb", "wandb"),
+    ("trainer.tracker=mlflow", lambda cfg: cfg.trainer.tracker == "mlflow", "mlflow", "mlflow"),
 )
 
 

@@ -180,6 +180,12 @@ class TrainerConfig:
     """Peak FLOP/s of one GPU for MFU; 0 = look up by device name."""
     tensorboard: bool = False
     """Also write metrics to TensorBoard in run_dir/tb."""
+    tracker: str = "none"
+    """Also send the metrics to an experiment tracker from the first rank: "none", "wandb" (Weights &
+    Biases; WANDB_MODE=offline writes files to `wandb sync` later) or "mlflow" (at MLFLOW_TRACKING_URI).
+    A resumed or restarted run continues the same tracked run (its id in run_dir/tracker.json)."""
+    tracker_project: str = "mingpt"
+    """The wandb project, or the MLflow experiment, that the tracked run goes into."""
     progress: bool = True
     """Show a progress bar on the first rank when stderr is a terminal."""
     run_dir: str = "runs/default"
@@ -227,6 +233,7 @@ class TrainerConfig:
                f"trainer.pipeline_schedule={self.pipeline_schedule!r}: use 1f1b, gpipe or interleaved")
         _check(self.eval_every >= 0 and self.eval_iters > 0, "trainer.eval_every must be >= 0 and eval_iters > 0")
         _check(self.threads >= 0, f"trainer.threads must be >= 0, got {self.threads}")
+        _check(self.tracker in ("none", "wandb", "mlflow"), f"trainer.tracker={self.tracker!r}: use none, wandb or mlflow")
 
 
     @property

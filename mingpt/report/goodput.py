@@ -13,9 +13,10 @@ of the steps kept, over the wall time.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from mingpt.training.ledger import STARTUP, STATES
-from mingpt.training.metrics import read_records  # noqa: F401 - the report's reader
+from mingpt.training.metrics import read_records  # also the report's reader (its __main__)
 
 # the job's categories, in the order the report shows them
 CATEGORIES = ("training", "lost", "down", "startup", "data_wait", "eval", "snapshot", "log", "regroup", "other")
@@ -225,6 +226,14 @@ def _lost_at(epochs: list[dict], attempts: list[Attempt], restarts: list[int]) -
         out[i] = next((e["time"] for e in epochs if since < e["time"] <= attempts[i].t0 + attempts[i].startup_s
                        and group not in {group_of(m, e) for m in e.get("members", [])}), attempts[i].t0)
     return out
+
+
+def figures(run_dir: str | Path) -> dict[str, float]:
+    """The job's goodput in a few numbers, from run_dir's metrics (what an experiment tracker gets at the
+    end): goodput, wall seconds, seconds per category and the restarts."""
+    acc = account(read_records(Path(run_dir) / "metrics.jsonl"))
+    return {"goodput": round(acc.goodput, 4), "wall_s": round(acc.wall, 3), "restarts": len(acc.restarts),
+            **{f"{category}_s": round(seconds, 3) for category, seconds in acc.seconds.items()}}
 
 
 def _pauses(records: list[dict], usual: float) -> tuple[float, float, int]:

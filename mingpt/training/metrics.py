@@ -1,5 +1,5 @@
-"""Metrics sinks of the first rank (JSON lines in the run directory, optionally TensorBoard, a progress
-bar), and the train record's figures: throughput, MFU, the slowest rank."""
+"""Metrics sinks of the first rank (JSON lines in the run directory, optionally TensorBoard and an
+experiment tracker, a progress bar), and the train record's figures: throughput, MFU, the slowest rank."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
+
+from mingpt.training.tracking import ID_FILE as TRACKER_ID_FILE
+from mingpt.training.tracking import Tracker
 
 if TYPE_CHECKING:  # the report reads metrics without importing torch
     import torch
@@ -87,8 +90,9 @@ class MetricsWriter:
     keeps the last record of each step.
     """
 
-    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = False):
+    def __init__(self, run_dir: str, enabled: bool, tensorboard: bool = False, tracker: Tracker | None = None):
         self.enabled = enabled
+        self.tracker = tracker  # trainer.tracker: every record goes to it too
         self.path = Path(run_dir) / "metrics.jsonl"
         self._fh = None
         self._tb = None
@@ -110,6 +114,8 @@ class MetricsWriter:
                 return
             self._fh.write(_line(record))
             self._write_tb(record)
+            if self.tracker is not None:
+                self.tracker.record(record)
 
     def _write_tb(self, record: dict) -> None:
         if self._tb is not None and record.get("kind") in ("train", "eval"):
@@ -147,9 +153,10 @@ class MetricsWriter:
 
     @staticmethod
     def move_aside(run_dir: str | Path, stamp: str) -> list[str]:
-        """Rename metrics.jsonl and tb/ to *.aside-<stamp>; returns the new paths."""
+        """Rename metrics.jsonl, tb/ and tracker.json to *.aside-<stamp>; returns the new paths."""
         moved = []
-        for name, new in (("metrics.jsonl", f"metrics.aside-{stamp}.jsonl"), ("tb", f"tb.aside-{stamp}")):
+        for name, new in (("metrics.jsonl", f"metrics.aside-{stamp}.jsonl"), ("tb", f"tb.aside-{stamp}"),
+                          (TRACKER_ID_FILE, f"tracker.aside-{stamp}.json")):  # a new run gets a new tracked run
             src = Path(run_dir) / name
             if src.exists():
                 src.rename(src.with_name(new))
@@ -161,6 +168,8 @@ class MetricsWriter:
             if self._fh is not None:
                 self._fh.close()
                 self._fh = None
+                if self.tracker is not None:  # the end figures, read from the file just closed
+                    self.tracker.close(summarise=self.enabled)
             if self._tb is not None:
                 self._tb.close()
                 self._tb = None

@@ -95,6 +95,8 @@ def test_the_settings_a_run_starts_with_fit_one_screen_and_name_what_a_user_chec
     (["trainer.tensorboard=true"], "tensorboard", "tensorboard"),
     (["data.path=corpus.jsonl.zst"], "zstandard", "formats"),
     (["snapshot.uploader=boto3"], "boto3", "boto3"),  # an extra since a user install took 5 min resolving it
+    (["trainer.tracker=wandb"], "wandb", "wandb"),
+    (["trainer.tracker=mlflow"], "mlflow", "mlflow"),
 ])
 def test_a_setting_whose_extra_is_not_installed_is_refused_when_composing(tmp_path, monkeypatch, overrides, module,
                                                                           extra):

@@ -65,6 +65,7 @@ def test_move_aside_starts_clean_and_keeps_the_earlier_run_whole(job, tmp_path):
     run_dir = tmp_path / "run"
     job(run_dir)
     old = snapshots(run_dir)
+    (run_dir / "tracker.json").write_text('{"mlflow": "0123"}')  # its tracked run's id (trainer.tracker)
     trainer = job(run_dir, "snapshot.resume=never", "snapshot.move_aside=true", "snapshot.keep_last=1", steps=10)
     assert trainer.progress.step == 10
     new = snapshots(run_dir)
@@ -78,6 +79,9 @@ def test_move_aside_starts_clean_and_keeps_the_earlier_run_whole(job, tmp_path):
     assert [r["run_id"] for r in starts] == [new[10]]  # the new metrics hold the new run only
     (old_metrics,) = run_dir.glob("metrics.aside-*.jsonl")
     assert {r["run_id"] for r in read_records(old_metrics) if r["kind"] == "start"} == set(old.values())
+    # and the new run, if tracked, gets a tracked run of its own
+    assert not (run_dir / "tracker.json").exists()
+    assert [json.loads(p.read_text()) for p in run_dir.glob("tracker.aside-*.json")] == [{"mlflow": "0123"}]
 
 
 def test_a_restart_of_the_same_launch_resumes_whatever_resume_says(job, tmp_path):
