@@ -2,6 +2,7 @@
 relay that cannot pass for a group, messages typed at the edge, bounded replies, a capped door, a
 coordinator that trusts its own record, a heal that fails without harm."""
 
+import contextlib
 import datetime
 import json
 import os
@@ -51,11 +52,11 @@ def wait_for(condition, seconds=10.0):
     return False
 
 
-def peer(port, member, members, secret=SECRET):
+def peer(port, member, members, secret=SECRET, to=0):
     """A process that holds `secret` and speaks the protocol by hand: its channel, and the server's hello."""
     _, client = contexts(secret)
     tls = client.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5))
-    tls.sendall(encode(Hello(PROTOCOL, member, "feedfeedfeed", members)))
+    tls.sendall(encode(Hello(PROTOCOL, member, "feedfeedfeed", members, to)))
     return tls, parse(read_line(tls), members)
 
 
@@ -125,12 +126,15 @@ def test_a_stranger_is_refused_before_anything_is_read(caplog):
 
 def test_a_relay_on_a_down_groups_address_cannot_pass_for_it():
     """The review's attack: another user binds the address of group 2, which is down, and relays every
-    connection to group 1's beacon. Group 0 dials group 2 and reaches group 1: the server names itself
-    inside the channel, and group 0 hangs up; group 2 is never counted alive."""
+    connection to group 1's beacon. Group 0 dials group 2 and reaches group 1: group 1 refuses a hello
+    meant for group 2, and group 2 is never counted alive. And what the relayed connection said changes
+    nothing about group 0 at group 1: before, its end marked group 0 lost there (its connection
+    "closed"), again at every try, and the live groups kept forming new epochs."""
     peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     ports = [int(p.rsplit(":", 1)[1]) for p in peers]
     relay = socket.create_server(("127.0.0.1", ports[2]))
     stop = threading.Event()
+    relayed = Counter()
 
     def pipe(src, dst):
         try:
@@ -139,7 +143,9 @@ def test_a_relay_on_a_down_groups_address_cannot_pass_for_it():
         except OSError:
             pass
         finally:
-            for s in (src, dst):
+            for s in (src, dst):  # (shut down: a close alone sends no FIN while the other pipe reads it)
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
                 s.close()
 
     def relay_all():
@@ -154,6 +160,7 @@ def test_a_relay_on_a_down_groups_address_cannot_pass_for_it():
             except OSError:  # group 1 not listening yet
                 conn.close()
                 continue
+            relayed["connections"] += 1
             threading.Thread(target=pipe, args=(conn, upstream), daemon=True).start()
             threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
 
@@ -161,7 +168,14 @@ def test_a_relay_on_a_down_groups_address_cannot_pass_for_it():
     b = Beacon(peers, 1, SECRET, 0.05, 1.0)
     a = Beacon(peers, 0, SECRET, 0.05, 1.0)
     try:
-        assert wait_for(lambda: a.dropped["group 2's address"] >= 2)  # every try refused, every heartbeat
+        assert wait_for(lambda: 0 in b.alive() and 1 in a.alive())
+        start, lost = relayed["connections"], []
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:  # group 0's sender to group 2 is relayed to group 1 every heartbeat
+            lost += [b.was_lost(0) or 0 not in b.alive()]
+            time.sleep(0.002)
+        assert relayed["connections"] - start >= 5
+        assert not any(lost), f"group 1 saw group 0 lost {sum(lost)} times of {len(lost)}"
         assert set(a.alive()) == {0, 1} and 2 not in a.alive()
         assert a._senders.get(2) is None
     finally:
@@ -179,7 +193,7 @@ def test_a_bad_heartbeat_from_a_peer_is_dropped_and_the_beacon_goes_on(caplog):
     a = Beacon(peers, 0, SECRET, 0.05, 60.0)
     try:
         tls, hello = peer(int(peers[0].rsplit(":", 1)[1]), 1, 2)
-        assert hello == Hello(PROTOCOL, 0, a.incarnation, 2)
+        assert hello == Hello(PROTOCOL, 0, a.incarnation, 2, 1)
         bad = {"t": "hb", "state": "training", "epoch": "999", "step": 5, "taking": -1}
         for _ in range(3):
             tls.sendall(json.dumps(bad).encode() + b"\n")
@@ -205,7 +219,7 @@ def test_a_reply_is_bounded_and_one_that_answers_no_request_is_dropped():
         conn, _ = server.accept()
         tls = tls_server.wrap_socket(conn, server_side=True)
         assert parse(read_line(tls), 2).member == 0
-        tls.sendall(encode(Hello(PROTOCOL, 1, "feedfeedfeed", 2)))
+        tls.sendall(encode(Hello(PROTOCOL, 1, "feedfeedfeed", 2, 0)))
         tls.sendall(encode(Wait("abcdef")))  # nobody asked
         assert wait_for(lambda: a.dropped["a coordinator"] == 1)
         assert a._replies == {}
