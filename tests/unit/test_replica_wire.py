@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from conftest import free_port
 
-from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, Replicas
+from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas
 from mingpt.replicas.wire import (
     MAX_LINE,
     PROTOCOL,
@@ -520,3 +520,41 @@ def test_a_member_that_completes_the_last_exchange_and_leaves_does_not_drop_the_
         t.join(timeout=30)
     assert not isinstance(out[0], MembershipChanged), out[0]
     assert torch.equal(out[0][0], out[1][0])
+
+
+def test_a_group_whose_port_is_squatted_is_waited_for_and_one_that_exited_is_not():
+    """The review's hang: a squatted port made its group exit 2 after replicas.timeout_s, and the other
+    group waited for a quorum for ever. Now the squatted group keeps trying, and dials the others
+    meanwhile: they hear it and wait (past quorum_wait_s) until it binds and joins. A group never heard
+    from ends the wait after quorum_wait_s, in one line naming it."""
+    peers = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    squatter = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import socket, time
+        s = socket.create_server(("127.0.0.1", {int(peers[1].rsplit(":", 1)[1])}))
+        print("holding", flush=True)
+        time.sleep(3.0)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert squatter.stdout.readline().strip() == "holding"
+    a = Beacon(peers, 0, SECRET, 0.05, 1.0, quorum_wait_s=1.5)
+    out = {}
+    threading.Thread(target=lambda: out.setdefault("b", Beacon(peers, 1, SECRET, 0.05, 1.0)), daemon=True).start()
+    try:
+        formed = {}
+        ta = threading.Thread(target=lambda: formed.setdefault(0, a.form(0, False, 2, 10.0, lambda: False)))
+        ta.start()
+        assert wait_for(lambda: "b" in out, 15.0)  # bound once the squatter left (after quorum_wait_s)
+        squatter.wait()
+        formed[1] = out["b"].form(0, False, 2, 10.0, lambda: False)
+        ta.join(15)
+        assert formed[0].numbers() == formed[1].numbers() == [0, 1]
+    finally:
+        squatter.kill()
+        a.close()
+        if "b" in out:
+            out["b"].close()
+    c = Beacon([f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"], 0, SECRET, 0.05, 1.0, quorum_wait_s=1.0)
+    try:
+        with pytest.raises(ReplicaError, match=r"groups \[1\] exited or never started"):
+            c.form(0, False, 2, 10.0, lambda: False)
+    finally:
+        c.close()
