@@ -325,6 +325,10 @@ class ReplicasConfig:
     """A group silent this long is lost (a killed process is noticed at once: its connection breaks)."""
     timeout_s: float = 30.0
     """How long forming an epoch's process group, or one collective, may take at most."""
+    quorum_wait_s: float = 600.0
+    """How long a group waits to form an epoch while fewer than min_groups groups are heard from at all
+    (the others exited, or never started); then it exits 2, naming them. A group heard from (starting,
+    or waiting for its port) is waited for as long as it takes."""
     shares_per_group: int = 0
     """Every global step is cut into len(peers) x this many shares, each group training its own;
     a lost group's shares are dealt out among the survivors. 0: a lost group's shares go one to each
@@ -339,6 +343,7 @@ class ReplicasConfig:
         _check(0 <= self.min_groups <= n, f"replicas.min_groups={self.min_groups} must be 0 (a majority) to {n}")
         _check(0 < self.heartbeat_s < self.lost_after_s,
                f"replicas.heartbeat_s ({self.heartbeat_s}) must be positive and below lost_after_s ({self.lost_after_s})")
+        _check(self.quorum_wait_s > 0, f"replicas.quorum_wait_s={self.quorum_wait_s} must be positive")
         _check(self.shares_per_group >= 0, f"replicas.shares_per_group={self.shares_per_group} must be 0 (groups - 1) or more")
         _check(len(set(self.peers)) == n, "replicas.peers lists an address twice: give each group its own HOST:PORT")
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch.distributed as dist
 
-from mingpt.replicas.link import Links, host_port
+from mingpt.replicas.link import Links, ReplicaError, host_port
 from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, MemberEntry, Wait, WireError, parse
 from mingpt.runtime.trust import bound_store, derive
 
@@ -63,12 +63,13 @@ class Beacon(Links):
     coordinator's forming of epochs, over the links to every other member (mingpt/replicas/link.py)."""
 
     def __init__(self, peers: list[str], member: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
-                 procs: int = 1, sharded: bool = False, bind_wait_s: float = 60.0):
+                 procs: int = 1, sharded: bool = False, quorum_wait_s: float = 600.0):
         # with several processes per group (`procs`), each process is a member: `peers` lists every
         # member's address and `member` is this process's place in it (group * procs + process);
         # `sharded`: the group's processes shard the model (FSDP), and each epoch also gets a process
         # group per process index (the members that hold the same shard)
         self.member, self.secret, self.procs = member, secret, procs
+        self.quorum_wait_s = quorum_wait_s  # forming ends when too few groups are heard from at all for this long
         self.sharded = sharded and procs > 1
         self.incarnation = secrets.token_hex(6)
         self.status = {"state": "starting", "epoch": -1, "step": 0, "taking": -1, "why": ""}  # then forming, training
@@ -82,7 +83,7 @@ class Beacon(Links):
         self._announced: EpochNews | None = None  # the epoch this coordinator announced, until its group is made
         self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
         self._invited: EpochNews | None = None  # an epoch that counts this member in, answering a request it gave up on
-        super().__init__([host_port(p) for p in peers], member, secret, heartbeat_s, lost_after_s, bind_wait_s)
+        super().__init__([host_port(p) for p in peers], member, secret, heartbeat_s, lost_after_s)
 
     # --- what the trainer asks -------------------------------------------------------------------
     def name(self, member: int) -> str:
@@ -184,11 +185,19 @@ class Beacon(Links):
         `why` the last epoch ended, told to the others in the heartbeats (its root cause only)."""
         self.set_status(state="forming", step=step,
                         why=re.sub(r"^group \d+( process \d+)? left epoch \d+ \((.*)\)$", r"\2", why)[:300])
-        waited = time.monotonic()
+        waited = heard = time.monotonic()  # heard: when a quorum of groups was last heard from (starting too)
         while True:
             self._news.clear()
             if should_stop():
                 return None
+            if len({m // self.procs for m in self.alive()}) >= min_groups:
+                heard = time.monotonic()
+            elif time.monotonic() - heard > self.quorum_wait_s:  # the missing groups exited (or never started)
+                missing = sorted(set(range(len(self.peers) // self.procs)) - {m // self.procs for m in self.alive()})
+                raise ReplicaError(f"replica {self.name(self.member)} heard from too few groups for a quorum of "
+                                   f"{min_groups} in {self.quorum_wait_s:g} s (replicas.quorum_wait_s): groups "
+                                   f"{missing} exited or never started (see their logs); start them again, then "
+                                   "this group with them")
             coordinator = min(self.alive())
             try:
                 epoch = (self._coordinate(step, live, min_groups, timeout_s) if coordinator == self.member

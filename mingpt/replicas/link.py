@@ -5,8 +5,10 @@ Sockets, threads, the handshake and the hello live here; what the lines mean is 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import selectors
 import socket
 import threading
 import time
@@ -27,7 +29,8 @@ from mingpt.replicas.wire import (
 
 log = logging.getLogger("mingpt.replicas.beacon")
 
-HANDSHAKES = 16  # connections that have not yet proved the secret, at once: more are closed unread
+HANDSHAKES = 16  # connections in their handshake at once (each sent its first bytes): more are closed unread
+SILENT = 256  # connections accepted that have sent nothing yet: beyond this, the oldest is closed
 
 
 class ReplicaError(RuntimeError):
@@ -79,11 +82,14 @@ class Links:
     lines they carry (`_heard`, `_reply`) and names members (`name`)."""
 
     def __init__(self, peers: list[tuple[str, int]], me: int, secret: bytes, heartbeat_s: float,
-                 lost_after_s: float, bind_wait_s: float):
+                 lost_after_s: float):
         self.peers, self.heartbeat_s, self.lost_after_s = peers, heartbeat_s, lost_after_s
         self.dropped: Counter = Counter()  # messages and connections dropped, by sender
         self._tls_server, self._tls_client = contexts(secret)
         self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
+        self._door = threading.Lock()
+        self._shaking: dict = {}  # connections in their handshake -> (deadline, address), oldest first
+        self._inbound: dict[int, Channel] = {}  # each member's newest authenticated connection to this server
         self._senders: dict[int, Channel] = {}
         # a member that dialled in is up: the sender to it dials now if it waits to (a returning member
         # hears this one within a handshake, not up to a heartbeat later; set while connected, it only
@@ -93,20 +99,28 @@ class Links:
         self._news = threading.Event()
         self._stop = threading.Event()
         self._told_size = False  # a peer of another size of job was named once (its sender retries every heartbeat)
-        self._server = self._listen(bind_wait_s)
-        self._threads = [threading.Thread(target=self._accept, daemon=True)]
-        self._threads += [threading.Thread(target=self._send, args=(m,), daemon=True)
-                          for m in range(len(self.peers)) if m != me]
+        # the senders first: while the port is taken, the other members hear this one (starting), and
+        # wait for it rather than end the job for want of a group
+        self._threads = [threading.Thread(target=self._send, args=(m,), daemon=True)
+                         for m in range(len(self.peers)) if m != me]
         for t in self._threads:
             t.start()
+        try:
+            self._server = self._listen()
+        except BaseException:
+            self._stop.set()
+            raise
+        self._threads.append(threading.Thread(target=self._accept, daemon=True))
+        self._threads[-1].start()
 
-    def _listen(self, wait_s: float) -> socket.socket:
+    def _listen(self) -> socket.socket:
         """A listener on this member's address only (nothing listens wider than it must). A port held
         by another process (a previous incarnation's lingering socket, or another user) is tried again
-        with backoff for `wait_s`, the holder named where /proc tells it."""
+        for as long as this process runs: every 10 s at most, the holder named where /proc tells it, in
+        a line a minute at most once it has been said."""
         host, port = self.peers[self.member]
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        deadline, pause = time.monotonic() + wait_s, 0.5
+        pause, said = 0.5, -1e9
         while True:
             server = socket.socket(family, kind, proto)
             server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,18 +130,22 @@ class Links:
                 return server
             except OSError as e:
                 server.close()
-                if e.errno != errno.EADDRINUSE or time.monotonic() + pause > deadline:
+                if e.errno != errno.EADDRINUSE:
                     raise ReplicaError(f"replica {self.name(self.member)} cannot listen on {host}:{port} ({e.strerror}"
                                        f"{port_holder(port)}): give replicas.peers an address of this host with a free "
                                        "port" + (f" (and the {self.procs - 1} after it)" if self.procs > 1 else "")) from None
-                log.warning("replica %s cannot listen on %s:%d yet (%s%s); trying again in %.0f s", self.name(self.member),
-                            host, port, e.strerror, port_holder(port), pause)
+                if time.monotonic() - said >= 60:
+                    said = time.monotonic()
+                    log.warning("replica %s cannot listen on %s:%d yet (%s%s); trying again every %.0f s at most",
+                                self.name(self.member), host, port, e.strerror, port_holder(port), 10.0)
                 time.sleep(pause)
                 pause = min(2 * pause, 10.0)
 
     def close(self) -> None:
         self._stop.set()
-        for s in [self._server, *self._senders.values()]:
+        for s in [getattr(self, "_server", None), *self._senders.values()]:
+            if s is None:
+                continue
             try:
                 s.close()
             except OSError:
@@ -148,49 +166,101 @@ class Links:
             log.warning("replica beacon: dropped %s from %s (logged once; `dropped` counts them)", why, who)
 
     def _accept(self) -> None:
+        """Accept connections. One that has sent nothing costs a descriptor only (the oldest make room for
+        new ones beyond SILENT); its handshake gets a thread once its first bytes arrive (HANDSHAKES at
+        once); each has HANDSHAKE_S from its accept to its hello. So silent connections cannot hold the
+        door: a member's handshake starts the moment its first bytes arrive."""
+        selector = selectors.DefaultSelector()
+        selector.register(self._server, selectors.EVENT_READ)
+        silent: dict[socket.socket, tuple[float, object]] = {}  # -> (deadline, address), oldest first
         while not self._stop.is_set():
+            now = time.monotonic()
+            while silent and next(iter(silent.values()))[0] <= now:
+                self._close_silent(selector, silent, next(iter(silent)), "a connection that sent nothing")
+            with self._door:
+                while self._shaking and next(iter(self._shaking.values()))[0] <= now:
+                    tls, _ = next(iter(self._shaking.items()))
+                    del self._shaking[tls]
+                    with contextlib.suppress(OSError):  # its thread fails at once, and closes it
+                        socket.socket.shutdown(tls, socket.SHUT_RDWR)
+                deadlines = [next(iter(d.values()))[0] for d in (silent, self._shaking) if d]
             try:
-                conn, address = self._server.accept()
-            except OSError as e:
-                if self._stop.is_set():
-                    return
-                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    self._drop("the accept loop", f"a connection ({e.strerror}: out of descriptors)")
-                    time.sleep(0.05)  # connections close meanwhile; the listener stays
-                    continue
+                ready = selector.select(min([1.0, *(d - now for d in deadlines)]))
+            except (OSError, ValueError):  # the listener closed
                 return
-            if not self._handshakes.acquire(blocking=False):  # unauthenticated connections are capped
-                conn.close()
-                self._drop("the accept loop", f"a connection beyond {HANDSHAKES} unauthenticated ones")
-                continue
-            threading.Thread(target=self._serve, args=(conn, address), daemon=True).start()
+            for key, _ in ready:
+                if key.fileobj is self._server:
+                    self._take(selector, silent)
+                elif key.fileobj in silent:  # its first bytes (or its end): the handshake starts
+                    conn = key.fileobj
+                    selector.unregister(conn)
+                    deadline, address = silent.pop(conn)
+                    if not self._handshakes.acquire(blocking=False):
+                        conn.close()
+                        self._drop("the accept loop", f"a connection beyond {HANDSHAKES} in their handshake")
+                        continue
+                    threading.Thread(target=self._serve, args=(conn, address, deadline), daemon=True).start()
+        for conn in silent:
+            conn.close()
+        selector.close()
 
-    def _serve(self, conn: socket.socket, address) -> None:
-        """One peer's heartbeats and requests, once it completed the handshake and named itself."""
-        member = inc = None
+    def _take(self, selector, silent: dict) -> None:
+        """A connection from the listener, to wait for its first bytes."""
+        try:
+            conn, address = self._server.accept()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                self._drop("the accept loop", f"a connection ({e.strerror}: out of descriptors)")
+                time.sleep(0.05)  # connections close meanwhile; the listener stays
+            return
+        if len(silent) >= SILENT:
+            self._close_silent(selector, silent, next(iter(silent)), f"the oldest of {SILENT} silent connections")
+        silent[conn] = (time.monotonic() + HANDSHAKE_S, address)
+        selector.register(conn, selectors.EVENT_READ)
+
+    def _close_silent(self, selector, silent: dict, conn: socket.socket, what: str) -> None:
+        selector.unregister(conn)
+        _, address = silent.pop(conn)
+        conn.close()
+        self._drop(str(address[0]), f"{what} (it did not prove the job secret in {HANDSHAKE_S:g} s)")
+
+    def _serve(self, conn: socket.socket, address, deadline: float) -> None:
+        """One peer's heartbeats and requests, once it completed the handshake and named itself (by
+        `deadline`, from its accept: the accept loop shuts it down then)."""
+        member = inc = channel = tls = None
         try:
             try:
-                conn.settimeout(HANDSHAKE_S)
-                tls = self._tls_server.wrap_socket(conn, server_side=True)
+                tls = self._tls_server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+                with self._door:
+                    self._shaking[tls] = (deadline, address)
+                tls.settimeout(max(0.01, deadline - time.monotonic()))
+                tls.do_handshake()
+                tls.settimeout(max(0.01, deadline - time.monotonic()))
                 hello = parse(read_line(tls), len(self.peers))
-            except (OSError, WireError) as e:
-                conn.close()
+            except (OSError, WireError, ValueError) as e:  # ValueError: shut down by the accept loop meanwhile
+                (tls or conn).close()
                 self._drop(str(address[0]), f"a connection that did not prove the job secret ({e})")
                 return
             finally:
+                with self._door:
+                    self._shaking.pop(tls, None)
                 self._handshakes.release()
             if not self._welcome(hello, tls):
                 tls.close()
                 return
             member, inc = hello.member, hello.inc
-            self._dial[member].set()
             channel = Channel(tls, lambda line: self._heard(member, inc, channel, line))
-            channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.peers)))
+            with self._lock:  # this connection is now the member's: an older one's end says nothing of it
+                self._inbound[member] = channel
+            self._dial[member].set()
+            channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.peers), member))
             channel.run()
         finally:
-            with self._lock:
-                if member is not None and self._seen.get(member, {}).get("inc") == inc:
-                    self._seen[member]["eof"] = True
+            with self._lock:  # only the member's newest authenticated connection says, by ending, that it is gone
+                if member is not None and self._inbound.get(member) is channel:
+                    del self._inbound[member]
+                    if self._seen.get(member, {}).get("inc") == inc:
+                        self._seen[member]["eof"] = True
 
     def _welcome(self, hello, tls) -> bool:
         """Whether a peer's hello (it holds the secret) is of this job's protocol and layout."""
@@ -207,6 +277,9 @@ class Links:
         if not 0 <= hello.member < len(self.peers) or hello.member == self.member:
             self._drop("a peer", f"a hello from member {hello.member}")
             return False
+        if hello.to != self.member:  # it dialled another member's address, and was relayed here
+            self._drop(f"{self.name(hello.member)} relayed", f"a hello for {self.name(hello.to)} (a relay)")
+            return False
         tls.settimeout(None)
         return True
 
@@ -218,9 +291,10 @@ class Links:
                 conn = socket.create_connection(self.peers[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 tls = self._tls_client.wrap_socket(conn)
-                tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.peers))))
+                tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.peers), member)))
                 hello = parse(read_line(tls), len(self.peers))
-                if not isinstance(hello, Hello) or hello.member != member or hello.v != PROTOCOL:
+                if (not isinstance(hello, Hello) or hello.member != member or hello.to != self.member
+                        or hello.v != PROTOCOL):
                     # a relay: whoever holds the address we dialled passed us on to another member
                     self._drop(f"{self.name(member)}'s address", f"a server that is not {self.name(member)} ({hello})")
                     tls.close()

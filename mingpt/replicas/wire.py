@@ -9,7 +9,8 @@ deterministically, so every process of the job makes the same bytes). Each side 
 trusts that certificate only, so a peer that completes the handshake holds the secret, and nobody
 else can read, change or replay a byte. Inside the channel the server names itself in its `Hello`:
 a client that dialled group 2's address and reached another member (a relay by whoever bound a
-down group's port) hangs up.
+down group's port) hangs up, and the client names the member it dialled in its own `Hello`, so the
+member it reached refuses it before it counts the connection as the client's.
 
 Every line is one JSON object, parsed once here into its record (`Hello`, `Heartbeat`, `Join`,
 `EpochNews`, `Wait`); a line too long, not JSON, or with a field of the wrong type or range is
@@ -33,9 +34,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 
-PROTOCOL = 4  # checked at hello: groups of another release refuse each other (4: a share header's compute)
+PROTOCOL = 5  # checked at hello: groups of another release refuse each other (5: a hello names whom it is for)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
-HANDSHAKE_S = 5.0
+HANDSHAKE_S = 2.0  # from accept to a peer's hello, at most: a connection slower than this is closed
 
 
 class WireError(ValueError):
@@ -69,6 +70,7 @@ class Hello:
     member: int  # the sender's member number (group * processes per group + process)
     inc: str  # the sender's incarnation: a restarted process is a new member
     members: int  # members in the job (every group's processes): its numbering must be ours
+    to: int  # the member it is for: a client's hello relayed to another member is refused there
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,8 @@ def checks(members: int) -> dict:
     member = _int(0, members - 1)
     entry = {"member": member, "inc": _text(32), "step": _int(0), "live": _bool}
     return {
-        Hello: {"v": _int(0, 2**31), "member": _int(0, 2**31), "inc": _text(32), "members": _int(1, 2**31)},
+        Hello: {"v": _int(0, 2**31), "member": _int(0, 2**31), "inc": _text(32), "members": _int(1, 2**31),
+                "to": _int(0, 2**31)},
         Heartbeat: {"state": lambda v: v in STATES, "epoch": _int(-1), "step": _int(0), "taking": _int(-1),
                     "why": _text(300)},
         Join: {"id": _id, "step": _int(0), "live": _bool, "epoch_seen": _int(-1)},
