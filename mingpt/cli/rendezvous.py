@@ -19,8 +19,9 @@ with the network: one only the job's hosts reach, or a network namespace per job
 
 It also makes the workers host their own store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, bound and
 prefixed the same way by mingpt.runtime.distributed) and gives them MINGPT_LAUNCH_ID, the same on every node
-and every restart of one launch, and MINGPT_AGENT_PID (their agent: mingpt/runtime/orphan.py). The secret comes from MINGPT_JOB_SECRET or MINGPT_JOB_SECRET_FILE
-(see README: two machines); `mingpt-torchrun --standalone` makes one for a one-machine job.
+and every restart of one launch, and MINGPT_AGENT_PID (their agent: mingpt/runtime/orphan.py). The
+secret comes from MINGPT_JOB_SECRET or MINGPT_JOB_SECRET_FILE (see README: two machines; `mingpt-torchrun
+--new-secret FILE` makes one); `mingpt-torchrun --standalone` makes one for a one-machine job.
 
     torchrun --rdzv_backend=mingpt --rdzv_endpoint=HOST1:29500 --rdzv_id=run1 ...   # registered as a torchrun handler
 

@@ -62,7 +62,8 @@ def _stop_while_starting(signum, frame) -> None:  # noqa: ARG001 - signal handle
 
 
 def _agent() -> int | None:
-    """The agent's pid that mingpt-torchrun or the mingpt rendezvous exported, if it is for this run (not inherited from another)."""
+    """The agent's pid that mingpt-torchrun or the mingpt rendezvous exported, if it is for this run (not
+    inherited from another)."""
     pid, _, run_id = os.environ.get(AGENT_ENV, "").partition(":")
     return int(pid) if pid.isdigit() and run_id == os.environ.get("TORCHELASTIC_RUN_ID") else None
 
