@@ -3,7 +3,7 @@
 # user, uid 1000, which must own the volume; the job's secret is the same on both, passed by name from the
 # shell (-e NAME: never its value on a command line):
 #   sudo install -d -o 1000 -g 1000 /data/mingpt   # once per instance
-#   export MINGPT_JOB_SECRET=...   # once per job: python3 -c 'import secrets; print(secrets.token_hex(32))'
+#   export MINGPT_JOB_SECRET=...   # once per job, random: openssl rand -hex 32
 #   docker run --gpus all --network host --ipc host --stop-timeout 300 \
 #     -v /data/mingpt:/data/mingpt -e HOME=/data/mingpt -e MINGPT_JOB_SECRET \
 #     -e AWS_ACCESS_KEY_ID -e AWS_SECRET_ACCESS_KEY -e AWS_DEFAULT_REGION \

@@ -41,7 +41,7 @@ from mingpt.runtime import distributed
 from mingpt.runtime.console import setup_logging
 from mingpt.runtime.distributed import DistInfo, PreemptionFlag
 from mingpt.runtime.preflight import PreflightError, run_checks
-from mingpt.runtime.storage import write_json_atomic
+from mingpt.runtime.storage import set_umask, write_json_atomic
 from mingpt.snapshot import SaveFailedError, SnapshotError
 from mingpt.snapshot.lease import Lease
 from mingpt.snapshot.start import MismatchError
@@ -265,6 +265,7 @@ def finish(finished: bool, cache, info: DistInfo) -> int:
 
 def train_process(cfg: RunConfig, ledger: Ledger) -> int:
     """The whole job of one process; returns its exit code. Every error ends here, as one line."""
+    set_umask(cfg.trainer.readable_by)  # first: the run's files are its user's alone unless it says otherwise
     info = env = DistInfo.from_env()  # env: its place in its torchrun (errors are reported by that)
     setup_logging(info)
     if cfg.replicas.enabled:  # each process of a replica group reports its own errors (one may be its own: a port)

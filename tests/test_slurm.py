@@ -32,6 +32,7 @@ echo node01
 """
 
 TORCHRUN = """#!/usr/bin/env bash
+if [[ "$1" == --new-secret ]]; then exec "$REAL_BIN/mingpt-torchrun" "$@"; fi  # the job's secret: the real one
 echo "$$ $*" >> "$RECORD/torchrun.calls"
 trap 'echo "$$ TERM" >> "$RECORD/torchrun.calls"; exit 75' TERM
 for _ in $(seq "${FAKE_TICKS:-100}"); do sleep 0.05; done
@@ -51,7 +52,9 @@ def fake_slurm(tmp_path):
 
 def slurm_env(bin_dir: Path, record: Path, nodes: list[str], **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MINGPT_JOB_SECRET"))}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(record), SLURM_NNODES=str(len(nodes)),
+    # the scripts make the job's secret with mingpt-torchrun (--new-secret): the one beside this interpreter
+    env.update(PATH=f"{bin_dir}:{Path(sys.executable).parent}:{env['PATH']}", REAL_BIN=str(Path(sys.executable).parent),
+               RECORD=str(record), SLURM_NNODES=str(len(nodes)),
                SLURM_JOB_ID="4242", SLURM_JOB_NODELIST=",".join(nodes), SLURM_GPUS_ON_NODE="8",
                SLURM_SUBMIT_DIR=str(record / "home"), SLURM_JOB_NAME="mingpt", **extra)
     return env

@@ -21,6 +21,8 @@ What it changes:
   their stack frames) are not printed;
 - the settings are checked here, before any worker starts (a typo is one line, exit 2, in a second);
 - a Ctrl-C while the workers start ends the job at once: one line, exit 130.
+
+`mingpt-torchrun --new-secret FILE` writes a new random job secret to FILE (mode 0600) and does nothing else.
 """
 
 from __future__ import annotations
@@ -45,7 +47,14 @@ if _QUIET_CPP:
 
 from mingpt.runtime.distributed import RESTART_SIGNAL
 from mingpt.runtime.orphan import AGENT_ENV
-from mingpt.runtime.trust import SECRET_ENV, SECRET_FILE_ENV, ForgedValueError, SecretError, job_secret
+from mingpt.runtime.trust import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    ForgedValueError,
+    SecretError,
+    job_secret,
+    write_new_secret,
+)
 
 # A worker's exit codes that no restart can change (see the README's exit codes).
 PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved",
@@ -217,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
     from mingpt.config.schema import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] and argv[0].partition("=")[0] == "--new-secret":
+        sys.exit(make_secret(argv))
     args = _set_up(argv, torchrun, launcher)
     endpoint = args.rdzv_endpoint
     try:
@@ -252,6 +263,20 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_say(f"the nodes did not all join the rendezvous at {endpoint} within join_timeout="
                       f"{_conf(argv, 'join_timeout', '600')} s (--nnodes={_option(argv, 'nnodes', '?')}). Check that "
                       "every node was started with the same --rdzv_endpoint, --rdzv_id and job secret", 1))
+
+
+def make_secret(argv: list[str]) -> int:
+    """`mingpt-torchrun --new-secret FILE`: a new random job secret in FILE (mode 0600; never over a file)."""
+    path = argv[0].partition("=")[2] or (argv[1] if len(argv) == 2 else "")
+    if not path or len(argv) > (1 if "=" in argv[0] else 2):
+        return _say("--new-secret takes one file name and nothing else: mingpt-torchrun --new-secret FILE", 2)
+    try:
+        write_new_secret(path)
+    except SecretError as e:
+        return _say(str(e), 2)
+    print(f"mingpt-torchrun: a new job secret in {path} (mode 0600): give every node of the job "
+          f"{SECRET_FILE_ENV}={path} (the same secret)", file=sys.stderr)
+    return 0
 
 
 def _say(message: str, code: int) -> int:

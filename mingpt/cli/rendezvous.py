@@ -19,8 +19,9 @@ with the network: one only the job's hosts reach, or a network namespace per job
 
 It also makes the workers host their own store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, bound and
 prefixed the same way by mingpt.runtime.distributed) and gives them MINGPT_LAUNCH_ID, the same on every node
-and every restart of one launch. The secret comes from MINGPT_JOB_SECRET or MINGPT_JOB_SECRET_FILE
-(see README: two machines); `mingpt-torchrun --standalone` makes one for a one-machine job.
+and every restart of one launch, and MINGPT_AGENT_PID (their agent: mingpt/runtime/orphan.py). The
+secret comes from MINGPT_JOB_SECRET or MINGPT_JOB_SECRET_FILE (see README: two machines; `mingpt-torchrun
+--new-secret FILE` makes one); `mingpt-torchrun --standalone` makes one for a one-machine job.
 
     torchrun --rdzv_backend=mingpt --rdzv_endpoint=HOST1:29500 --rdzv_id=run1 ...   # registered as a torchrun handler
 
@@ -49,6 +50,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from mingpt.cli.launch_id import agreed_launch_id
+from mingpt.runtime.orphan import AGENT_ENV
 from mingpt.runtime.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, SignedStore, bound_store, derive, job_secret
 
 log = logging.getLogger("mingpt.rendezvous")
@@ -128,9 +130,12 @@ def create(params: RendezvousParameters):
         backend = SignedBackend(C10dRendezvousBackend(store, params.run_id), derive(secret, "state").encode())
     except (OSError, RuntimeError, ValueError, TimeoutError) as e:
         raise RendezvousConnectionError(f"cannot reach the rendezvous store at {params.endpoint}") from e
-    # The workers inherit the agent's environment: their own store, the secret to prefix it, and the launch's id.
+    # The workers inherit the agent's environment: their own store, the secret to prefix it, the launch's id,
+    # and their agent's pid (this handler runs in the agent, before it starts them): under plain torchrun
+    # too, a worker whose agent died while it started exits at once (mingpt/runtime/orphan.py).
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SECRET_ENV: secret.decode(),
-                       "MINGPT_LAUNCH_ID": agreed_launch_id(store, secret, params.run_id)})
+                       "MINGPT_LAUNCH_ID": agreed_launch_id(store, secret, params.run_id),
+                       AGENT_ENV: f"{os.getpid()}:{params.run_id}"})
     # torch's agents take the workers' store address (MASTER_ADDR, MASTER_PORT) and their ranks from the
     # handler's store: signed, so that a value written by anyone else is ignored.
     return create_handler(SignedStore(store, derive(secret, "values").encode()), backend, params)

@@ -190,6 +190,10 @@ class TrainerConfig:
     """Show a progress bar on the first rank when stderr is a terminal."""
     run_dir: str = "runs/default"
     """Where metrics, the tokenizer and (by default) snapshots go."""
+    readable_by: str = "user"
+    """Who may read what the run writes on this node (run_dir, snapshots on a file system, metrics,
+    data.cache_dir): "user" (folders 0700, files 0600: the process's umask 077), "group" (027) or
+    "all" (022, most shells' default). A node's other users read no weights by default."""
     watchdog_s: float = 900.0
     """Exit (for torchrun to restart) when a step makes no progress for this long; 0 = off."""
     parallel: str = "ddp"
@@ -224,6 +228,8 @@ class TrainerConfig:
         _check(self.log_every > 0, f"trainer.log_every must be positive, got {self.log_every}")
         _check(self.parallel in ("ddp", "fsdp", "hsdp"), f"trainer.parallel={self.parallel!r}: use ddp, fsdp or hsdp")
         _check(self.optimizer in ("adamw", "muon"), f"trainer.optimizer={self.optimizer!r}: use adamw or muon")
+        _check(self.readable_by in ("user", "group", "all"),
+               f"trainer.readable_by={self.readable_by!r}: use user, group or all")
         _check(self.optimizer != "muon" or self.precision != "fp16",
                "trainer.optimizer=muon with trainer.precision=fp16 is not supported: use bf16 (or fp32)")
         _check(self.tensor_parallel >= 1, f"trainer.tensor_parallel must be >= 1 (1 = off), got {self.tensor_parallel}")

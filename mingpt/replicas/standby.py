@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import tempfile
 import threading
@@ -25,6 +26,8 @@ from pathlib import Path
 from mingpt.replicas.link import ReplicaError
 from mingpt.runtime.distributed import derive
 from mingpt.snapshot.nodecache import UnsafeDirectory, private_dir, user_dir
+
+log = logging.getLogger(__name__)
 
 CHECK_S = 0.2  # how often a waiting spare asks whether to give up
 _HELD: dict[Path, int] = {}  # the member locks this process holds, by path: held until it exits
@@ -40,13 +43,30 @@ class StandbyEnded(Exception):
 
 
 def lock_path(secret: bytes, member: int, root: str | None = None) -> Path:
-    """Where member `member`'s lock of the job of `secret` lives on this node: a directory of this user's
-    alone (made so, or refused in one line if another user holds it), a name only the job can make."""
+    """Where member `member`'s lock of the job of `secret` lives on this node, a name only the job can
+    make, in a directory of this user's alone: $XDG_RUNTIME_DIR/mingpt-replicas where that is set and
+    private (nobody else can make a name there), else mingpt-<uid>/replicas in the temp folder (`root`).
+    Anyone can make that name first in a temp folder: then the locks go to mingpt-<uid>-<a name derived
+    from the secret> beside it, with a warning; another user's folder is never used."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "") if root is None else ""
+    if runtime:
+        with contextlib.suppress(OSError, UnsafeDirectory):
+            return _in(private_dir(private_dir(Path(runtime)) / "mingpt-replicas"), secret, member)
+    temp = root or tempfile.gettempdir()
     try:
-        folder = private_dir(private_dir(user_dir(root or tempfile.gettempdir())) / "replicas")
+        return _in(private_dir(private_dir(user_dir(temp)) / "replicas"), secret, member)
     except (OSError, UnsafeDirectory) as e:
-        raise ReplicaError(f"the replica member's lock cannot be kept on this node: {e}") from None
-    return Path(folder) / f"member-{derive(secret, f'replicas-member-{member}')[:24]}.lock"
+        instead = Path(temp) / f"{user_dir(temp).name}-{derive(secret, 'replicas-folder')[:16]}"
+        try:
+            folder = private_dir(instead)
+        except (OSError, UnsafeDirectory) as e2:
+            raise ReplicaError(f"the replica member's lock cannot be kept on this node: {e}; {e2}") from None
+        log.warning("the replica member's lock is kept in %s: %s (another user may have made it first)", instead, e)
+        return _in(folder, secret, member)
+
+
+def _in(folder: Path, secret: bytes, member: int) -> Path:
+    return folder / f"member-{derive(secret, f'replicas-member-{member}')[:24]}.lock"
 
 
 class MemberLock:

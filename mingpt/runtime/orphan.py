@@ -14,7 +14,8 @@ import signal
 import sys
 
 _PARENT = os.getppid()  # the agent, recorded at main.py's first import (unless it died already)
-AGENT_ENV = "MINGPT_AGENT_PID"  # "PID:RUN_ID", set by mingpt-torchrun: its pid, known before the worker starts
+AGENT_ENV = "MINGPT_AGENT_PID"  # "PID:RUN_ID", the agent's pid, known before the worker starts: set by mingpt-torchrun
+# and by the mingpt rendezvous (--rdzv_backend=mingpt, under plain torchrun too)
 
 
 def die_with_agent() -> None:
@@ -23,8 +24,8 @@ def die_with_agent() -> None:
     The kernel gave it to PID 1 or to the nearest child subreaper (some init systems and container
     runtimes), so its parent is no longer the one recorded at the start; a parent of PID 1 from
     the start means the same, unless PID 1 is the launcher itself (torchrun as a container's entry
-    point). Under mingpt-torchrun the parent is compared with the agent's pid it exported
-    (MINGPT_AGENT_PID): a worker whose agent died while its interpreter started is caught too."""
+    point). Under mingpt-torchrun or the mingpt rendezvous the parent is compared with the agent's pid
+    they exported (MINGPT_AGENT_PID): a worker whose agent died while its interpreter started is caught too."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -61,7 +62,8 @@ def _stop_while_starting(signum, frame) -> None:  # noqa: ARG001 - signal handle
 
 
 def _agent() -> int | None:
-    """The agent's pid that mingpt-torchrun exported, if it is for this run (not inherited from another)."""
+    """The agent's pid that mingpt-torchrun or the mingpt rendezvous exported, if it is for this run (not
+    inherited from another)."""
     pid, _, run_id = os.environ.get(AGENT_ENV, "").partition(":")
     return int(pid) if pid.isdigit() and run_id == os.environ.get("TORCHELASTIC_RUN_ID") else None
 

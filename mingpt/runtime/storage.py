@@ -32,6 +32,16 @@ def file_lock(path: Path):
 # The process's umask, read once at import (reading it means setting it, which threads must not race).
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
+# trainer.readable_by: who may read what a run writes on its node (folders 0777, files 0666, less the umask)
+UMASKS = {"user": 0o077, "group": 0o027, "all": 0o022}
+
+
+def set_umask(readable_by: str) -> None:
+    """The process's umask from now on, from trainer.readable_by; called at a run's start, before any
+    thread writes."""
+    global _UMASK
+    _UMASK = UMASKS[readable_by]
+    os.umask(_UMASK)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -16,8 +16,10 @@ import hmac
 import logging
 import os
 import re
+import secrets
 import socket
 import stat
+import tempfile
 import time
 
 import torch.distributed as dist
@@ -30,8 +32,12 @@ log = logging.getLogger(__name__)
 # is readable by its user only (/proc/PID/environ is 0400), unlike a command line; a file must be its
 # user's, a regular file and mode 0600.
 SECRET_ENV, SECRET_FILE_ENV = "MINGPT_JOB_SECRET", "MINGPT_JOB_SECRET_FILE"
-MAKE_ONE = "python -c 'import secrets; print(secrets.token_hex(32))'"
+MAKE_ONE = "mingpt-torchrun --new-secret FILE"
 SECRET_BYTES = 16  # 128 bits
+# What people hash to make a "random" secret: the md5, sha1, sha256 and sha512 (hex) of these, as
+# typed and as `echo WORD | sha256sum` has them, are refused. Any other word's hash passes.
+COMMON_WORDS = ("", "password", "secret", "123456", "12345678", "123456789", "qwerty", "letmein", "changeme",
+                "admin", "root", "test", "mingpt", "password1", "welcome")
 
 
 class SecretError(ValueError):
@@ -44,12 +50,12 @@ def _read_secret_file(path: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as e:
         raise SecretError(f"cannot read the job secret file {path} ({e.strerror}); make one with "
-                          f"`umask 077; {MAKE_ONE} > {path}`") from None
+                          f"`mingpt-torchrun --new-secret {path}`") from None
     try:
         st = os.fstat(fd)  # before fdopen, which refuses a directory with a traceback of its own
         if not stat.S_ISREG(st.st_mode):
             raise SecretError(f"the job secret file {path} is not a regular file (a directory, FIFO or device): "
-                              f"make one with `umask 077; {MAKE_ONE} > FILE` and name that file")
+                              f"make one with `{MAKE_ONE}` and name that file")
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
             raise SecretError(f"the job secret file {path} must be yours and readable by you only (it is mode "
                               f"{st.st_mode & 0o777:o}, owner uid {st.st_uid}): chmod 600 {path}")
@@ -76,18 +82,59 @@ def _random_bytes(value: str) -> int:
 
 def _low_entropy(value: str) -> str | None:
     """Why a well-formed secret is still guessable (a human's pattern, not random bytes); None if it is not.
-    A random 32-hex-character secret has about 14 distinct characters and no period."""
+    A random 32-hex-character secret has about 14 distinct characters, no period, about 6 characters
+    that repeat or step by one from the one before (not 3/4 of them), and is no hash of a common word. No check can tell
+    random bytes from the hash of a word someone chose: only a secret the tool made is random."""
     if len(set(value)) < 8:
         return f"uses only {len(set(value))} distinct characters"
     period = next((p for p in range(1, len(value) // 2 + 1) if value[p:] == value[:-p]), None)
     if period is not None:
         return f"repeats a pattern of {period} characters"
+    steps = sum(abs(ord(a) - ord(b)) <= 1 for a, b in zip(value, value[1:]))
+    if 4 * steps >= 3 * (len(value) - 1):  # 0123456789abcdeffedcba9876543210 (29); random hex: 24 of 31 once in 10**12
+        return f"is mostly runs (in {steps} of its {len(value)} characters the one before repeats or steps by one)"
+    for word in COMMON_WORDS:
+        for data, said in ((word, repr(word)), (f"{word}\n", f"{word!r} and a newline")):
+            for algorithm in ("md5", "sha1", "sha256", "sha512"):
+                if hashlib.new(algorithm, data.encode()).hexdigest() == value.lower():
+                    return f"is the {algorithm} of {said}"
     return None
+
+
+def new_secret() -> str:
+    """A fresh random secret (256 bits, hex) that the rules accept."""
+    while (_low_entropy(value := secrets.token_hex(32))) is not None:  # (never seen: runs in 3/4 of it)
+        pass
+    return value
+
+
+def write_new_secret(path: str) -> None:
+    """`mingpt-torchrun --new-secret FILE`: a fresh secret in a new file, mode 0600, whole or not at all;
+    an existing file is never replaced (the job's other nodes, or a requeue, may read it)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".mingpt-secret-")  # 0600
+    except OSError as e:
+        raise SecretError(f"cannot write a job secret in {folder} ({e.strerror})") from None
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(new_secret() + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.link(tmp, path)  # refuses an existing name, a symlink included: never over another file
+    except FileExistsError:
+        raise SecretError(f"{path} exists: a job secret is never overwritten (a node or a requeue of the job may "
+                          "use it); name a new file, or remove this one first") from None
+    except OSError as e:
+        raise SecretError(f"cannot write the job secret file {path} ({e.strerror})") from None
+    finally:
+        os.unlink(tmp)
 
 
 def job_secret(env: dict[str, str] | None = None) -> bytes | None:
     """The job's secret from MINGPT_JOB_SECRET or the file MINGPT_JOB_SECRET_FILE names; None if neither is set.
-    It must carry at least 128 random bits: 32 hex characters or base64 of 16 bytes, and no visible pattern."""
+    It must carry at least 128 bits, 32 hex characters or base64 of 16 bytes, with no visible pattern
+    (_low_entropy): what can be checked; `mingpt-torchrun --new-secret FILE` makes a random one."""
     env = os.environ if env is None else env
     value, path = env.get(SECRET_ENV), env.get(SECRET_FILE_ENV)
     if not value and path:
@@ -96,13 +143,14 @@ def job_secret(env: dict[str, str] | None = None) -> bytes | None:
         return None
     value = value.strip()
     where = f"the job secret ({SECRET_ENV} or {SECRET_FILE_ENV})"
+    made = f"make one with `{MAKE_ONE}` and set {SECRET_FILE_ENV}=FILE"
     if len(value) < 32 and _random_bytes(value) < SECRET_BYTES:
-        raise SecretError(f"{where} has {len(value)} characters: use at least 32 random hex ones, e.g. `{MAKE_ONE}`")
+        raise SecretError(f"{where} has {len(value)} characters: use at least 32 random hex ones; {made}")
     if _random_bytes(value) < SECRET_BYTES:
-        raise SecretError(f"{where} is neither hex nor base64 of at least {SECRET_BYTES} bytes (128 bits): "
-                          f"make one with `{MAKE_ONE}`")
+        raise SecretError(f"{where} is neither hex nor base64 of at least {SECRET_BYTES} bytes (128 bits): {made}")
     if (why := _low_entropy(value)) is not None:
-        raise SecretError(f"{where} {why}: it must be random, not chosen; make one with `{MAKE_ONE}`")
+        raise SecretError(f"{where} {why}: it must be random bytes, not chosen (what is checked: 128 bits or more, "
+                          f"no repeats, runs or hash of a common word; a hash of any other word passes): {made}")
     return value.encode()
 
 

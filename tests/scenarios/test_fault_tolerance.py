@@ -2,6 +2,7 @@
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, read_metrics, records, torchrun_cmd, torchrun_env
+from conftest import REPO, free_port, read_metrics, records, torchrun_cmd, torchrun_env
 
 from benchmarks import alive
 from benchmarks.soak import outlived
@@ -212,6 +213,25 @@ def test_workers_die_with_a_sigkilled_agent_and_no_process_of_the_job_listens(re
         agent.wait()
         for p in alive(processes_with(run_id)) if run_id else []:
             os.kill(p, signal.SIGKILL)
+
+
+def test_under_plain_torchrun_the_mingpt_rendezvous_names_each_workers_agent(tmp_path):
+    """`torchrun --rdzv_backend=mingpt` (no mingpt-torchrun) runs the same job: its workers are told their
+    agent's pid too (the rendezvous handler runs in the agent), so one whose agent died while its
+    interpreter started exits at once, also under a subreaper (mingpt/runtime/orphan.py)."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os; print('agent', os.environ.get('MINGPT_AGENT_PID'), os.getppid(), "
+                      "os.environ['TORCHELASTIC_RUN_ID'], flush=True)\n")
+    env = torchrun_env(MINGPT_JOB_SECRET=secrets.token_hex(32))
+    env.pop("MINGPT_AGENT_PID", None)
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+                              "--rdzv_backend=mingpt", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+                              "--rdzv_id=plain-run", str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    out, err = agent.communicate(timeout=120)
+    assert agent.returncode == 0, err[-3000:]
+    said = [line.split()[1:] for line in out.splitlines() if line.startswith("agent ")]
+    assert said == [[f"{agent.pid}:plain-run", str(agent.pid), "plain-run"]] * 2
 
 
 def test_workers_of_an_agent_killed_while_they_start_die_too(reference, tmp_path):

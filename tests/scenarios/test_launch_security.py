@@ -7,13 +7,16 @@ import json
 import os
 import pwd
 import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from conftest import REPO, forged_state, free_port, make_corpus
+from conftest import REPO, as_nobody, forged_state, free_port, make_corpus
 
 
 def _listening(pids: set[int]) -> list[str]:
@@ -186,3 +189,29 @@ def test_another_user_overwriting_the_store_address_makes_no_traceback(tmp_path)
     assert "Traceback" not in out and "invalid literal" not in out, out[-4000:]
     assert codes == [0, 0] or "was not signed with this job's secret" in out, (codes, out[-4000:])
     assert "attacker.invalid" not in out and "not-a-port" not in out, out[-4000:]  # never used
+
+
+@pytest.mark.slow
+def test_what_a_run_writes_is_its_users_alone(tmp_path):
+    """Under the usual umask 022 a run's snapshots (the weights and the optimizer state), metrics and
+    data cache were 0644 in 0755 folders: every user of the node read them. Now the run's umask is
+    077 (trainer.readable_by=user), whatever its shell's."""
+    shared = Path(tempfile.mkdtemp(dir="/tmp", prefix="mingpt-shared-"))  # a folder every user may enter
+    try:
+        shared.chmod(0o755)
+        run_dir, cache = shared / "run", shared / "cache"
+        proc = subprocess.run([sys.executable, "-m", "mingpt.main", "model=gpt-nano", "trainer.max_steps=2",
+                               "trainer.eval_every=0", "trainer.progress=false", f"trainer.run_dir={run_dir}",
+                               f"data.path={make_corpus(tmp_path)}", f"data.cache_dir={cache}"],
+                              cwd=REPO, capture_output=True, text=True, timeout=300, preexec_fn=lambda: os.umask(0o022))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        written = [p for root in (run_dir, cache) for p in [root, *root.rglob("*")]]
+        snapshot = next(p for p in written if p.suffix in (".pt", ".safetensors", ".distcp"))
+        assert (run_dir / "metrics.jsonl") in written and any(p.name.startswith("prepared-") for p in written)
+        shared_modes = {str(p): oct(p.stat().st_mode & 0o777) for p in written if p.stat().st_mode & 0o077}
+        assert shared_modes == {}
+        for path in (run_dir / "metrics.jsonl", snapshot):
+            read = subprocess.run(["cat", str(path)], preexec_fn=as_nobody(), capture_output=True, text=True)
+            assert read.returncode != 0 and "Permission denied" in read.stderr, path
+    finally:
+        shutil.rmtree(shared)

@@ -70,6 +70,7 @@ def test_command_line_overrides():
     (["snapshot.resume=yes"], "snapshot.resume='yes': use latest, never, or the path"),
     (["model.preset=gpt-5"], "not a known preset"),
     (["trainer.precision=fp8"], "trainer.precision='fp8'"),
+    (["trainer.readable_by=everyone"], "^trainer.readable_by='everyone': use user, group or all$"),
     (["+trainer.batchsize=3"], r"unknown config key\(s\) trainer.batchsize \(did you mean trainer.batch_size\?\)"),
     (["trainer.max_step=5"], r"^unknown config key trainer.max_step \(did you mean trainer.max_steps\?\)"),
     (["model=gpt3"], r"^model=gpt3 is not a config option of model; choose one of: custom, gopher-44m, gpt-micro"),

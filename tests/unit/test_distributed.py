@@ -1,5 +1,6 @@
 """torchrun's environment, read once (mingpt/runtime/distributed.py): DistInfo, launch ids, the job's secret."""
 
+import hashlib
 import os
 import secrets
 
@@ -40,11 +41,14 @@ def test_launch_id_from_the_launcher_else_torchrun_else_this_process():
     ("0123456789abcdef" * 2, "repeats a pattern of 16 characters"),
     ("correct horse battery staple, twice", "neither hex nor base64"),
     ("Zm9vYmFyYmF6cXV4", "has 16 characters"),  # base64 of 12 bytes: 96 bits
+    ("0123456789abcdeffedcba9876543210", r"is mostly runs \(in 29 of its 32"),  # a person's: 16 characters, no period
+    (hashlib.sha256(b"password").hexdigest(), "is the sha256 of 'password'"),
+    (hashlib.md5(b"secret\n").hexdigest().upper(), "is the md5 of 'secret' and a newline"),  # echo secret | md5sum
 ])
 def test_a_guessable_secret_is_refused_with_how_to_make_a_good_one(value, fix):
     with pytest.raises(SecretError, match=fix) as e:
         job_secret({"MINGPT_JOB_SECRET": value})
-    assert "secrets.token_hex(32)" in str(e.value) and "\n" not in str(e.value)
+    assert "mingpt-torchrun --new-secret FILE" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("make", [secrets.token_hex, secrets.token_urlsafe, lambda n: secrets.token_hex(n).upper(),

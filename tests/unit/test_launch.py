@@ -1,11 +1,16 @@
 """mingpt-torchrun (mingpt/cli/launch.py)."""
 
 import secrets
+import stat
+import subprocess
+import sys
 
 import pytest
+from conftest import REPO
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from mingpt.cli.launch import exit_code_of_failures, exit_code_of_signal, restart_reason
+from mingpt.runtime.trust import job_secret, new_secret
 
 
 def test_the_launchers_exit_code_after_a_signal_is_the_workers():
@@ -186,3 +191,21 @@ def test_the_agent_prints_no_cpp_stack_frames_of_a_lost_store_and_its_workers_ke
     assert "TORCH_CPP_LOG_LEVEL" not in subprocess.run(
         [sys.executable, "-c", "import os, mingpt.cli.launch; print(sorted(os.environ))"], capture_output=True,
         text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}).stdout
+
+
+def test_new_secret_writes_a_random_secret_only_its_user_reads_and_never_overwrites_a_file(tmp_path):
+    """The README's way to make a job's secret: `mingpt-torchrun --new-secret FILE`, then MINGPT_JOB_SECRET_FILE."""
+    path = tmp_path / "job.secret"
+    cmd = [sys.executable, "-m", "mingpt.cli.launch", "--new-secret"]
+    made = subprocess.run([*cmd, str(path)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert made.returncode == 0, made.stderr
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and "MINGPT_JOB_SECRET_FILE=" in made.stderr
+    first = path.read_text()
+    assert job_secret({"MINGPT_JOB_SECRET_FILE": str(path)}) == first.strip().encode() and len(first.strip()) == 64
+    again = subprocess.run([*cmd, str(path)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "is never overwritten" in again.stderr
+    assert path.read_text() == first and sorted(p.name for p in tmp_path.iterdir()) == ["job.secret"]
+    other = subprocess.run([*cmd, f"--new-secret={tmp_path / 'other.secret'}"], capture_output=True, cwd=REPO,
+                           timeout=120)
+    assert other.returncode == 2  # one file, and nothing else
+    assert new_secret() != new_secret()

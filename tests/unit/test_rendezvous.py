@@ -90,7 +90,7 @@ def test_the_agents_store_address_is_signed_and_a_forged_one_is_ignored(monkeypa
 
     from mingpt.cli.rendezvous import create
 
-    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_LAUNCH_ID", "MINGPT_JOB_SECRET_FILE"):
+    for name in ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_LAUNCH_ID", "MINGPT_JOB_SECRET_FILE", "MINGPT_AGENT_PID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as create() sets it
@@ -188,7 +188,7 @@ def test_every_launch_has_its_own_id_the_same_for_every_agent_of_it(monkeypatch)
 
     from mingpt.cli.rendezvous import create
 
-    for name in ("MINGPT_LAUNCH_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_JOB_SECRET_FILE"):
+    for name in ("MINGPT_LAUNCH_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_JOB_SECRET_FILE", "MINGPT_AGENT_PID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
     held = []
@@ -224,7 +224,7 @@ def test_each_agent_says_at_start_which_agent_hosts_the_rendezvous_store(monkeyp
 
     from mingpt.cli.rendezvous import create
 
-    for name in ("MINGPT_LAUNCH_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_JOB_SECRET_FILE"):
+    for name in ("MINGPT_LAUNCH_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_JOB_SECRET_FILE", "MINGPT_AGENT_PID"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
     endpoint, held = f"127.0.0.1:{free_port()}", []

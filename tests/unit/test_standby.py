@@ -2,13 +2,17 @@
 spare the moment the holder dies."""
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+from conftest import NOBODY, as_nobody
 
 from mingpt.replicas import ReplicaError
 from mingpt.replicas.standby import MemberLock, lock_path, release
@@ -43,9 +47,57 @@ def test_the_lock_lives_in_a_directory_of_this_user_alone_named_by_the_secret(tm
     assert SECRET.decode() not in path.name and path != lock_path(b"another-secret-0123456789abcdef0123", 0, str(tmp_path))
     MemberLock(SECRET, 0, str(tmp_path))
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    os.chmod(path.parent, 0o755)  # opened to others (by hand, or a directory planted in its place): refused
-    with pytest.raises(ReplicaError, match="lock cannot be kept on this node: .* open to other users"):
-        lock_path(SECRET, 0, str(tmp_path))
+    os.chmod(path.parent, 0o755)  # opened to others (by hand): never used, the lock goes elsewhere
+    assert lock_path(SECRET, 0, str(tmp_path)).parent.name.startswith(f"mingpt-{os.getuid()}-")
+
+
+@pytest.fixture
+def temp_folder():
+    """A temp folder like /tmp (every user may make names in it, sticky), that another user can reach."""
+    folder = Path(tempfile.mkdtemp(dir="/tmp", prefix="mingpt-test-temp-"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_another_users_folder_at_the_predictable_name_never_ends_the_job(temp_folder, caplog):
+    """`nobody` makes mingpt-<uid> first in the temp folder: every replica process of the user exited 2
+    ("... belongs to uid 65534"), never restarted. Now the locks go to a folder named from the secret,
+    with one warning, and the holder and its spare still find the same lock."""
+    squat = temp_folder / f"mingpt-{os.getuid()}"
+    subprocess.run(["mkdir", "-m", "700", str(squat)], preexec_fn=as_nobody(), check=True)
+    assert squat.stat().st_uid == NOBODY
+    path = lock_path(SECRET, 1, str(temp_folder))
+    assert squat not in path.parents and path.parent.parent == temp_folder and path.parent.stat().st_uid == os.getuid()
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and f"belongs to uid {NOBODY}" in said[0] and str(path.parent) in said[0]
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, SECRET.decode(), str(temp_folder)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        assert MemberLock(SECRET, 1, str(temp_folder)).path == path
+        assert not MemberLock(SECRET, 1, str(temp_folder)).take()  # the same lock: this process is the spare
+    finally:
+        holder.kill()
+        holder.wait()
+    # the other name too (seen in a listing, the folder since removed): one line, no traceback
+    shutil.rmtree(path.parent)
+    subprocess.run(["mkdir", "-m", "700", str(path.parent)], preexec_fn=as_nobody(), check=True)
+    with pytest.raises(ReplicaError, match=f"lock cannot be kept on this node: .*belongs to uid {NOBODY}"):
+        lock_path(SECRET, 1, str(temp_folder))
+
+
+def test_the_lock_lives_in_the_users_runtime_folder_where_it_is_private(tmp_path, monkeypatch):
+    """$XDG_RUNTIME_DIR (/run/user/<uid>): nobody else can make a name there; used when it is private."""
+    runtime = tmp_path / "run-user"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert lock_path(SECRET, 2).parent == runtime / "mingpt-replicas"
+    runtime.chmod(0o755)  # not private: the temp folder's, as without it
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "temp"))
+    (tmp_path / "temp").mkdir()
+    assert lock_path(SECRET, 2).parent == tmp_path / "temp" / f"mingpt-{os.getuid()}" / "replicas"
 
 
 def test_the_holder_removes_the_lock_file_at_the_runs_end_and_nobody_else_does(tmp_path):
