@@ -233,6 +233,6 @@ def test_another_user_writing_into_the_rendezvous_state_does_not_end_the_job(tmp
             a.kill()
     written = attack(timeout=40).get("written", 0)
     out = "\n".join(f"--- agent {n}\n{p.read_text()}" for n, p in enumerate(logs))
-    assert written >= 4, (written, out[-4000:])
     assert codes == [0, 0], (codes, out[-4000:])
+    assert written >= 4, (written, out[-4000:])
     assert "Traceback" not in out, out[-4000:]
