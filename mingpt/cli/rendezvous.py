@@ -33,23 +33,27 @@ with other users), and give every agent `--rdzv_conf=is_host=0`.
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import hmac
+import json
 import logging
 import os
+import pickle
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousStateError
+from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBackend, _RendezvousState, create_handler
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from mingpt.cli.launch_id import agreed_launch_id
+from mingpt.cli.launch_id import agreed_nonce, launch_id
 from mingpt.runtime.orphan import AGENT_ENV
 from mingpt.runtime.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, SignedStore, bound_store, derive, job_secret
 
@@ -58,34 +62,89 @@ log = logging.getLogger("mingpt.rendezvous")
 TAG = hashlib.sha256().digest_size
 
 
-class SignedBackend(RendezvousBackend):
-    """The c10d backend with every state signed on the way in and verified on the way out, so that
-    the handler unpickles only what a member of the job wrote."""
+# A state or launch nonce written longer ago than this (by its writer's clock) is a recording: every live
+# agent rewrites the state at each keep-alive (5 s), and torch itself drops a node unheard for 15 s, so
+# it already needs the nodes' clocks to agree to within a few seconds.
+FRESH_S = 30.0
+_SENTINEL = C10dRendezvousBackend._NULL_SENTINEL  # torch's "no state yet" value of the key
 
-    def __init__(self, inner: C10dRendezvousBackend, key: bytes):
-        self._inner, self._key = inner, key
+
+class SignedBackend(RendezvousBackend):
+    """torch's c10d backend (its store key, its compare_set protocol) with every state signed on the
+    way in and checked on the way out, so that the handler unpickles only what a member of this launch
+    wrote lately. A state is signed (HMAC-SHA256) with its key, the launch's nonce, a write counter and
+    the time it was written. A value that is not such a state (forged, another launch's, a recording
+    older than FRESH_S, or older than one this agent has seen) is ignored: the agent goes on with the
+    last good state it saw, and its next write (a keep-alive, at most 5 s later) replaces the value."""
+
+    def __init__(self, store, run_id: str, key: bytes):
+        self._store, self._name, self._key = store, "torch.rendezvous." + run_id, key
+        self.nonce: str | None = None  # this launch's (mingpt.cli.launch_id), set before the handler uses it
+        self._good, self._seq, self._warned = None, 0, False
+        self._call("compare_set", self._name, "", _SENTINEL)
 
     @property
     def name(self) -> str:
         return "mingpt"
 
-    def _seal(self, state: bytes) -> bytes:
-        return hmac.new(self._key, state, hashlib.sha256).digest() + state
+    def _call(self, op: str, *args):
+        try:
+            return getattr(self._store, op)(*args)
+        except (ValueError, RuntimeError, TimeoutError) as e:
+            raise RendezvousConnectionError(f"the rendezvous store failed ({op})") from e
 
-    def _open(self, sealed: bytes) -> bytes:
-        tag, state = sealed[:TAG], sealed[TAG:]
-        if not hmac.compare_digest(tag, hmac.new(self._key, state, hashlib.sha256).digest()):
-            raise RendezvousStateError("the rendezvous state in the store is not signed with this job's secret: "
-                                       "a process outside the job wrote it, or the nodes were given different secrets")
-        return state
+    def _tag(self, head: bytes, state: bytes) -> bytes:
+        return hmac.new(self._key, self._name.encode() + b"\0" + head + b"\0" + state, hashlib.sha256).digest()
+
+    def _seal(self, state: bytes) -> bytes:
+        head = json.dumps({"nonce": self.nonce, "seq": self._seq + 1, "t": time.time()}).encode()
+        return base64.b64encode(self._tag(head, state) + len(head).to_bytes(4, "big") + head + state)
+
+    def _read(self, raw: bytes) -> tuple[dict, bytes] | None:
+        """The header and state of a value signed by a member of the job and written lately; None if not."""
+        try:
+            sealed = base64.b64decode(raw, validate=True)
+            tag, size = sealed[:TAG], int.from_bytes(sealed[TAG:TAG + 4], "big")
+            head, state = sealed[TAG + 4:TAG + 4 + size], sealed[TAG + 4 + size:]
+            if len(tag) < TAG or not hmac.compare_digest(tag, self._tag(head, state)):
+                return None
+            header = json.loads(head)
+            fresh = time.time() - float(header["t"]) <= FRESH_S and isinstance(header["seq"], int)
+        except (ValueError, TypeError, KeyError):
+            return None
+        return (header, state) if fresh else None
+
+    def live_nonce(self) -> str | None:
+        """The nonce of the launch that wrote the store's state lately: a running launch that this agent joins."""
+        raw = self._call("get", self._name)
+        found = None if raw == _SENTINEL.encode() else self._read(raw)
+        return None if found is None else found[0]["nonce"]
+
+    def _open(self, raw: bytes) -> bytes:
+        """The state of the store's value, or the last good one (an empty state if none) when it is not ours."""
+        found = self._read(raw)
+        if found is not None and found[0]["nonce"] == self.nonce and found[0]["seq"] >= self._seq:
+            self._good, self._seq = found[1], found[0]["seq"]
+            return found[1]
+        if not self._warned:
+            self._warned = True
+            log.warning("the rendezvous state in the store is not one this launch wrote lately (forged, replayed or "
+                        "another launch's): it is ignored and replaced at the next write")
+        return self._good if self._good is not None else pickle.dumps(_RendezvousState())
 
     def get_state(self):
-        found = self._inner.get_state()
-        return None if found is None else (self._open(found[0]), found[1])
+        raw = self._call("get", self._name)
+        # the token is the raw value, whatever it is: the handler's next write replaces it
+        return None if raw == _SENTINEL.encode() else (self._open(raw), raw)
 
     def set_state(self, state: bytes, token=None):
-        found = self._inner.set_state(self._seal(state), token)
-        return None if found is None else (self._open(found[0]), found[1], found[2])
+        sealed = self._seal(state)
+        found = self._call("compare_set", self._name, token or _SENTINEL, sealed)
+        if found != sealed and found != _SENTINEL.encode() and self._read(found) is None:  # a forgery in the way
+            found = self._call("compare_set", self._name, found, sealed)
+        if found == _SENTINEL.encode():
+            return None
+        return self._open(found), found, found == sealed
 
 
 def _store(params: RendezvousParameters, timeout: timedelta):
@@ -127,18 +186,20 @@ def create(params: RendezvousParameters):
     try:
         store = PrefixStore(derive(secret, "rendezvous"), _store(params, timedelta(seconds=params.get_as_int(
             "read_timeout", 60))))
-        backend = SignedBackend(C10dRendezvousBackend(store, params.run_id), derive(secret, "state").encode())
+        backend = SignedBackend(store, params.run_id, derive(secret, "state").encode())
     except (OSError, RuntimeError, ValueError, TimeoutError) as e:
         raise RendezvousConnectionError(f"cannot reach the rendezvous store at {params.endpoint}") from e
+    # The running launch's nonce, or a new one: what this launch signs is bound to it.
+    backend.nonce = agreed_nonce(store, secret, params.run_id, backend.live_nonce)
     # The workers inherit the agent's environment: their own store, the secret to prefix it, the launch's id,
     # and their agent's pid (this handler runs in the agent, before it starts them): under plain torchrun
     # too, a worker whose agent died while it started exits at once (mingpt/runtime/orphan.py).
     os.environ.update({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SECRET_ENV: secret.decode(),
-                       "MINGPT_LAUNCH_ID": agreed_launch_id(store, secret, params.run_id),
-                       AGENT_ENV: f"{os.getpid()}:{params.run_id}"})
+                       "MINGPT_LAUNCH_ID": launch_id(secret, backend.nonce), AGENT_ENV: f"{os.getpid()}:{params.run_id}"})
     # torch's agents take the workers' store address (MASTER_ADDR, MASTER_PORT) and their ranks from the
-    # handler's store: signed, so that a value written by anyone else is ignored.
-    return create_handler(SignedStore(store, derive(secret, "values").encode()), backend, params)
+    # handler's store: signed with a key of this launch, so that a value written by anyone else, or
+    # recorded from another launch, is ignored.
+    return create_handler(SignedStore(store, derive(secret, f"values/{backend.nonce}").encode()), backend, params)
 
 
 def handler():

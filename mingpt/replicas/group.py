@@ -25,6 +25,7 @@ from mingpt.replicas.tensors import (
     buckets,
     byte_view,
     header_mac,
+    heal_tag,
     set_grads,
     state_digest,
     unpack_state,
@@ -100,8 +101,8 @@ class Replicas:
                                f"--nproc_per_node to a multiple of it")
         if secret is None:
             raise ReplicaError("replica groups authenticate each other with the job secret: give every group the "
-                               "same MINGPT_JOB_SECRET (or MINGPT_JOB_SECRET_FILE), e.g. from "
-                               "`python -c 'import secrets; print(secrets.token_hex(32))'`")
+                               "same MINGPT_JOB_SECRET_FILE (or MINGPT_JOB_SECRET), made once with "
+                               "`mingpt-torchrun --new-secret FILE`")
         groups = len(rc.peers)
         shares = model_of(sharded, procs).shares_each(rc.shares_per_group, procs, groups)
         beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
@@ -276,8 +277,10 @@ class Replicas:
             return -1, []
         key = distributed.derive(self.beacon.secret, "replicas-heal").encode()  # a digest only the job can make
         meta = state() if me == source else {}
-        if me == source:
-            meta["digest"] = state_digest(key, slots, meta)
+        if me == source:  # one tag per receiver, bound to this epoch and sender
+            digest = state_digest(key, slots, meta)
+            meta["digest"] = {str(members[i].number): heal_tag(key, digest, self.epoch.number, best.number,
+                                                               members[i].number) for i in behind}
         blob = json.dumps(meta).encode() if me == source else b""
         size = torch.tensor([len(blob)], dtype=torch.int64)
         self._broadcast(pg, size, source)
@@ -290,8 +293,10 @@ class Replicas:
         if me == source or me not in behind:  # up to date: what it received is what it holds
             self.live = True
             return healed
-        meta, digest = unpack_state(blob_t)
-        if not isinstance(digest, str) or not hmac.compare_digest(state_digest(key, slots, meta, received), digest):
+        meta, tags = unpack_state(blob_t)
+        tag = tags.get(str(members[me].number)) if isinstance(tags, dict) else None
+        if not isinstance(tag, str) or not hmac.compare_digest(heal_tag(
+                key, state_digest(key, slots, meta, received), self.epoch.number, best.number, members[me].number), tag):
             # nothing was loaded: this member stays as it was (not live), and heals again in the next epoch
             self.failed_heals += 1
             raise MembershipChanged(f"the state received from {self.beacon.name(best.number)} does not match its digest "

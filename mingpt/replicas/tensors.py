@@ -48,6 +48,13 @@ def state_digest(key: bytes, slots: list, meta: dict, tensors: list | None = Non
     return h.hexdigest()
 
 
+def heal_tag(key: bytes, digest: str, epoch: int, source: int, receiver: int) -> str:
+    """A heal's digest bound to its epoch, its sender and one receiver (member numbers): a heal recorded
+    in one epoch, or sent to another member, does not verify again. The state is hashed once
+    (state_digest); only this tag is made per receiver."""
+    return hmac.new(key, f"heal:{epoch}:{source}:{receiver}:{digest}".encode(), hashlib.sha256).hexdigest()
+
+
 HEAL_BUCKET_BYTES = 64 * 2**20  # a heal sends the state in buffers of about this size: one collective each
 ALIGN = 16  # each tensor's bytes start at a multiple of this in its buffer (any dtype can view them there)
 
@@ -95,8 +102,8 @@ def set_grads(model: torch.nn.Module, flat: torch.Tensor) -> None:
         offset += n
 
 
-def unpack_state(blob: torch.Tensor) -> tuple[dict | None, str | None]:
-    """A heal's JSON state and the digest its sender put in it; (None, None) when it is not JSON."""
+def unpack_state(blob: torch.Tensor) -> tuple[dict | None, dict | None]:
+    """A heal's JSON state and the tags its sender put in it (heal_tag, by receiver); (None, None) when it is not JSON."""
     try:
         meta = json.loads(bytes(blob.numpy()))
     except ValueError:

@@ -215,3 +215,53 @@ def test_what_a_run_writes_is_its_users_alone(tmp_path):
             assert read.returncode != 0 and "Permission denied" in read.stderr, path
     finally:
         shutil.rmtree(shared)
+
+
+def _overwrite_the_state(port: int, seconds: float) -> dict:
+    """For `seconds`, as another user: find the rendezvous state's key with list_keys() and write into it,
+    every 0.3 s, garbage or the first state it read there (a recording of this job)."""
+    deadline, store, recorded, written = time.time() + seconds, None, None, 0
+    while time.time() < deadline:
+        try:
+            store = store or dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=2))
+            for key in [k for k in store.list_keys() if k.endswith("/torch.rendezvous.run1")]:
+                recorded = recorded or store.get(key)
+                store.set(key, b"garbage" if written % 2 else recorded)
+                written += 1
+        except Exception:  # noqa: BLE001 - the store is not up yet, or gone with the job that hosted it
+            store = None
+        time.sleep(0.3)
+    return {"written": written}
+
+
+@pytest.mark.slow
+def test_another_user_writing_into_the_rendezvous_state_does_not_end_the_job(tmp_path):
+    """Two agents; `nobody` writes garbage and a recorded state into the rendezvous state's key for 20 s
+    while they start and train. Before, one such write ended the job (exit 1); now it is ignored and
+    replaced at the agents' next write, and the job finishes."""
+    tmp_path.chmod(0o755)
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MINGPT_JOB_SECRET": secrets.token_hex(32)}
+    attack = _as_nobody(lambda: _overwrite_the_state(port, 20))
+    agents, logs = [], []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "mingpt.cli.launch", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=mingpt",
+               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=run1",
+               f"--rdzv_conf=last_call_timeout=1,read_timeout=5,is_host={1 - node}",
+               "mingpt/main.py", "model=gpt-mini", "trainer.max_steps=30", "trainer.eval_every=0",
+               "trainer.progress=false", "dist.timeout_s=10", f"data.path={make_corpus(tmp_path)}",
+               f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}"]
+        logs.append(tmp_path / f"agent{node}.log")
+        with open(logs[-1], "w") as fh:
+            agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True))
+        time.sleep(0.5 * (1 - node))  # the host's store first
+    try:
+        codes = [a.wait(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            a.kill()
+    written = attack(timeout=40).get("written", 0)
+    out = "\n".join(f"--- agent {n}\n{p.read_text()}" for n, p in enumerate(logs))
+    assert codes == [0, 0], (codes, out[-4000:])
+    assert written >= 4, (written, out[-4000:])
+    assert "Traceback" not in out, out[-4000:]

@@ -2,7 +2,6 @@
 before it is unpickled, and the rendezvous store listens on the chosen address only.
 The launch against another user of the node is scenarios/test_launch_security.py."""
 
-import base64
 import datetime
 import os
 import pickle
@@ -11,33 +10,58 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import REPO, Payload, forged_state, free_port
-from torch.distributed.elastic.rendezvous.api import RendezvousStateError
-from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 
 from mingpt.cli.rendezvous import SignedBackend
 
+time_now = time.time
 
-def test_a_state_not_signed_with_the_jobs_secret_is_refused_before_it_is_unpickled(tmp_path):
+
+def test_a_state_not_signed_for_this_launch_is_ignored_before_it_is_unpickled_and_replaced(tmp_path, caplog):
+    """A value of the state key that is not a state this launch signed (a code-running pickle, a state
+    of another secret, one of another launch with the same secret, a recording older than FRESH_S) is
+    never unpickled and does not end the job: the agent goes on with its last good state, and its
+    next write replaces the value."""
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=10))
     key = secrets.token_bytes(32)
-    ours = SignedBackend(C10dRendezvousBackend(store, "run1"), key)
+    ours = SignedBackend(store, "run1", key)
+    ours.nonce = "a" * 32
     state, token, written = ours.set_state(b"a state of ours")
     assert written and ours.get_state()[0] == b"a state of ours"
-    store.set("torch.rendezvous.run1", forged_state(tmp_path / "pwned"))  # someone who can name the key
-    with pytest.raises(RendezvousStateError, match="not signed with this job's secret"):
-        ours.get_state()
-    other_job = SignedBackend(C10dRendezvousBackend(store, "run1"), secrets.token_bytes(32))  # another secret
-    store.set("torch.rendezvous.run1", base64.b64encode(other_job._seal(pickle.dumps(Payload(str(tmp_path / "pwned"))))))
-    with pytest.raises(RendezvousStateError):
-        ours.get_state()
+    other_job = SignedBackend(store, "run1", secrets.token_bytes(32))  # another secret
+    other_launch = SignedBackend(store, "run1", key)  # the same secret, another launch
+    other_job.nonce, other_launch.nonce = ours.nonce, "b" * 32
+    with patch("time.time", lambda: time_now() - 60):
+        recorded = ours._seal(b"a recording of ours")
+    for planted in (forged_state(tmp_path / "pwned"), b"not base64 !",
+                    other_job._seal(pickle.dumps(Payload(str(tmp_path / "pwned")))),
+                    other_launch._seal(pickle.dumps(Payload(str(tmp_path / "pwned")))), recorded):
+        store.set("torch.rendezvous.run1", planted)  # someone who can name the key
+        state, token = ours.get_state()
+        assert state == b"a state of ours"
+        state, token, written = ours.set_state(b"the next state", token)
+        assert written and state == b"the next state" and ours.get_state()[0] == b"the next state"
+        ours.set_state(b"a state of ours", token)
     assert not (tmp_path / "pwned").exists()
+    assert "not one this launch wrote lately" in caplog.text
+
+
+def test_a_new_agent_that_finds_a_forged_state_starts_its_own():
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=10))
+    ours = SignedBackend(store, "run1", secrets.token_bytes(32))
+    ours.nonce = "a" * 32
+    store.set("torch.rendezvous.run1", b"garbage")
+    state, token = ours.get_state()
+    assert pickle.loads(state).round == 0
+    assert ours.set_state(b"ours", token)[2] and ours.get_state()[0] == b"ours"
 
 
 def listeners(port: int) -> list[str]:
@@ -204,17 +228,53 @@ def test_every_launch_has_its_own_id_the_same_for_every_agent_of_it(monkeypatch)
     assert len(first) == len(again) == 16 and again != first
 
 
-def test_a_launch_nonce_not_signed_with_the_jobs_secret_is_refused():
-    from mingpt.cli.launch_id import agreed_launch_id
-    from mingpt.runtime.distributed import SecretError, derive
+def test_a_launch_nonce_not_signed_with_the_jobs_secret_is_replaced():
+    from mingpt.cli.launch_id import agreed_nonce
+    from mingpt.runtime.distributed import derive
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=10))
     secret = secrets.token_hex(32).encode()
-    store.set(derive(secret, "launch-nonce/run1"), "00" * 16 + ":" + "11" * 32)  # someone who could name the key
-    with pytest.raises(SecretError, match="not signed with this job's secret"):
-        agreed_launch_id(store, secret, "run1")
-    assert agreed_launch_id(store, secret, "run2") == agreed_launch_id(store, secret, "run2")
+    store.set(derive(secret, "launch-nonce/run1"), "00" * 16 + ":1.0:" + "11" * 32)  # someone who could name the key
+    nonce = agreed_nonce(store, secret, "run1")
+    assert nonce != "00" * 16 and agreed_nonce(store, secret, "run1") == nonce
+
+
+def test_a_launch_that_finds_the_recorded_values_of_an_earlier_launch_keeps_its_own_id(monkeypatch, tmp_path):
+    """A SLURM requeue starts the same job again: the same secret and --rdzv_id. Whoever recorded the
+    first attempt's store (its launch nonce, rendezvous state and agents' values, all signed) and
+    plants them in the next attempt's store before its agents come gets nothing: they are refused, the
+    new launch has its own id (so snapshot.resume=never stays a fresh start), and a recorded store
+    address is never taken."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from mingpt.cli.rendezvous import create
+
+    for name in ("MINGPT_LAUNCH_ID", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "MINGPT_JOB_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
+    first_port, second_port = free_port(), free_port()
+    # the first attempt, a minute ago (its clock set back: what a requeue's gap is)
+    with patch("time.time", lambda: time_now() - 60):
+        handler = create(RendezvousParameters("mingpt", f"127.0.0.1:{first_port}", "run1", 1, 1,
+                                              last_call_timeout=1))
+        handler.next_rendezvous()
+        first = os.environ["MINGPT_LAUNCH_ID"]
+        handler._stop_heartbeats()
+    old = dist.TCPStore("127.0.0.1", first_port, is_master=False, timeout=datetime.timedelta(seconds=5))
+    recorded = {k: old.get(k) for k in old.list_keys() if not k.startswith("/")}
+    assert any(k.endswith("torch.rendezvous.run1") for k in recorded) and any("MASTER_ADDR" in k for k in recorded)
+    # the next attempt's store, with the recording planted before its first agent comes
+    new = dist.TCPStore("127.0.0.1", second_port, is_master=True, wait_for_workers=False,
+                        timeout=datetime.timedelta(seconds=10), multi_tenant=True)
+    for k, v in recorded.items():
+        new.set(k, v)
+    handler = create(RendezvousParameters("mingpt", f"127.0.0.1:{second_port}", "run1", 1, 1, last_call_timeout=1))
+    again = os.environ["MINGPT_LAUNCH_ID"]
+    assert again != first
+    info = handler.next_rendezvous()
+    handler._stop_heartbeats()
+    assert info.bootstrap_store_info.master_port not in (None, first_port)  # its own values, not the recorded ones
 
 
 def test_each_agent_says_at_start_which_agent_hosts_the_rendezvous_store(monkeypatch, capsys):

@@ -558,3 +558,62 @@ def test_a_group_whose_port_is_squatted_is_waited_for_and_one_that_exited_is_not
             c.form(0, False, 2, 10.0, lambda: False)
     finally:
         c.close()
+
+
+def run_heal(epoch, members, replay=None):
+    """One heal of epoch `epoch` among `members` (their ranks are their positions). `replay`: the
+    source sends this recorded JSON state (with its tags) in place of its own. Returns what each
+    rank's heal returned (or raised) and the JSON states the receivers got."""
+    store, out, got = dist.HashStore(), {}, []
+    source = max(range(len(members)), key=lambda i: (members[i].live, members[i].step))
+
+    def member(g):
+        r = Replicas(HealBeacon(members[g].number, SECRET), members=len(members), min_groups=1, timeout_s=10)
+        r.epoch = Epoch(epoch, members, g)
+        r.epoch.pg = dist.ProcessGroupGloo(store, g, len(members), datetime.timedelta(seconds=10))
+        slots = [Slot("w", torch.full((4,), 7.0 if g == source else 0.0))]
+        try:
+            if replay is not None and g == source:  # a recording sent as this epoch's heal, on the heal's wire
+                r._broadcast(r.epoch.pg, torch.tensor([replay.numel()], dtype=torch.int64), g)
+                r._broadcast(r.epoch.pg, replay.clone(), g)
+                r._broadcast_slots(r.epoch.pg, slots, g, True)
+                out[g] = "replayed"
+            else:
+                out[g] = r.heal(slots, lambda: {"step": 75}, lambda meta: None)
+        except MembershipChanged as e:
+            out[g] = e
+
+    import mingpt.replicas.group as group
+    unpack = group.unpack_state
+
+    def recording(blob):
+        got.append(blob.clone())
+        return unpack(blob)
+
+    group.unpack_state = recording
+    try:
+        threads = [threading.Thread(target=member, args=(g,)) for g in range(len(members))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        group.unpack_state = unpack
+    return out, got
+
+
+@pytest.mark.parametrize("replayed_in", ["another epoch", "from another source", "to another receiver"])
+def test_a_recorded_heal_does_not_verify_in_another_epoch_from_another_source_or_to_another_receiver(replayed_in):
+    """A heal's digest is bound to its epoch, its sender and its receiver: a heal recorded from group 0
+    to group 1 in epoch 6 (a neighbour who reaches gloo's pairs can record one) and sent again, bit
+    for bit with the same tensors, is refused in epoch 7, when group 2 sends it, or by group 2."""
+    record = [Member(0, "a", 75, True), Member(1, "b", 0, False), Member(2, "c", 75, True)]
+    out, got = run_heal(6, record)
+    assert out[1] == (0, [1]) and len(got) == 1  # the recording: a heal that verified
+    epoch, members, receiver = {
+        "another epoch": (7, record, 1),
+        "from another source": (6, [Member(2, "c", 75, True), Member(1, "b", 0, False), Member(0, "a", 75, False)], 1),
+        "to another receiver": (6, [Member(0, "a", 75, True), Member(1, "b", 75, True), Member(2, "c", 0, False)], 2),
+    }[replayed_in]
+    out, _ = run_heal(epoch, members, replay=got[0])
+    assert isinstance(out[receiver], MembershipChanged) and "does not match its digest" in str(out[receiver])
