@@ -110,7 +110,10 @@ class Links:
         except BaseException:
             self._stop.set()
             raise
-        self._threads.append(threading.Thread(target=self._accept, daemon=True))
+        # made here, not in the thread: a thread that starts late (a loaded node) may find no descriptor left
+        selector = selectors.DefaultSelector()
+        selector.register(self._server, selectors.EVENT_READ)
+        self._threads.append(threading.Thread(target=self._accept, args=(selector,), daemon=True))
         self._threads[-1].start()
 
     def _listen(self) -> socket.socket:
@@ -165,13 +168,11 @@ class Links:
         if first:
             log.warning("replica beacon: dropped %s from %s (logged once; `dropped` counts them)", why, who)
 
-    def _accept(self) -> None:
+    def _accept(self, selector: selectors.BaseSelector) -> None:
         """Accept connections. One that has sent nothing costs a descriptor only (the oldest make room for
         new ones beyond SILENT); its handshake gets a thread once its first bytes arrive (HANDSHAKES at
         once); each has HANDSHAKE_S from its accept to its hello. So silent connections cannot hold the
         door: a member's handshake starts the moment its first bytes arrive."""
-        selector = selectors.DefaultSelector()
-        selector.register(self._server, selectors.EVENT_READ)
         silent: dict[socket.socket, tuple[float, object]] = {}  # -> (deadline, address), oldest first
         while not self._stop.is_set():
             now = time.monotonic()

@@ -156,22 +156,16 @@ def _overwrite_the_store_address(port: int, seconds: float) -> dict:
     return {"written": sorted(k.rsplit("/", 1)[-1] for k in written)}
 
 
-@pytest.mark.slow
-def test_another_user_overwriting_the_store_address_makes_no_traceback(tmp_path):
-    """Two agents (two nodes on one machine); `nobody` finds MASTER_ADDR / MASTER_PORT with list_keys()
-    and overwrites them for 15 s, from before the agents write them. torch's agents would take the
-    forgery (a ValueError traceback); here it is ignored: each agent goes on or says in one line which
-    value was never signed."""
-    tmp_path.chmod(0o755)
-    port = free_port()
+def _two_agents(tmp_path, port: int, steps: int) -> tuple[list[int], str]:
+    """Two agents of one job (two nodes on one machine, rendezvous run1 at `port`) training gpt-mini for
+    `steps`: their exit codes and their logs."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MINGPT_JOB_SECRET": secrets.token_hex(32)}
-    attack = _as_nobody(lambda: _overwrite_the_store_address(port, 15))
     agents, logs = [], []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "mingpt.cli.launch", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=mingpt",
                f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=run1",
                f"--rdzv_conf=last_call_timeout=1,read_timeout=5,is_host={1 - node}",
-               "mingpt/main.py", "model=gpt-mini", "trainer.max_steps=2", "trainer.eval_every=0",
+               "mingpt/main.py", "model=gpt-mini", f"trainer.max_steps={steps}", "trainer.eval_every=0",
                "trainer.progress=false", "dist.timeout_s=10", f"data.path={make_corpus(tmp_path)}",
                f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}"]
         logs.append(tmp_path / f"agent{node}.log")
@@ -183,8 +177,20 @@ def test_another_user_overwriting_the_store_address_makes_no_traceback(tmp_path)
     finally:
         for a in agents:
             a.kill()
+    return codes, "\n".join(f"--- agent {n}\n{p.read_text()}" for n, p in enumerate(logs))
+
+
+@pytest.mark.slow
+def test_another_user_overwriting_the_store_address_makes_no_traceback(tmp_path):
+    """Two agents (two nodes on one machine); `nobody` finds MASTER_ADDR / MASTER_PORT with list_keys()
+    and overwrites them for 15 s, from before the agents write them. torch's agents would take the
+    forgery (a ValueError traceback); here it is ignored: each agent goes on or says in one line which
+    value was never signed."""
+    tmp_path.chmod(0o755)
+    port = free_port()
+    attack = _as_nobody(lambda: _overwrite_the_store_address(port, 15))
+    codes, out = _two_agents(tmp_path, port, steps=2)
     planted = attack(timeout=30)
-    out = "\n".join(f"--- agent {n}\n{p.read_text()}" for n, p in enumerate(logs))
     assert {"MASTER_ADDR", "MASTER_PORT"} <= set(planted.get("written", [])), planted
     assert "Traceback" not in out and "invalid literal" not in out, out[-4000:]
     assert codes == [0, 0] or "was not signed with this job's secret" in out, (codes, out[-4000:])
@@ -241,27 +247,9 @@ def test_another_user_writing_into_the_rendezvous_state_does_not_end_the_job(tmp
     replaced at the agents' next write, and the job finishes."""
     tmp_path.chmod(0o755)
     port = free_port()
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MINGPT_JOB_SECRET": secrets.token_hex(32)}
     attack = _as_nobody(lambda: _overwrite_the_state(port, 20))
-    agents, logs = [], []
-    for node in (0, 1):
-        cmd = [sys.executable, "-m", "mingpt.cli.launch", "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=mingpt",
-               f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=run1",
-               f"--rdzv_conf=last_call_timeout=1,read_timeout=5,is_host={1 - node}",
-               "mingpt/main.py", "model=gpt-mini", "trainer.max_steps=30", "trainer.eval_every=0",
-               "trainer.progress=false", "dist.timeout_s=10", f"data.path={make_corpus(tmp_path)}",
-               f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={tmp_path / 'run'}"]
-        logs.append(tmp_path / f"agent{node}.log")
-        with open(logs[-1], "w") as fh:
-            agents.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT, text=True))
-        time.sleep(0.5 * (1 - node))  # the host's store first
-    try:
-        codes = [a.wait(timeout=300) for a in agents]
-    finally:
-        for a in agents:
-            a.kill()
+    codes, out = _two_agents(tmp_path, port, steps=30)
     written = attack(timeout=40).get("written", 0)
-    out = "\n".join(f"--- agent {n}\n{p.read_text()}" for n, p in enumerate(logs))
     assert codes == [0, 0], (codes, out[-4000:])
     assert written >= 4, (written, out[-4000:])
     assert "Traceback" not in out, out[-4000:]
