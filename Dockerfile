@@ -30,9 +30,10 @@ COPY pyproject.toml README.md ./
 COPY conf ./conf
 COPY mingpt ./mingpt
 # Non-editable: the image needs no source tree; conf/ (linked as mingpt/conf) is installed inside the package. The formats
-# extra reads Parquet and zstd JSON lines in mingpt-prepare (the project itself: nothing to pin).
+# extra reads Parquet and zstd JSON lines in mingpt-prepare, boto3 serves snapshot.uploader=boto3 (the project
+# itself: nothing to pin).
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[formats]" && rm -rf /opt/mingpt/build
+RUN pip install --no-cache-dir ".[formats,boto3]" && rm -rf /opt/mingpt/build
 
 RUN groupadd --gid 1000 mingpt && useradd --create-home --uid 1000 --gid 1000 mingpt
 USER 1000:1000

@@ -42,7 +42,8 @@ def test_structure():
     assert f"install -d -o {uid} -g {uid} /data/mingpt" in recipe and "--user" not in recipe
     assert "-e MINGPT_JOB_SECRET " in recipe
     run = next(line for line in INSTRUCTIONS if line.startswith("RUN pip install"))
-    assert re.search(r'pip install --no-cache-dir "\.\[formats\]"', run) and " -e " not in run  # non-editable
+    # non-editable; boto3 for snapshot.uploader=boto3 (an extra since 2026-11-28: images write to S3)
+    assert re.search(r'pip install --no-cache-dir "\.\[formats,boto3\]"', run) and " -e " not in run
     assert "snapshot.dir=s3://" in DOCKERFILE  # the documented multi-node example snapshots to S3
 
 
@@ -96,7 +97,7 @@ def image_venv(request, tmp_path_factory):
     # the base image brings torch; here the CPU wheel of the pinned version stands in for it
     subprocess.run([py, "-m", "pip", "install", "-q", "torch==2.13.0"], check=True, timeout=600)
     run = next(line for line in INSTRUCTIONS if line.startswith("RUN pip install"))
-    pip_args = [a.strip('"') for a in run.split("&&")[0].split()[3:]]  # ["--no-cache-dir", ".[formats]"]
+    pip_args = [a.strip('"') for a in run.split("&&")[0].split()[3:]]  # ["--no-cache-dir", ".[formats,boto3]"]
     build = subprocess.run([py, "-m", "pip", "install", "-v", *pip_args], cwd=ctx, capture_output=True, text=True,
                            timeout=600)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
