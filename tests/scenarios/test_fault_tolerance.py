@@ -108,6 +108,8 @@ def test_documents_sigkill_recovery_is_exact_too(tmp_path):
     check_sigkill_recovery(reference, tmp_path / "faulty", docs=True, nproc=3, extra=WIDE)
 
 
+@pytest.mark.long  # (the restart path: the DDP and FSDP SIGKILL tests; a split model's snapshot under every
+# layout: test_tp_jobs and test_pipeline_jobs)
 @pytest.mark.parametrize("nproc, split, shown", [
     (2, ["trainer.tensor_parallel=2"], "ddp x tensor parallel 2"),
     (8, ["trainer.pipeline_parallel=2", "trainer.parallel=fsdp", "trainer.tensor_parallel=2", "model.dropout=0",
@@ -321,7 +323,7 @@ def unix_listeners(pids: list[int]) -> list[str]:
     return held
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("muon", marks=pytest.mark.long)])
 def test_fsdp_sigkill_resumes_bitwise_and_loads_at_one_rank_under_ddp(tmp_path, optimizer):
     """FSDP2 at 2 ranks: a SIGKILLed worker resumes under FSDP at 2 ranks bitwise equal to the
     uninterrupted run; the same run's snapshot continues at 1 rank under DDP within a tolerance: one

@@ -112,6 +112,7 @@ def test_hsdp_gradients_equal_one_process(nodes, tmp_path, tp):
     assert max(g.abs().max().item() for g in g1.values()) > 1e-3  # real, non-zero gradients
 
 
+@pytest.mark.long  # (CI: FSDP's SIGKILL in test_fault_tolerance; HSDP's restart in the lost node below)
 def test_a_sigkilled_worker_resumes_bitwise(nodes, reference, tmp_path):
     corpus, ref_dir, _ = reference
     run_dir = tmp_path / "run"

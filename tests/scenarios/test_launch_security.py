@@ -241,6 +241,7 @@ def _overwrite_the_state(port: int, seconds: float) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # (CI: the signed state's rules in tests/unit/test_rendezvous.py)
 def test_another_user_writing_into_the_rendezvous_state_does_not_end_the_job(tmp_path):
     """Two agents; `nobody` writes garbage and a recorded state into the rendezvous state's key for 20 s
     while they start and train. Before, one such write ended the job (exit 1); now it is ignored and

@@ -39,9 +39,13 @@ def one_process_grads(tmp_path_factory):
     return torch.load(tmp / "g.pt"), corpus_file
 
 
+# CI: gpipe over two data ranks, and interleaved stages sharded and split; the rest -m long (1F1B's
+# gradients: test_documents_through_a_pipeline_..., which trains as one process does)
 @pytest.mark.parametrize("nproc, stages, schedule, data, tp", [
-    (2, 2, "1f1b", "ddp", 1), (4, 2, "gpipe", "ddp", 1), (2, 2, "interleaved", "ddp", 1),
-    (4, 2, "interleaved", "fsdp", 1), (4, 2, "1f1b", "ddp", 2), (8, 2, "interleaved", "fsdp", 2)],
+    pytest.param(2, 2, "1f1b", "ddp", 1, marks=pytest.mark.long), (4, 2, "gpipe", "ddp", 1),
+    pytest.param(2, 2, "interleaved", "ddp", 1, marks=pytest.mark.long),
+    pytest.param(4, 2, "interleaved", "fsdp", 1, marks=pytest.mark.long),
+    pytest.param(4, 2, "1f1b", "ddp", 2, marks=pytest.mark.long), (8, 2, "interleaved", "fsdp", 2)],
     ids=["pp2-1f1b", "pp2-ddp2-gpipe", "pp2-interleaved", "pp2-fsdp2-interleaved", "pp2-tp2-1f1b",
          "pp2-fsdp2-tp2-interleaved"])
 def test_pipeline_gradients_equal_one_process_and_the_tied_matrix_stays_tied(tmp_path, one_process_grads, nproc,
@@ -97,6 +101,8 @@ def held_state(out, nproc: int) -> dict:
     return merged
 
 
+@pytest.mark.long  # (CI: a pipeline's snapshot both ways in test_documents_through_a_pipeline_...; every
+# layout from one writer in test_tp_jobs)
 def test_a_pipeline_snapshot_loads_bitwise_under_every_layout_and_back(tmp_path):
     """Written by a pipeline of 2 stages x 2 data ranks (each stage's processes write its tensors),
     the snapshot holds the whole tensors once: one process (as DDP: every tensor whole), FSDP over 2,
@@ -189,6 +195,7 @@ def test_documents_through_a_pipeline_train_and_evaluate_as_one_process_and_snap
     assert f"(saved by 1 rank with single, now {nproc} with {said};" in log, log[-3000:]  # the resume line names it
 
 
+@pytest.mark.long  # (CI: HSDP in test_hsdp, sharded pipeline stages above)
 def test_hsdp_inside_the_stages_of_a_pipeline_over_four_nodes(tmp_path, one_process_grads):
     """Four nodes (network namespaces on one bridge) of 2 processes, a pipeline of 2 stages: each stage
     holds 2 whole nodes, its parts sharded within a node and replicated across its two (HSDP), only

@@ -407,6 +407,7 @@ def check_group_1_left_and_returned_whole(run_dir: Path, fault_t: float, fault_s
     return recs
 
 
+@pytest.mark.long  # (CI: a process of a two-process group killed, the group healed whole: the FSDP variant below)
 def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tmp_path):
     """Three groups of two processes (one torchrun each, every process a member, half of its group's
     two shares each: the split of the groups of one process). A process of group 1 is SIGKILLed: its

@@ -74,6 +74,7 @@ def test_two_process_run_learns_snapshots_and_resumes(corpus_file, tmp_path):
     assert out.stdout.startswith("Speaker") and len(out.stdout.strip()) >= 30
 
 
+@pytest.mark.long  # (CI: every 2-process job of the suite ends through the same exit, and checks its code)
 def test_a_finished_job_never_ends_in_sigabrt(corpus_file, tmp_path):
     """The shortest 2-process job (one step, then exit), started again and again: before the fix, about
     one launch in six died of SIGABRT at exit ("terminate called without an active exception")."""
