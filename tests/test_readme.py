@@ -47,3 +47,26 @@ def test_the_two_machine_recipes_make_a_secret_per_job():
         lines = [line for line in text.splitlines() if line.startswith("mingpt-torchrun --new-secret ~/")]
         assert lines and not any("once" in line for line in lines), (page, lines)
         assert "each job" in text and "secrets.token_hex" not in text, page  # the tool's random secret, no one-liner
+
+
+def _anchors(text: str) -> set[str]:
+    """GitHub's anchors of a page's headings: lowercase, punctuation dropped, spaces to '-', repeats numbered."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} (.+?)\s*$", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M), re.M):
+        anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        seen[anchor] = seen.get(anchor, -1) + 1
+        if seen[anchor]:
+            seen[f"{anchor}-{seen[anchor]}"] = 0
+    return set(seen)
+
+
+def test_every_link_to_a_section_of_the_docs_finds_its_heading():
+    """A figure's link into docs/results.md (or any page's section) that a renamed heading left dangling fails here."""
+    broken = []
+    for page in [REPO / "README.md", *sorted(REPO.glob("*/README.md")), *sorted(REPO.glob("docs/*.md"))]:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+        for target, anchor in re.findall(r"\]\(([^)\s#]*\.md|)#([^)\s]+)\)", text):
+            linked = (page.parent / target) if target else page
+            if not linked.exists() or anchor not in _anchors(linked.read_text()):
+                broken.append(f"{page.relative_to(REPO)}: {target}#{anchor}")
+    assert not broken, broken
