@@ -1,4 +1,4 @@
-"""Where a run starts and how it keeps its snapshots: the store's lease (one live job per store),
+"""A run's start-up, the steps about its snapshots: the store's lease (one live job per store),
 the one decision of where a run starts (`where_to_start`: the newest good snapshot, GPT-2 weights or
 nothing), another run's files set aside, the snapshotter, loading the snapshot into the live
 tensors, and the start record. main.assemble calls these in order."""
