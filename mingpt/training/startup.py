@@ -15,6 +15,7 @@ from mingpt.model.pretrained import pretrained_checkpoint, with_pretrained_shape
 from mingpt.parallel.layouts import Parallel
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
+from mingpt.runtime.trust import derive, job_secret
 from mingpt.snapshot import SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.layout import layout_name
 from mingpt.snapshot.lease import EXIT_LEASE_LOST, Lease
@@ -85,7 +86,7 @@ def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
     store is read; a store that another live job holds is refused on every rank. A world that another
     world of this launch superseded (a split brain of torchrun's rendezvous) ends at once, without
     saving: its peers lose contact and torchrun restarts them, to rejoin."""
-    sc, held, secret = cfg.snapshot, [], distributed.job_secret()
+    sc, held, secret = cfg.snapshot, [], job_secret()
 
     def lost(why: str) -> None:  # another launch took the store over: stop now, without committing
         distributed.exit_process(distributed.report_error(info, why, code=EXIT_LEASE_LOST), True)
@@ -93,7 +94,7 @@ def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
     distributed.on_rank0(lambda: held.append(
         Lease(open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader), info.launch_id, sc.lease_s,
               shared=cfg.replicas.enabled, on_superseded=lambda: distributed.exit_process(1, True),
-              job=distributed.derive(secret, "job")[:16] if secret else None, on_lost=lost).take()))
+              job=derive(secret, "job")[:16] if secret else None, on_lost=lost).take()))
     return held[0] if held else None
 
 
