@@ -120,7 +120,7 @@ def build_snapshotter(cfg: RunConfig, info: DistInfo, start: Start, metrics: Met
     sc = cfg.snapshot
     cache = NodeCache(sc.node_cache_dir, start.store.url, info.launch_id) if sc.node_cache == "on" or (
         sc.node_cache == "auto" and not start.store.local) else None
-    return Snapshotter(start.store, writer=parallel.writer, writers=info.world_size, replicas=parallel.copies,
+    return Snapshotter(start.store, writer=parallel.writer, writers=info.world_size, copies=parallel.copies,
                        stages=parallel.stages,
                        group=distributed.side_group(), keep_last=sc.keep_last, keep_every=sc.keep_every,
                        retries=sc.retries, events=metrics.write, cache=cache, guard=lease.check if lease else None)
