@@ -57,12 +57,11 @@ class Target:
 
 def layout_of(manifest: dict) -> dict[str, list[Piece]]:
     """{tensor name: its pieces}, recomputed from the tensors: `layout.cut`, as the writers cut them
-    (a pipeline's snapshot: each tensor among its stage's writers; one written before HSDP's "copies"
-    were named so records them as "replicas")."""
+    (a pipeline's snapshot: each tensor among its stage's writers)."""
     tensors = manifest["tensors"]
     specs = [(name, tuple(e["shape"]), dtype_of(e["dtype"])) for name, e in tensors.items()]
     stage_of = {name: e["stage"] for name, e in tensors.items() if "stage" in e}
-    copies = manifest.get("copies", manifest.get("replicas", 1))
+    copies = manifest.get("copies", manifest.get("replicas", 1))  # "replicas": HSDP's copies before they were named so
     return cut(specs, manifest["writers"], copies, manifest.get("stages", 1), stage_of)[0]
 
 
