@@ -50,7 +50,7 @@ from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
 from mingpt.training.policy import SavePolicy
 from mingpt.training.replica_trainer import ReplicaTrainer, spare_lock, stand_by
-from mingpt.training.snapshots import (
+from mingpt.training.startup import (
     Start,
     append_once,
     build_snapshotter,

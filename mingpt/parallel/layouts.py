@@ -5,7 +5,7 @@ timing, and the tensors a snapshot saves and loads.
 
 HSDP is FSDP2 on a 2-D device mesh: the parameters are sharded over the processes of one node and
 replicated across the nodes, so the all-gathers and reduce-scatters stay inside a node and only the
-all-reduce of each rank's gradient shard with its replicas (the same local rank on every other
+all-reduce of each rank's gradient shard with its copies (the same local rank on every other
 node) crosses the link between nodes.
 
 The model arrives built on the meta device (no memory, no initialisation). It is wrapped first,
@@ -38,11 +38,11 @@ log = logging.getLogger(__name__)
 class Parallel:
     """One strategy's answers to the Trainer's questions; see `parallelize`."""
 
-    def __init__(self, name: str, model: nn.Module, gpt: GPT, replicas: int = 1, shards: int = 1,
+    def __init__(self, name: str, model: nn.Module, gpt: GPT, copies: int = 1, shards: int = 1,
                  tp: TensorParallel | None = None, rank: int = 0, world: int = 1, pp: Pipeline | None = None):
         self.name, self.model, self.gpt, self.pp = name, model, gpt, pp
         self.sharded = name in ("fsdp", "hsdp") or tp is not None  # tensor parallel: FSDP2 for the data (parallelize)
-        self.replicas = replicas  # HSDP: the nodes, each holding the whole state sharded over its ranks
+        self.nodes = copies  # HSDP: the nodes, each a copy of the whole state sharded over its ranks
         self.shards, self.tp = shards, tp
         # The data-parallel coordinates: the processes of one tensor-parallel group train one share
         # of the global batch together, so they count as one rank of the data split; so do the stages
@@ -52,14 +52,14 @@ class Parallel:
         stage, in_stage = divmod(rank, per_stage)
         self.data_rank, self.data_world, self.data_copies = in_stage // n, per_stage // n, n * self.stages
         # A snapshot's writers (snapshot/layout.py `cut`): every rank writes; the processes of a
-        # tensor-parallel group hold the same rows once gathered, like HSDP's replicas, so under
+        # tensor-parallel group hold the same rows once gathered, like HSDP's copies, so under
         # FSDP they split those rows between them (writer = copy * shards + shard); each stage's
         # processes write that stage's tensors.
-        self.writer, self.copies = rank, replicas
+        self.writer, self.copies = rank, copies
         if tp:
-            node_replica, shard = divmod(self.data_rank, shards)
-            self.copies = replicas * n
-            self.writer = stage * per_stage + (node_replica * n + tp.rank) * shards + shard
+            node_copy, shard = divmod(self.data_rank, shards)
+            self.copies = copies * n
+            self.writer = stage * per_stage + (node_copy * n + tp.rank) * shards + shard
         # The strategy runs a step's micro-batches itself, in its schedule's order (`accumulate`), and
         # evaluates through `evaluator` (called as the GPT: model(x, y, reduction=...)).
         self.orders_micro_batches = pp is not None
@@ -78,7 +78,7 @@ class Parallel:
         tp += f" x {self.pp}" if self.pp else ""
         if self.name != "hsdp":
             return self.name + tp
-        return f"hsdp ({self.replicas} node{'s' if self.replicas > 1 else ''} x {self.shards} processes{tp})"
+        return f"hsdp ({self.nodes} node{'s' if self.nodes > 1 else ''} x {self.shards} processes{tp})"
 
     def layout(self) -> dict:  # what a manifest records of it (the pipeline's stages: the snapshotter's)
         return {"parallel": self.name, "tensor_parallel": self.tp.size if self.tp else 1}
@@ -206,7 +206,7 @@ def mesh_shape(places: list[tuple[int, int, int]], one_node_ok: bool) -> tuple[i
     """(nodes, processes per node) of HSDP's mesh from every rank's (torchrun node, local rank, rank),
     indexed by rank. Every node must hold the same number of processes, each node's ranks
     consecutive (torchrun numbers them so); one node is FSDP and is refused unless `one_node_ok` (a
-    run that lost its other nodes carries on as one replica)."""
+    run that lost its other nodes carries on as one copy)."""
     per_node: dict[int, list[tuple[int, int]]] = {}
     for node, local, rank in places:
         per_node.setdefault(node, []).append((local, rank))
@@ -270,7 +270,7 @@ def device_mesh(info: DistInfo, strategy: str, tp: int, model: GPTConfig, one_no
                                 "them so): launch with torchrun")
     shape = data_shape(places, strategy, tp, stages, one_node_ok)
     if strategy == "hsdp" and shape[0] == 1 and info.is_rank0:
-        log.warning("HSDP on one node%s: carrying on as one replica (FSDP over %d processes) until another node "
+        log.warning("HSDP on one node%s: carrying on as one copy (FSDP over %d processes) until another node "
                     "joins", " a stage" if stages > 1 else "", shape[1] * tp)
     names = ("pp",) * (stages > 1) + ("replicate", "shard") + ("tp",) * (tp > 1)
     shape = (stages,) * (stages > 1) + shape + (tp,) * (tp > 1)
@@ -294,7 +294,7 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
     if pipeline_parallel > 1:
         return _pipeline(gpt, info, strategy, pipeline_parallel, tensor_parallel, schedule, micro_batches, seed,
                          one_node_ok)
-    replicas, shards, tp = 1, 1, None
+    copies, shards, tp = 1, 1, None
     if tensor_parallel > 1 and not info.distributed:
         raise ParallelError(f"trainer.tensor_parallel={tensor_parallel} needs that many processes: launch with "
                             f"torchrun --nproc_per_node={tensor_parallel} (or a multiple of it)")
@@ -306,7 +306,7 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
         tp = TensorParallel(mesh["tp"], info.world_size)
     if (strategy in ("fsdp", "hsdp") or tp) and info.distributed:
         data_mesh = mesh["replicate", "shard"] if mesh is not None else None
-        replicas, shards = (data_mesh.size(0), data_mesh.size(1)) if mesh is not None else (1, info.world_size)
+        copies, shards = (data_mesh.size(0), data_mesh.size(1)) if mesh is not None else (1, info.world_size)
         _shard(gpt, gpt.blocks, data_mesh, device)
     else:
         _materialise(gpt, device)
@@ -320,7 +320,7 @@ def parallelize(gpt: GPT, strategy: str, info: DistInfo, *, seed: int | None, co
             model, device_ids=[info.local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True,
             init_sync=False)  # every rank initialised the same values, or will load them
         _settle_buckets(model, gpt, device)
-    return Parallel(name, model, gpt, replicas, shards, tp, info.rank, info.world_size)
+    return Parallel(name, model, gpt, copies, shards, tp, info.rank, info.world_size)
 
 
 def _shard(root: nn.Module, blocks, mesh, device: torch.device) -> None:
@@ -382,7 +382,7 @@ def _pipeline(gpt: GPT, info: DistInfo, strategy: str, stages: int, tensor_paral
     pp = Pipeline(gpt, stage, stages, schedule, device, mesh.get_group("pp"),
                   None if sharded else mesh.get_group("replicate"), tied, per_stage, split_tp)
     pp.sharded = sharded
-    replicas, shards = mesh["replicate"].size(), mesh["shard"].size()
+    copies, shards = mesh["replicate"].size(), mesh["shard"].size()
     if sharded:  # each stage's parts as the FSDP path shards the GPT
         data_mesh = mesh["shard"] if strategy == "fsdp" and not split_tp else mesh["replicate", "shard"]
         for part in pp.parts:
@@ -396,5 +396,5 @@ def _pipeline(gpt: GPT, info: DistInfo, strategy: str, stages: int, tensor_paral
         gpt.wte.weight = gpt.lm_head.weight
     if seed is not None:
         gpt.init_weights(seed)
-    return Parallel(strategy, pp.module, gpt, replicas if sharded else 1, shards if sharded else 1, split_tp,
+    return Parallel(strategy, pp.module, gpt, copies if sharded else 1, shards if sharded else 1, split_tp,
                     rank=info.rank, world=info.world_size, pp=pp)

@@ -20,8 +20,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-# The job's secret and the stores it vouches for live in mingpt.runtime.trust; named here too, beside the environment.
-from mingpt.runtime.trust import SECRET_ENV, SECRET_FILE_ENV, SecretError, bound_store, derive, job_secret  # noqa: F401
+from mingpt.runtime.trust import SecretError, bound_store, derive, job_secret
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,8 @@ def layout_of(manifest: dict) -> dict[str, list[Piece]]:
     tensors = manifest["tensors"]
     specs = [(name, tuple(e["shape"]), dtype_of(e["dtype"])) for name, e in tensors.items()]
     stage_of = {name: e["stage"] for name, e in tensors.items() if "stage" in e}
-    return cut(specs, manifest["writers"], manifest.get("replicas", 1), manifest.get("stages", 1), stage_of)[0]
+    copies = manifest.get("copies", manifest.get("replicas", 1))  # "replicas": HSDP's copies before they were named so
+    return cut(specs, manifest["writers"], copies, manifest.get("stages", 1), stage_of)[0]
 
 
 def row_bytes(entry: dict) -> int:

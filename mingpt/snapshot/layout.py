@@ -4,9 +4,9 @@ Every tensor of the training state (weights and optimizer moments) is cut along 
 into as many row ranges as there are writers, by FSDP's own rule (ceil(n / writers) rows each), and
 writer w writes range w of every tensor into its shard file. So each byte is written once, the
 writers' files are the same size to within a row per tensor, and a rank of an FSDP run writes
-exactly the rows it holds. Under HSDP the nodes are replicas holding the same rows: each shard's
-range is cut again into one part per replica (see `cut`). The cut depends only on the tensors'
-names, shapes and dtypes and on the numbers of writers and replicas: every rank computes the same
+exactly the rows it holds. Under HSDP the nodes are copies of the model holding the same rows: each
+shard's range is cut again into one part per copy (see `cut`). The cut depends only on the tensors'
+names, shapes and dtypes and on the numbers of writers and copies: every rank computes the same
 one, and the manifest records them.
 
 A `Slot` is one tensor as one rank holds it: all its rows (replicated: DDP, or one process) or
@@ -88,20 +88,20 @@ class Piece:
     stop: int
 
 
-def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int, replicas: int = 1,
+def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int, copies: int = 1,
         stages: int = 1, stage_of: dict[str, int] | None = None) -> tuple[dict[str, list[Piece]], list[int]]:
     """({tensor name: its pieces}, each writer's file size) for tensors given as (name, shape, dtype),
     in the order given (the same on every rank).
 
-    `replicas` > 1 (HSDP): writer w is rank w of a mesh of `replicas` rows of writers // replicas
-    shards (w = replica * shards + shard); each tensor is cut into the shards' row ranges, and each
-    shard's range into one part per replica, so the replicas of a shard write its rows once between
-    them, each about the same number of bytes.
+    `copies` > 1 (HSDP): writer w is rank w of a mesh of `copies` rows of writers // copies shards
+    (w = copy * shards + shard); each tensor is cut into the shards' row ranges, and each shard's
+    range into one part per copy, so the copies of a shard write its rows once between them, each
+    about the same number of bytes.
 
     `stages` > 1 (a pipeline): the writers are `stages` consecutive groups, and each tensor is cut as
     above among the writers of its stage (`stage_of`) alone: each stage writes its own tensors."""
     per_stage = writers // stages
-    shards = per_stage // replicas
+    shards = per_stage // copies
     sizes = [0] * writers
     pieces: dict[str, list[Piece]] = {}
     for name, shape, dtype in specs:
@@ -111,8 +111,8 @@ def cut(specs: list[tuple[str, tuple[int, ...], torch.dtype]], writers: int, rep
         pieces[name] = []
         for s in range(shards):
             first, last = rows_of(rows, shards, s)
-            for r in range(replicas):
-                start, stop = rows_of(last - first, replicas, r)
+            for r in range(copies):
+                start, stop = rows_of(last - first, copies, r)
                 w = base + r * shards + s
                 if stop > start:
                     pieces[name].append(Piece(w, sizes[w], first + start, first + stop))

@@ -32,8 +32,8 @@ class ShardWriter:
     into one flat CPU buffer laid out as the shard file (reused from save to save), then hashed and
     written. Writer 0 also writes the small state."""
 
-    def __init__(self, writer: int, writers: int, replicas: int = 1, stages: int = 1):
-        self.writer, self.writers, self.replicas, self.stages = writer, writers, replicas, stages
+    def __init__(self, writer: int, writers: int, copies: int = 1, stages: int = 1):
+        self.writer, self.writers, self.copies, self.stages = writer, writers, copies, stages
         self._specs, self.pieces, self.sizes = None, {}, []
         self._stage_of: dict[str, int] = {}
         self._image: torch.Tensor | None = None
@@ -48,7 +48,7 @@ class ShardWriter:
         if specs != self._specs:
             self._specs = specs
             self._stage_of = {s.name: s.stage for s in slots} if self.stages > 1 else {}
-            self.pieces, self.sizes = cut(specs, self.writers, self.replicas, self.stages, self._stage_of)
+            self.pieces, self.sizes = cut(specs, self.writers, self.copies, self.stages, self._stage_of)
         size = self.sizes[self.writer]
         if self._image is None or self._image.numel() != size:
             cuda = any(s.local.device.type == "cuda" for s in slots)
@@ -92,7 +92,9 @@ class ShardWriter:
         files = {SHARD_FORMAT.format(r["writer"], self.writers): {"size": r["size"], "sha256": r["sha256"]}
                  for r in records}
         files.update((EXTRA_FILE, r["extra"]) for r in records if "extra" in r)  # writer 0's
-        return {**meta, "writers": self.writers, "replicas": self.replicas, "chunk_bytes": CHUNK_BYTES,
+        # "replicas": the copies' old name, still written for a mingpt before the rename, which would
+        # otherwise read an HSDP snapshot's rows as one copy's (chunks.layout_of reads either)
+        return {**meta, "writers": self.writers, "copies": self.copies, "replicas": self.copies, "chunk_bytes": CHUNK_BYTES,
                 "files": files, "tensors": tensors, **({"stages": self.stages} if self.stages > 1 else {})}
 
     def record_bytes(self) -> int:
@@ -108,7 +110,7 @@ class Snapshotter:
     leaves the previous snapshot the latest; whether training goes on is the caller's decision.
     """
 
-    def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, replicas: int = 1, stages: int = 1,
+    def __init__(self, store: SnapshotStore, *, writer: int = 0, writers: int = 1, copies: int = 1, stages: int = 1,
                  group=None,
                  keep_last: int = 3, keep_every: int = 0, retries: int = 3, backoff_s: float = 1.0,
                  events: Callable[[dict], None] | None = None, cache=None, guard: Callable[[], bool] | None = None):
@@ -118,7 +120,7 @@ class Snapshotter:
         self._events = events or (lambda _: None)
         self.cache = cache  # a NodeCache: this node's copy of what this writer wrote
         self._retried_now = 0  # retries of the save in flight, by this writer
-        self.shard = ShardWriter(writer, writers, replicas, stages)
+        self.shard = ShardWriter(writer, writers, copies, stages)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="snapshot")
         self._pending: Future | None = None
         self.last_ok: bool | None = None  # the outcome of the newest save (None: none yet)

@@ -18,7 +18,7 @@ from mingpt.replicas.wire import contexts
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
 from mingpt.training.metrics import peak_flops
-from mingpt.training.snapshots import Start, where_to_start
+from mingpt.training.startup import Start, where_to_start
 from mingpt.training.state import StepStats, Todo
 from mingpt.training.trainer import StopTraining, Trainer, _weighted
 

@@ -83,7 +83,7 @@ def reference(nodes, tmp_path_factory):
 
 
 def test_hsdp_sends_between_nodes_less_than_fsdps_all_gathers_alone(reference):
-    """Per step only the all-reduce of each gradient shard with its replica crosses the link: 2 P
+    """Per step only the all-reduce of each gradient shard with its copy crosses the link: 2 P
     for P bytes of weights. FSDP over the 4 ranks sends each of its 2 all-gathers across it (2 P
     each) before its reduce-scatter (benchmarks/internode.py measures 5.5 to 6 P)."""
     _, run_dir, crossed = reference
@@ -97,7 +97,7 @@ def test_hsdp_sends_between_nodes_less_than_fsdps_all_gathers_alone(reference):
 @pytest.mark.parametrize("tp", [1, 2], ids=["hsdp", "tp2-hsdp"])
 def test_hsdp_gradients_equal_one_process(nodes, tmp_path, tp):
     """Two nodes of two processes: HSDP (sharded within a node), and tensor parallel within a node
-    with HSDP's replicas across the nodes."""
+    with HSDP's copies across the nodes."""
     corpus = make_corpus(tmp_path)
     args = [*CFG, f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}", "snapshot.resume=never"]
     one, four = tmp_path / "g1.pt", tmp_path / "g4.pt"
@@ -131,7 +131,7 @@ def test_a_sigkilled_worker_resumes_bitwise(nodes, reference, tmp_path):
         assert torch.equal(v, got[k]), f"{k} differs from the uninterrupted run"
 
 
-def test_a_lost_node_leaves_one_replica_and_the_returning_node_rejoins(nodes, reference, tmp_path):
+def test_a_lost_node_leaves_one_copy_and_the_returning_node_rejoins(nodes, reference, tmp_path):
     corpus, ref_dir, _ = reference
     a, b = nodes
     run_dir, port = tmp_path / "run", free_port()
@@ -145,7 +145,7 @@ def test_a_lost_node_leaves_one_replica_and_the_returning_node_rejoins(nodes, re
         os.killpg(second.pid, signal.SIGKILL)  # the whole node: its agent and workers
         second.wait()
         wait_until(lambda: any(r["kind"] == "resume" and r["world_size"] == 2 for r in records(run_dir / "metrics.jsonl")),
-                   [first], what="the survivor resuming as one replica")
+                   [first], what="the survivor resuming as one copy")
         procs.append(launch(b, a, port, tmp_path / "c.log", *args))
         wait_until(lambda: [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"][-1:] == [4],
                    [first, procs[2]], what="the returning node rejoining")
@@ -155,7 +155,7 @@ def test_a_lost_node_leaves_one_replica_and_the_returning_node_rejoins(nodes, re
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
     log = (tmp_path / "a.log").read_text()
-    assert "HSDP on one node: carrying on as one replica" in log, log[-4000:]
+    assert "HSDP on one node: carrying on as one copy" in log, log[-4000:]
     assert [r["world_size"] for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"] == [2, 4]
     train, ref = read_metrics(run_dir / "metrics.jsonl"), read_metrics(ref_dir / "metrics.jsonl")
     assert {2, 4} <= {r["world_size"] for r in train.values()}

@@ -202,7 +202,7 @@ def test_hsdp_inside_the_stages_of_a_pipeline_over_four_nodes(tmp_path, one_proc
     activations crossing between the stages. One step's gradients equal one process's (rtol 1e-4,
     atol 1e-6), the tied matrix's copies on the first and last stage bitwise equal. Then 4 steps
     with a snapshot: the 8 processes write every byte of it once (each stage's tensors cut among its
-    2 shards x 2 replicas), and it reads back whole."""
+    2 shards x 2 copies), and it reads back whole."""
     from conftest import free_port
 
     from benchmarks.netns import NoNamespaces, agent_cmd, bridged_nodes
@@ -239,7 +239,7 @@ def test_hsdp_inside_the_stages_of_a_pipeline_over_four_nodes(tmp_path, one_proc
     assert_one_process_grads(stage_files(out, 8), one, stages=2)
     store = SnapshotStore(str(tmp_path / "run" / "snapshots"))
     state, manifest = read_whole(store, store.list()[-1].path)
-    assert manifest["step"] == 4 and manifest["stages"] == 2 and manifest["replicas"] == 2
+    assert manifest["step"] == 4 and manifest["stages"] == 2 and manifest["copies"] == 2
     stored = stored_state(tmp_path / "run")
     assert {k for k in stored if k.startswith("model.")} == {f"model.{k}" for k in one}  # the tied head once
     assert {k.rsplit(".", 1)[0] for k in stored if k.startswith("optim.")} == {f"optim.{k}" for k in one}

@@ -7,7 +7,8 @@ import secrets
 import pytest
 import torch
 
-from mingpt.runtime.distributed import DistInfo, SecretError, default_threads, init, job_secret
+from mingpt.runtime.distributed import DistInfo, default_threads, init
+from mingpt.runtime.trust import SecretError, job_secret
 
 
 def test_dist_info_from_env_without_process_group():

@@ -230,7 +230,7 @@ def test_every_launch_has_its_own_id_the_same_for_every_agent_of_it(monkeypatch)
 
 def test_a_launch_nonce_not_signed_with_the_jobs_secret_is_replaced():
     from mingpt.cli.launch_id import agreed_nonce
-    from mingpt.runtime.distributed import derive
+    from mingpt.runtime.trust import derive
 
     store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=10))

@@ -199,31 +199,37 @@ def test_a_snapshot_of_n_writers_loads_into_m_shards_bitwise(store_url, monkeypa
             assert torch.equal(slot.local, full if full.dim() == 0 else full[slot.start:slot.stop]), slot.name
 
 
+@pytest.mark.parametrize("key", ["copies", "replicas"])
 @pytest.mark.parametrize("readers", [1, 3, 4])
-def test_an_hsdp_snapshot_is_written_once_across_replicas_and_loads_at_any_size(tmp_path, readers):
-    """HSDP, 2 nodes x 2 processes: rank w = replica * 2 + shard holds its shard's rows (the same on
-    both replicas). Each row is written once, every writer about the same bytes, and the snapshot
-    loads whole (DDP, one process) and into FSDP-like worlds of 3 and 4 ranks, bitwise."""
+def test_an_hsdp_snapshot_is_written_once_across_copies_and_loads_at_any_size(tmp_path, readers, key):
+    """HSDP, 2 nodes x 2 processes: rank w = copy * 2 + shard holds its shard's rows (the same on
+    both copies of the model). Each row is written once, every writer about the same bytes, and the
+    snapshot loads whole (DDP, one process) and into FSDP-like worlds of 3 and 4 ranks, bitwise; so
+    does one whose manifest names the copies by their old key alone ("replicas": written before the
+    rename)."""
     from mingpt.parallel.shards import rows_of
     from mingpt.snapshot.layout import n_rows
     from mingpt.snapshot.restore import restore
     from mingpt.snapshot.snapshotter import ShardWriter
 
-    tensors, replicas, shards = sample_state(3), 2, 2
+    tensors, copies, shards = sample_state(3), 2, 2
     store = SnapshotStore(str(tmp_path))
-    writers = [ShardWriter(w, replicas * shards, replicas) for w in range(replicas * shards)]
+    writers = [ShardWriter(w, copies * shards, copies) for w in range(copies * shards)]
     store.begin(5)
     records = []
     for w, sh in enumerate(writers):
         slots = rank_slots(tensors, w % shards, shards)
-        for slot in slots:  # what this rank holds: its shard's rows, as its replica on the other node
+        for slot in slots:  # what this rank holds: its shard's rows, as its copy on the other node
             full = tensors[slot.name]
             slot.local.copy_(full if full.dim() == 0 else full[slot.start:slot.stop])
         for name, p in sh.own_pieces():  # within the rows it holds
             first, last = rows_of(n_rows(tensors[name].shape), shards, w % shards)
             assert first <= p.start < p.stop <= last, (w, name, p)
         records.append(sh.write(store, 5, *sh.copy(slots, {"trainer": {"step": 5}})))
-    path = store.commit(5, writers[0].manifest({"world_size": 4, "parallel": "hsdp"}, records))
+    written = writers[0].manifest({"world_size": 4, "parallel": "hsdp"}, records)
+    assert written["copies"] == written["replicas"] == 2  # (the old key for a mingpt before the rename)
+    other = "replicas" if key == "copies" else "copies"
+    path = store.commit(5, {k: v for k, v in written.items() if k != other})  # the manifest names them once
     for name, v in tensors.items():  # the pieces tile every tensor's rows exactly once
         rows = sorted(r for p in writers[0].pieces[name] for r in range(p.start, p.stop))
         assert rows == list(range(n_rows(v.shape))), name
@@ -232,7 +238,7 @@ def test_an_hsdp_snapshot_is_written_once_across_replicas_and_loads_at_any_size(
     assert sum(sizes) == sum(v.numel() * v.element_size() for v in tensors.values())
     assert max(sizes) - min(sizes) <= slack, sizes
     manifest = store.read_manifest(path)
-    assert manifest["replicas"] == 2
+    assert manifest[key] == 2 and other not in manifest
     for rank in range(readers):
         slots = rank_slots(tensors, rank, readers) if readers > 1 else [
             Slot(k, torch.empty_like(v), tuple(v.shape)) for k, v in tensors.items()]

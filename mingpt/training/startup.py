@@ -1,4 +1,4 @@
-"""Where a run starts and how it keeps its snapshots: the store's lease (one live job per store),
+"""A run's start-up, the steps about its snapshots: the store's lease (one live job per store),
 the one decision of where a run starts (`where_to_start`: the newest good snapshot, GPT-2 weights or
 nothing), another run's files set aside, the snapshotter, loading the snapshot into the live
 tensors, and the start record. main.assemble calls these in order."""
@@ -15,6 +15,7 @@ from mingpt.model.pretrained import pretrained_checkpoint, with_pretrained_shape
 from mingpt.parallel.layouts import Parallel
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
+from mingpt.runtime.trust import derive, job_secret
 from mingpt.snapshot import SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.layout import layout_name
 from mingpt.snapshot.lease import EXIT_LEASE_LOST, Lease
@@ -85,7 +86,7 @@ def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
     store is read; a store that another live job holds is refused on every rank. A world that another
     world of this launch superseded (a split brain of torchrun's rendezvous) ends at once, without
     saving: its peers lose contact and torchrun restarts them, to rejoin."""
-    sc, held, secret = cfg.snapshot, [], distributed.job_secret()
+    sc, held, secret = cfg.snapshot, [], job_secret()
 
     def lost(why: str) -> None:  # another launch took the store over: stop now, without committing
         distributed.exit_process(distributed.report_error(info, why, code=EXIT_LEASE_LOST), True)
@@ -93,7 +94,7 @@ def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
     distributed.on_rank0(lambda: held.append(
         Lease(open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader), info.launch_id, sc.lease_s,
               shared=cfg.replicas.enabled, on_superseded=lambda: distributed.exit_process(1, True),
-              job=distributed.derive(secret, "job")[:16] if secret else None, on_lost=lost).take()))
+              job=derive(secret, "job")[:16] if secret else None, on_lost=lost).take()))
     return held[0] if held else None
 
 
@@ -119,7 +120,7 @@ def build_snapshotter(cfg: RunConfig, info: DistInfo, start: Start, metrics: Met
     sc = cfg.snapshot
     cache = NodeCache(sc.node_cache_dir, start.store.url, info.launch_id) if sc.node_cache == "on" or (
         sc.node_cache == "auto" and not start.store.local) else None
-    return Snapshotter(start.store, writer=parallel.writer, writers=info.world_size, replicas=parallel.copies,
+    return Snapshotter(start.store, writer=parallel.writer, writers=info.world_size, copies=parallel.copies,
                        stages=parallel.stages,
                        group=distributed.side_group(), keep_last=sc.keep_last, keep_every=sc.keep_every,
                        retries=sc.retries, events=metrics.write, cache=cache, guard=lease.check if lease else None)
