@@ -4,6 +4,7 @@ at the last step, and at a preemption signal (save, then stop). Every rank decid
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,20 +19,22 @@ def decide(step: int, last: bool, every_steps: int, timed: bool, preempted: bool
 
 class SavePolicy:
     """`decide` over what every rank knows: the step, and two flags that differ by rank (a signal
-    arrives at one process; clocks drift), agreed by one tiny all-reduce, or passed in already agreed
-    (a layer whose step agrees them otherwise: replica groups' exchange)."""
+    arrives at one process; clocks drift), agreed by one tiny all-reduce, or by `agreed`: the rule of a
+    layer whose step agrees them otherwise (replica groups' exchange), (preempted, interval elapsed)."""
 
-    def __init__(self, every_steps: int, every_s: float, preempt: PreemptionFlag, device: torch.device):
+    def __init__(self, every_steps: int, every_s: float, preempt: PreemptionFlag, device: torch.device,
+                 agreed: Callable[[], tuple[bool, bool]] | None = None):
         self.every_steps, self.every_s, self.preempt, self.device = every_steps, every_s, preempt, device
+        self.agreed = agreed
         self.last_save_t = time.monotonic()
 
-    def stop_requested(self, agreed: tuple[bool, bool] | None = None) -> bool:
-        """A preemption signal on any rank (checked before the first step: nothing new to save); with
-        `agreed` flags, this process's own signal (no collective)."""
-        return self.preempt.requested if agreed is not None else self._agree()[0]
+    def stop_requested(self) -> bool:
+        """A preemption signal on any rank (checked before the first step: nothing new to save); under a
+        layer's rule, this process's own signal (no collective)."""
+        return self.preempt.requested if self.agreed is not None else self._agree()[0]
 
-    def after_step(self, step: int, last: bool, agreed: tuple[bool, bool] | None = None) -> tuple[bool, bool]:
-        preempted, timed = agreed if agreed is not None else self._agree()
+    def after_step(self, step: int, last: bool) -> tuple[bool, bool]:
+        preempted, timed = (self.agreed or self._agree)()
         return decide(step, last, self.every_steps, timed, preempted)
 
     def saved(self) -> None:

@@ -1,7 +1,8 @@
 """The Trainer of a replica group's process (mingpt.replicas): the same loop, with the step cut into
 shares exchanged with the other groups, and an epoch formed again (and the state healed) whenever a
-group is lost or returns. The base loop does not know it: this class overrides the Trainer's hooks
-(torchtitan's FaultTolerantTrainer pattern: a subclass, chosen by main.py in one line)."""
+group is lost or returns. The base loop does not know it: this class overrides the Trainer's seams,
+sets its role, and gives the save policy its rule (torchtitan's FaultTolerantTrainer pattern: a
+subclass, chosen by main.py in one line)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
 from mingpt.training.metrics import peak_flops
 from mingpt.training.startup import Start, where_to_start
-from mingpt.training.state import StepStats, Todo
-from mingpt.training.trainer import StopTraining, Trainer, _weighted
+from mingpt.training.state import Role, StepStats
+from mingpt.training.trainer import StopTraining, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -43,26 +44,25 @@ class ReplicaTrainer(Trainer):
         self.replicas, self.resume, self.joined = replicas, resume, joined
         self.run_over = RunFinished(self.snapshotter.store, self.cfg.max_steps)  # (while this group was away)
         self._redo = None  # (step, shares' gradients) computed when that step's epoch broke
+        self.role = self.epoch_role()
+        self.policy.agreed = lambda: replicas.flags  # as each step's exchange agreed them: no collective of its own
 
-    # --- the Trainer's hooks -------------------------------------------------------------------------
-    @property
-    def leads(self) -> bool:
-        """The epoch's first member logs and saves for the job."""
-        return self.replicas.leads
+    def epoch_role(self) -> Role:
+        """The epoch's first member logs for the job; one member (or one group, a shard each) saves for it."""
+        r = self.replicas
+        return Role(leads=r.leads, saves=r.saves, name=f"replica {r.me} ({r.groups} groups)")
 
-    def where(self) -> str:
-        return f"replica {self.replicas.me} ({self.replicas.groups} groups)"
-
+    # --- the Trainer's seams -------------------------------------------------------------------------
     def begin(self) -> None:
         if not self.regroup("start"):
             raise StopTraining(self.run_over.seen)
         if self.joined is not None:
             self.joined(self)
 
-    def attempt_step(self) -> StepStats | None:
+    def train_step(self) -> StepStats | None:
         before = self.data.sampler.state_dict()
         try:
-            return self.train_step()
+            return super().train_step()
         except MembershipChanged as e:  # the step is dropped on every member; the next epoch trains it
             log.warning("replica epoch %d ended at step %d: %s; the next epoch trains the step again",
                         self.replicas.epoch.number, self.progress.step, e)
@@ -71,30 +71,21 @@ class ReplicaTrainer(Trainer):
                 raise StopTraining(self.run_over.seen) from None
             return None
 
-    def between_steps(self, todo: Todo) -> bool:  # noqa: ARG002 - the hook's signature
+    def after_step(self) -> bool:
         if not self.replicas.rejoin_pending:
             return False
         if not self.regroup("a group joins"):  # a group waits to join: let it in now, between steps
             raise StopTraining(self.run_over.seen)
         return True  # a member behind the others was healed forward
 
-    def agreed_flags(self) -> tuple[bool, bool]:
-        return self.replicas.flags  # agreed by the step's exchange
-
-    @property
-    def data_world(self) -> int:
-        # the split of a world of one rank per share, whichever groups are alive (sharded groups:
-        # every share cut into a part per data rank of the group)
-        return self.replicas.shares_total * self.replicas.parts
-
-    @property
-    def grad_world(self) -> int:
-        return self.replicas.parts  # the shares' gradients are summed by the exchange, not averaged
-
-    def compute(self, step: int, split: list, micro_batches: list, global_tokens: int) -> torch.Tensor:
-        """This member's shares of the step, exchanged (`Replicas.reduce`); their summed token loss. Shares
-        done when an epoch broke are kept for the step's redo (the same weights and samples, the same gradients)."""
+    def compute(self, step: int, micro_batches: list, global_tokens: int) -> tuple[torch.Tensor, list]:
+        """This member's shares of the step, exchanged (`Replicas.reduce`); their summed token loss, and the
+        split. Shares done when an epoch broke are kept for the step's redo (the same weights and samples,
+        the same gradients)."""
         r = self.replicas
+        # the split of a world of one rank per share, whichever groups are alive (sharded groups: every
+        # share cut into a part per data rank of the group)
+        split = self.data.sampler.split(micro_batches, r.shares_total * r.parts)
         mine = r.shares()
         rows = {s: row for s, row in self._redo[1].items() if s in mine} if self._redo and self._redo[0] == step else {}
         if rows:
@@ -104,7 +95,8 @@ class ReplicaTrainer(Trainer):
             for share in mine:
                 if share not in rows:
                     part = split[share * r.parts + r.part]
-                    loss = self._accumulate(_weighted(part, micro_batches), global_tokens, step)
+                    # the shares' gradients are summed by the exchange: the backward averages over a share's parts
+                    loss = self.forward_backward(step, part, micro_batches, global_tokens, r.parts)
                     rows[share] = (flat_grads(self.parallel.gpt), loss, part)
                     if r.membership.decides_alone:  # a member lost: on to the redo now, not after the other
                         r.check()  # shares (whole groups: the group's processes decide together, in the exchange)
@@ -115,16 +107,12 @@ class ReplicaTrainer(Trainer):
             self._redo = (step, rows)
             raise
         self._redo = None
-        return torch.tensor(total, device=self.device)
+        return torch.tensor(total, device=self.device), split
 
     def record_extra(self) -> dict:
         epoch = self.replicas.epoch
         return {"world_size": epoch.world, "members": epoch.numbers(), "shares": self.replicas.shares_record,
                 "group_compute_ms": self.replicas.group_compute}
-
-    @property
-    def saves(self) -> bool:
-        return self.replicas.saves  # one member (or one group, a shard each) saves for the job
 
     def peak(self) -> float:
         # Every live group's hardware: the tokens/s logged beside MFU are the job's (every share of the
@@ -154,6 +142,7 @@ class ReplicaTrainer(Trainer):
             while True:
                 epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested or self.run_over(),
                                            why)
+                self.role = self.epoch_role()
                 if epoch is None and self.run_over.seen:
                     log.info("the other replica groups finished the run (its snapshot of step %d is committed) while "
                              "this group was away: nothing left to train", self.cfg.max_steps)
@@ -161,7 +150,7 @@ class ReplicaTrainer(Trainer):
                 if epoch is None:
                     log.warning("%s while waiting to join the replica groups", self.policy.preempt.describe())
                     return False
-                self.metrics.enabled = self.leads  # one member writes the job's records
+                self.metrics.enabled = self.role.leads  # one member writes the job's records
                 if self.resume is not None and not any(m.live for m in epoch.members):  # the job (re)starts
                     with self.ledger.during("restore"):
                         self.resume(self)
@@ -169,7 +158,7 @@ class ReplicaTrainer(Trainer):
                     continue  # announce the step loaded
                 self.resume = None  # a live member holds the job's state: heal from it, never load
                 try:
-                    source, healed = self.replicas.heal(self.parallel.held(self.optimizer), self._state_json,
+                    source, healed = self.replicas.heal(self.parallel.held(self.optimizer), self.state_json,
                                                         self.load_state)
                     break
                 except MembershipChanged as e:  # lost while healing: form the next epoch
@@ -184,7 +173,7 @@ class ReplicaTrainer(Trainer):
             for g in sorted({m // procs for m in epoch.numbers()} - {m // procs for m in last.numbers()}):
                 log.info("replica group %d joined at step %d%s", g, p.step,
                          f", healed from {name(source)}" if g * procs in healed else "")
-        if self.leads:
+        if self.role.leads:
             self.metrics.write({"kind": "epoch", "step": p.step, "epoch": epoch.number, "members": epoch.numbers(),
                                 "procs": self.replicas.procs,
                                 "why": why, "regroup_s": round(time.monotonic() - t0, 4), "healed": healed,

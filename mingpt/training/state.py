@@ -1,5 +1,5 @@
 """What the loop keeps: its counters (Progress, saved in every snapshot), the data it trains on, a
-step's figures, and what to do after a step."""
+step's figures, what to do after a step, and this process's role in the job."""
 
 from __future__ import annotations
 
@@ -32,6 +32,15 @@ class Todo:
     save: bool = False
     record_time: bool = False
     stop: bool = False
+
+
+@dataclass(frozen=True)
+class Role:
+    """What this process does for the job: it logs and evaluates for it (`leads`), it writes its share
+    of the snapshots (`saves`); `name`: who trains, for the start line."""
+    leads: bool
+    saves: bool
+    name: str
 
 
 @dataclass

@@ -19,14 +19,14 @@ from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter, StepTimer, duration, peak_flops, progress_bar, train_record
 from mingpt.training.optim import lr_at
 from mingpt.training.policy import SavePolicy
-from mingpt.training.state import Progress, StepStats, Todo, TrainData
+from mingpt.training.state import Progress, Role, StepStats, Todo, TrainData
 from mingpt.training.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 
 class StopTraining(Exception):
-    """Raised by a layer's hook to end the run where it is: `finished` is what train() returns."""
+    """Raised by a layer's seam to end the run where it is: `finished` is what train() returns."""
 
     def __init__(self, finished: bool):
         super().__init__(finished)
@@ -52,54 +52,29 @@ class Trainer:
         self.device = torch.device(info.device)
         self.amp_dtype = _amp_dtype(cfg.precision, self.device.type)
         self.pin = self.device.type == "cuda"  # pinned host memory: the copy to the GPU overlaps compute
+        # what this process does for the job (a layer sets its own): rank 0 leads, every rank saves its share
+        self.role = Role(leads=info.is_rank0, saves=True,
+                         name=f"{info.world_size} rank{'' if info.world_size == 1 else 's'}")
 
-    # --- what a layer over the loop overrides (a subclass: the loop itself stays as it is) -------------
-    @property
-    def leads(self) -> bool:
-        """This process logs and saves for the job: rank 0."""
-        return self.info.is_rank0
-
-    def where(self) -> str:
-        """Who trains, for the start line."""
-        return f"{self.info.world_size} rank{'' if self.info.world_size == 1 else 's'}"
-
+    # --- the seams a layer over the loop overrides, train_step() too (a subclass: the loop stays as it is)
     def begin(self) -> None:
         """Before the first step (raise StopTraining to end the run here)."""
 
-    def attempt_step(self) -> StepStats | None:
-        """The next step's figures, or None when the step was dropped and is to be trained again."""
-        return self.train_step()
+    def compute(self, step: int, micro_batches: list, global_tokens: int) -> tuple[torch.Tensor, list]:
+        """This rank's part of the step's forward and backward, its gradients reduced: the summed token
+        loss, and the step's split (every data rank's micro-batches)."""
+        world = self.parallel.data_world
+        split = self.data.sampler.split(micro_batches, world)
+        return self.forward_backward(step, split[self.parallel.data_rank], micro_batches, global_tokens, world), split
 
-    def between_steps(self, todo: Todo) -> bool:  # noqa: ARG002 - the layer's hook
-        """After a step's work; True when the state changed under the step timer (it restarts)."""
+    def after_step(self) -> bool:
+        """After a step's work, unless the run ends there; True when the state changed under the step
+        timer (it restarts)."""
         return False
-
-    def agreed_flags(self) -> tuple[bool, bool] | None:
-        """(preempted, save interval elapsed) as already agreed by every rank, or None: the policy agrees them."""
-        return None
-
-    @property
-    def data_world(self) -> int:
-        """Into how many parts the global batch is split (one per data rank)."""
-        return self.parallel.data_world
-
-    @property
-    def grad_world(self) -> int:
-        """Over how many parts the gradients are averaged by the backward's reduction."""
-        return self.parallel.data_world
-
-    def compute(self, step: int, split: list, micro_batches: list, global_tokens: int) -> torch.Tensor:
-        """This rank's part of the step's forward and backward, its gradients reduced: the summed token loss."""
-        return self._accumulate(_weighted(split[self.parallel.data_rank], micro_batches), global_tokens, step)
 
     def record_extra(self) -> dict:
         """What a train record adds: the world size (and a layer's own fields)."""
         return {"world_size": self.info.world_size}
-
-    @property
-    def saves(self) -> bool:
-        """This process writes its share of the snapshots (every rank does)."""
-        return True
 
     def peak(self) -> float:
         """The peak FLOP/s of the hardware that trains the step, for MFU: the job's ranks'."""
@@ -116,19 +91,20 @@ class Trainer:
         self._t0 = time.monotonic()
         try:
             self.begin()  # (a replica group's member learns its step here: healed from the others, or loaded)
-            log.info("training from step %d to %d on %s (%s), precision %s%s", p.step, cfg.max_steps, self.where(),
+            log.info("training from step %d to %d on %s (%s), precision %s%s", p.step, cfg.max_steps, self.role.name,
                      self.parallel, self.amp_dtype or "fp32", ", deterministic kernels" if cfg.deterministic else "")
-            if self.policy.stop_requested(self.agreed_flags()):
-                if self.info.is_rank0:
+            if self.policy.stop_requested():
+                if self.role.leads:
                     log.warning("%s before the first step", self.policy.preempt.describe())
                 return False
+            # the bar is the terminal's: its torchrun's first process shows it (a replica group's, its own)
             with progress_bar(self.info.is_rank0 and cfg.progress, p.step, cfg.max_steps) as bar:
                 finished = self._loop(bar)
         except StopTraining as e:
             finished = e.finished
         finally:
             self.watchdog.stop()  # on every exit path, errors included
-        if finished and self.leads and p.step >= cfg.max_steps:
+        if finished and self.role.leads and p.step >= cfg.max_steps:
             val = f", best val loss {p.best_val_loss:.4f}" if p.best_val_loss < float("inf") else ""
             log.info("finished: step %d in %s%s; snapshot in %s (sample: mingpt-generate %s)", p.step,
                      duration(time.monotonic() - self._t0), val, self.snapshotter.store.url, cfg.run_dir)
@@ -141,7 +117,7 @@ class Trainer:
         p, cfg = self.progress, self.cfg
         timer, shown = StepTimer(self.ledger.step_seconds, p.step), p.step
         while p.step < cfg.max_steps:
-            stats = self.attempt_step()
+            stats = self.train_step()
             if stats is None:  # dropped: trained again from the state now held
                 timer.restart(p.step)
                 continue
@@ -160,20 +136,20 @@ class Trainer:
                 self.watchdog.beat(p.step)
             if todo.record_time:
                 self.record_time()
-            if not todo.stop and p.step < cfg.max_steps and self.between_steps(todo):
+            if not todo.stop and p.step < cfg.max_steps and self.after_step():
                 timer.restart(p.step)
             if todo.stop:
                 self.finish_saving(self.policy.preempt.describe())
-                if self.leads and self.policy.preempt.restarting:  # nobody need act: say so, quietly
+                if self.role.leads and self.policy.preempt.restarting:  # nobody need act: say so, quietly
                     log.info("torchrun restarts the workers: snapshot of step %d saved; they resume from it", p.step)
-                elif self.leads:  # every rank stops; one says so
+                elif self.role.leads:  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
                                 self.policy.preempt.describe(), p.step)
                 return False
         self.finish_saving(f"the run reached step {p.step}")
         return True
 
-    def _state_json(self) -> dict:
+    def state_json(self) -> dict:
         """The registered parts' state (sampler, counters, scaler): plain containers, saved and healed alike."""
         return {name: part.state_dict() for name, part in self.stateful.items()}
 
@@ -184,7 +160,7 @@ class Trainer:
         cfg, last = self.cfg, step == self.cfg.max_steps
         todo = Todo(log=step % cfg.log_every == 0 or last,
                     evaluate=bool(cfg.eval_every and (step % cfg.eval_every == 0 or last)))
-        todo.save, todo.stop = self.policy.after_step(step, last, self.agreed_flags())
+        todo.save, todo.stop = self.policy.after_step(step, last)
         todo.record_time = not self.ledger.steady or todo.log or todo.evaluate or todo.save
         return todo
 
@@ -208,21 +184,21 @@ class Trainer:
             self.ledger.record(self.metrics.write, self.progress.step,
                                lambda v: all_gather_floats(v, self.info.device))
 
-    def train_step(self) -> StepStats:
-        """One optimizer step over the next global batch, split over ranks and micro-batches. No
-        host sync: the loss and the gradient norm stay on the device."""
+    def train_step(self) -> StepStats | None:
+        """One optimizer step over the next global batch, split over ranks and micro-batches (a layer's:
+        None when the step was dropped, to be trained again from the state then held). No host sync:
+        the loss and the gradient norm stay on the device."""
         t0 = time.perf_counter()
         self.ledger.switch("step_data")
         step = self.progress.step
         micro_batches = self.data.sampler.next_step()  # the global step's, the same for any world size
         # every rank knows the global token count from the plan: no collective normalises the loss
         global_tokens = self.data.train.tokens_in(np.concatenate(micro_batches))
-        split = self.data.sampler.split(micro_batches, self.data_world)
         lr = lr_at(step, self.optim_cfg.lr, self.optim_cfg.min_lr, self.optim_cfg.warmup_steps, self.cfg.max_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.parallel.model.train()
-        loss_sum = self.compute(step, split, micro_batches, global_tokens)
+        loss_sum, split = self.compute(step, micro_batches, global_tokens)
         compute_s = max(0.0, self.parallel.grads_ready_t - t0)
         self.scaler.unscale_(self.optimizer)  # nanoGPT's order: clip the true gradients
         grad_norm = self.parallel.clip_grad_norm(self.optim_cfg.grad_clip)
@@ -230,11 +206,14 @@ class Trainer:
         self.scaler.update()
         return StepStats(loss_sum, global_tokens, grad_norm, lr, compute_s, split)
 
-    def _accumulate(self, micro_here: list[tuple[np.ndarray, float]], global_tokens: int, step: int) -> torch.Tensor:
-        """Forward and backward over one rank's micro-batches (weight 0: run, not counted) into zeroed
-        gradients; their summed token loss, on the device."""
+    def forward_backward(self, step: int, part: list[np.ndarray], micro_batches: list[np.ndarray], global_tokens: int,
+                         world: int) -> torch.Tensor:
+        """Forward and backward over one part of the step's micro-batches into zeroed gradients, which
+        the backward's reduction averages over `world` parts; their summed token loss, on the device.
+        An empty micro-batch still runs (weight 0, not counted): every rank joins every reduction."""
         self.optimizer.zero_grad(set_to_none=True)
-        model, world = self.parallel.model, self.grad_world
+        model = self.parallel.model
+        micro_here = [(mb, 1.0) if len(mb) else (micro_batches[0][:1], 0.0) for mb in part]
         if self.parallel.orders_micro_batches:  # the strategy runs them in its own order (a pipeline's schedule)
             batches = [(*self._fetch(mb), weight) for mb, weight in micro_here]
             with _autocast(self.device.type, self.amp_dtype):
@@ -272,7 +251,7 @@ class Trainer:
         with self.ledger.during("eval"):
             val_loss = validation_loss(self.parallel.evaluator, self.data, self.device, self.amp_dtype)
         p.best_val_loss = min(p.best_val_loss, val_loss)
-        if not self.leads:
+        if not self.role.leads:
             return val_loss
         log.info("step %d | val loss %.4f | best %.4f", p.step, val_loss, p.best_val_loss)
         self.metrics.write({"kind": "eval", "step": p.step, "val_loss": val_loss})
@@ -291,10 +270,10 @@ class Trainer:
         p = self.progress
         manifest = {**self.meta, "tokens_seen": p.tokens_seen, "world_size": self.info.world_size,
                     **self.parallel.layout(), "aliases": self.parallel.aliases()}
-        extra = self._state_json()
+        extra = self.state_json()
         with self.ledger.during("snapshot"):
             self.policy.saved()
-            if not self.saves:
+            if not self.role.saves:
                 return
             self.snapshotter.save(p.step, self.parallel.slots(self.optimizer), extra, manifest)
 
@@ -310,7 +289,7 @@ class Trainer:
             # every process of a tensor-parallel group computed the same loss of the same share
             loss = all_reduce_sum(stats.loss_sum.clone()).item() / (stats.tokens * self.parallel.data_copies)
             compute = [c[0] for c in all_gather_floats([stats.compute_s], self.info.device)]
-            if self.leads:
+            if self.role.leads:
                 p = self.progress
                 step = {"step": p.step, "tokens_seen": p.tokens_seen, "tokens": stats.tokens, "lr": stats.lr,
                         "grad_norm": stats.grad_norm.item()}
@@ -348,7 +327,3 @@ def _amp_dtype(precision: str, device_type: str) -> torch.dtype | None:
 def _autocast(device_type: str, dtype: torch.dtype | None):
     return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device_type, dtype=dtype)
 
-
-def _weighted(mbs: list[np.ndarray], micro_batches: list[np.ndarray]) -> list[tuple[np.ndarray, float]]:
-    """Micro-batches with weights; an empty one still runs (weight 0): every rank joins every reduction."""
-    return [(mb, 1.0) if len(mb) else (micro_batches[0][:1], 0.0) for mb in mbs]

@@ -8,13 +8,27 @@ import pytest
 from mingpt.replicas import MembershipChanged
 from mingpt.training.replica_trainer import ReplicaTrainer
 from mingpt.training.state import Progress, StepStats, Todo
+from mingpt.training.trainer import Trainer
 
 STEP_S = 0.05  # every step takes 50 ms of the ledger's step states
 
 
-class Member(ReplicaTrainer):
+class ScriptedStep(Trainer):
+    """A step of 50 ms, in which a peer may be lost (`lose_at`): the step under the replica layer's
+    train_step, which drops it and regroups."""
+
+    def train_step(self) -> StepStats:
+        self.clock += STEP_S
+        if self.progress.step == self.lose_at:  # a peer lost mid-step: the step is dropped, trained again
+            self.lose_at = None
+            raise MembershipChanged("group 2 lost")
+        return StepStats(None, 1000, None, 1e-3, STEP_S, [])
+
+
+class Member(ReplicaTrainer, ScriptedStep):
     """The loop of a replica member, around a clock and a scripted membership (no model, no process
-    group): `heals` maps the regroup's reason to the step the member is healed to there."""
+    group): `heals` maps the regroup's reason to the step the member is healed to there. (Its steps are
+    ScriptedStep's: below ReplicaTrainer in the method order, its super().)"""
 
     def __init__(self, max_steps: int, heals: dict, lose_at: int | None = None, join_at: int | None = None):
         self.progress, self.cfg, self.clock = Progress(), SimpleNamespace(max_steps=max_steps), 0.0
@@ -29,13 +43,6 @@ class Member(ReplicaTrainer):
         self.progress.step = self.heals.get(why, self.progress.step)
         self.replicas.rejoin_pending = False
         return True
-
-    def train_step(self) -> StepStats:
-        self.clock += STEP_S
-        if self.progress.step == self.lose_at:  # a peer lost mid-step: the step is dropped, trained again
-            self.lose_at = None
-            raise MembershipChanged("group 2 lost")
-        return StepStats(None, 1000, None, 1e-3, STEP_S, [])
 
     def decide(self, step: int) -> Todo:
         self.replicas.rejoin_pending = step == self.join_at

@@ -9,28 +9,32 @@ import pytest
 
 from mingpt.runtime.distributed import PreemptionFlag
 from mingpt.training.policy import SavePolicy
-from mingpt.training.state import Progress, StepStats
+from mingpt.training.state import Progress, Role, StepStats
 from mingpt.training.trainer import StopTraining, Trainer
 
 
 class Scripted(Trainer):
-    """The loop around a clock: every step 10 ms and 100 tokens; what it did, in order, in `done`."""
+    """The loop around a clock: every step 10 ms and 100 tokens; what it did, in order, in `done`; the
+    steps it trained, dropped ones too, in `trained`."""
 
-    def __init__(self, max_steps: int, every_steps: int, preempt_at: int | None = None):
-        self.progress, self.done, self.clock, self.preempt_at = Progress(), [], 0.0, preempt_at
+    def __init__(self, max_steps: int, every_steps: int, preempt_at: int | None = None, drop_at: int | None = None):
+        self.progress, self.done, self.trained, self.clock = Progress(), [], [], 0.0
+        self.preempt_at, self.drop_at = preempt_at, drop_at
         self.cfg = SimpleNamespace(max_steps=max_steps, log_every=5, eval_every=10)
         self.ledger = SimpleNamespace(step_seconds=lambda: self.clock, steady=True)
         self.watchdog = SimpleNamespace(beat=lambda step: None)
-        self.policy = SavePolicy(every_steps, 0.0, PreemptionFlag(announce=False), device=None)
-        self.info = SimpleNamespace(is_rank0=True)
+        preempt = PreemptionFlag(announce=False)  # one process: its own flags are every rank's
+        self.policy = SavePolicy(every_steps, 0.0, preempt, device=None, agreed=lambda: (preempt.requested, False))
+        self.info, self.role = SimpleNamespace(is_rank0=True), Role(leads=True, saves=True, name="1 rank")
 
-    def agreed_flags(self):  # one process: its own flags are every rank's
-        return (self.policy.preempt.requested, False)
-
-    def train_step(self) -> StepStats:
+    def train_step(self) -> StepStats | None:
         self.clock += 0.01
+        self.trained.append(self.progress.step)
         if self.progress.step == self.preempt_at:
             self.policy.preempt.signum = 15  # SIGTERM arrives during this step
+        if self.progress.step == self.drop_at:  # e.g. a replica group lost during it: trained again
+            self.drop_at = None
+            return None
         return StepStats(None, 100, None, 1e-3, 0.01, [])
 
     def _log_train(self, stats, step_s):
@@ -64,13 +68,24 @@ def test_a_preemption_saves_the_step_it_arrived_in_and_stops():
     assert t.progress.step == 8 and t.done[-2:] == [("save", 8), ("finish", 8)]
 
 
+def test_a_dropped_step_is_trained_again_and_counted_once():
+    """A layer's train_step that returns None dropped the step (a replica epoch broke during it): the
+    loop trains the same step again; the step, the tokens and the records count it once, and the
+    step time logged leaves out the dropped attempt's."""
+    t = Scripted(max_steps=12, every_steps=6, drop_at=7)
+    assert t._loop(SimpleNamespace(update=lambda n: None)) is True
+    assert t.trained == [0, 1, 2, 3, 4, 5, 6, 7, 7, 8, 9, 10, 11]
+    assert t.progress.step == 12 and t.progress.tokens_seen == 1200
+    assert t.done == [("log", 5, 0.01), ("save", 6), ("log", 10, 0.01), ("eval", 10),
+                      ("log", 12, 0.01), ("eval", 12), ("save", 12), ("finish", 12)]
+
+
 def ready_to_train(t: Scripted, begin) -> Scripted:
     """`t` with what train() itself asks for, and `begin` as its layer's start."""
     t.begin = begin
     t.amp_dtype, t.parallel = None, "single"
-    t.where = lambda: "1 rank"
     t.cfg.progress, t.cfg.deterministic = False, False
-    t.info.is_rank0 = False
+    t.info.is_rank0, t.role = False, Role(leads=False, saves=True, name="1 rank")
     t.watchdog = SimpleNamespace(start=lambda: None, stop=lambda: None, beat=lambda s: None)
     t.ledger.switch = lambda state: None
     t.record_time = lambda: None
@@ -96,6 +111,7 @@ def test_the_start_line_and_the_progress_bar_count_from_the_step_the_layer_start
     t = Scripted(max_steps=300, every_steps=0)
     t = ready_to_train(t, lambda: setattr(t.progress, "step", 73))
     t.cfg.progress = t.info.is_rank0 = True
+    t.role = Role(leads=True, saves=True, name="1 rank")
     t.cfg.run_dir, t.snapshotter = "runs/x", SimpleNamespace(store=SimpleNamespace(url="runs/x/snapshots"))
     bars = []
 
