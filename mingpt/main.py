@@ -49,14 +49,7 @@ from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
 from mingpt.training.policy import SavePolicy
 from mingpt.training.replica_launch import ReplicaLaunch, as_member
-from mingpt.training.snapshots import (
-    Start,
-    build_snapshotter,
-    load_snapshot,
-    record_start,
-    take_lease,
-    where_to_start,
-)
+from mingpt.training.snapshots import Start, build_snapshotter, load_snapshot, record_start, take_lease, where_to_start
 from mingpt.training.state import TrainData
 from mingpt.training.tracking import open_tracker
 from mingpt.training.trainer import Trainer
@@ -69,8 +62,7 @@ USER_ERRORS = (ConfigError, DataError, ParallelError, distributed.ProcessGroupEr
 
 def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None,
              ledger: Ledger | None = None, lease: Lease | None = None) -> Trainer:
-    """Every object of the run, from the typed config: where it starts, its data, model, optimizer and training,
-    continuing the snapshot it starts from. (`ledger`: the process's, from main(); else a new one.)"""
+    """Every object of the run from the typed config, continuing the snapshot it starts from (`ledger`: main()'s)."""
     ledger = ledger or Ledger()
     ledger.switch("data_load")
     launch = ReplicaLaunch(cfg, info) if cfg.replicas.enabled else None  # listening first: the others see it start
@@ -85,11 +77,11 @@ def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = No
     start = launch.stand_by(cfg, info, lease, start, ledger, preempt) if launch else start  # a spare waits its turn
     started = partial(record_start, ledger, info, start, parallel.name, hosts, cfg.replicas.group if launch else None)
     trainer = (launch.trainer(cfg, info, start, started) if launch else Trainer)(
-        cfg=cfg.trainer, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer, metrics=metrics, info=info,
-        scaler=torch.amp.GradScaler(torch.device(info.device).type, enabled=cfg.trainer.precision == "fp16"),
+        cfg=cfg.trainer, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer, metrics=metrics, info=info, hosts=hosts,
+        scaler=torch.amp.GradScaler(torch.device(info.device).type, enabled=cfg.trainer.precision == "fp16"), ledger=ledger,
         data=build_train_data(cfg, corpus, parallel), snapshotter=build_snapshotter(cfg, info, start, metrics, parallel, lease),
         policy=SavePolicy(cfg.snapshot.every_steps, cfg.snapshot.every_seconds, preempt or PreemptionFlag(),
-                          torch.device(info.device)), meta=run_meta(cfg, info, start, corpus), hosts=hosts, ledger=ledger)
+                          torch.device(info.device)), meta=run_meta(cfg, info, start, corpus))
     if start.candidates and not (launch and launch.heals(cfg, start)):  # (replica groups: healed from a live peer)
         ledger.switch("restore")
         load_snapshot(cfg, trainer, start)
@@ -240,8 +232,7 @@ def finish(finished: bool, cache, info: DistInfo) -> int:
 
 
 def train_process(cfg: RunConfig, info: DistInfo, ledger: Ledger) -> int:
-    """The whole job of one process (`info`: its place in its torchrun); returns its exit code. Every error
-    ends here, as one line."""
+    """The whole job of one process (`info`: its place in its torchrun); its exit code. Every error ends here, as one line."""
     set_umask(cfg.trainer.readable_by)  # first: the run's files are its user's alone unless it says otherwise
     setup_logging(info)
     # errors are reported by its place in its torchrun; a replica group's process reports its own (one may be its own: a port)

@@ -40,20 +40,12 @@ LEAVING_GRACE_S = 0.05  # at most this is added to the survivors' gap when a mem
 
 
 class ReplicaExit(Exception):
-    """A replica group's process leaves before its run ends, and exits with `code`: a process of its group
-    was lost (1: its torchrun restarts them all), or a spare ended before it took its member's place
-    (stopped: 75, Ctrl-C or the scheduler's SIGTERM; the run finished: 0)."""
+    """A replica group's process leaves early with `code`: a process of its group was lost (1: its torchrun restarts
+    them all), or a spare ended before it took its member's place (stopped: 75; the run finished: 0)."""
 
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
-
-
-def one_launch(info: DistInfo) -> DistInfo:
-    """Every group of a job is one launch, its id derived from the job secret alone, not from its own
-    torchrun's nonce (MINGPT_LAUNCH_ID): the groups share one lease and one run (docs/replicas.md)."""
-    secret = distributed.job_secret()
-    return replace(info, launch_id=distributed.derive(secret, "launch")[:16]) if secret else info
 
 
 def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:

@@ -56,8 +56,7 @@ class DistInfo:
     """This start is a torchrun restart of a running launch: some rank's TORCHELASTIC_RESTART_COUNT
     is above 0 (agreed over the ranks once the process group forms; the count may differ by node)."""
     torchrun: DistInfo | None = None
-    """The place torchrun's environment gave this process, where the run sees another (a replica group's
-    process is a member of its own: mingpt.training.replica_launch.as_member); None: this one."""
+    """Its place as torchrun gave it, where the run sees it in another (a replica group's member); None: this one."""
 
     @property
     def is_rank0(self) -> bool:
