@@ -34,8 +34,7 @@ from mingpt.model.gpt import GPT
 from mingpt.model.pretrained import PretrainedError, load_into, read_config
 from mingpt.model.tokenizer import TokenizerError
 from mingpt.parallel.layouts import Parallel, ParallelError, parallelize
-from mingpt.replicas import GroupRestart, ReplicaError, Replicas, member_view, one_launch
-from mingpt.replicas.standby import StandbyEnded
+from mingpt.replicas import ReplicaError, ReplicaExit
 from mingpt.report import goodput
 from mingpt.runtime import distributed
 from mingpt.runtime.console import setup_logging
@@ -49,10 +48,9 @@ from mingpt.training.ledger import Ledger
 from mingpt.training.metrics import MetricsWriter
 from mingpt.training.optim import build_optimizer, init_state
 from mingpt.training.policy import SavePolicy
-from mingpt.training.replica_trainer import ReplicaTrainer, spare_lock, stand_by
+from mingpt.training.replica_launch import ReplicaLaunch, as_member
 from mingpt.training.startup import (
     Start,
-    append_once,
     build_snapshotter,
     load_snapshot,
     record_start,
@@ -71,64 +69,45 @@ USER_ERRORS = (ConfigError, DataError, ParallelError, distributed.ProcessGroupEr
 
 def assemble(cfg: RunConfig, info: DistInfo, preempt: PreemptionFlag | None = None,
              ledger: Ledger | None = None, lease: Lease | None = None) -> Trainer:
-    """Every object of the run, from the typed config: where it starts, then its data, model,
-    optimizer and training; it continues the snapshot it starts from. (`ledger`: the process's, made
-    at its start by main(); a tool or test that assembles a run itself gets a new one.)"""
+    """Every object of the run from the typed config, continuing the snapshot it starts from (`ledger`: main()'s)."""
     ledger = ledger or Ledger()
     ledger.switch("data_load")
-    cfg = cfg.for_world(info.world_size)
-    spare = spare_lock(cfg)  # replica groups: a member's second process on its node stands by as its spare
-    replicas = build_replicas(cfg) if spare is None else None  # listening first: the other groups see it start
-    cfg, start = where_to_start(cfg, info, lease)
+    launch = ReplicaLaunch(cfg, info) if cfg.replicas.enabled else None  # listening first: the others see it start
+    cfg, start = where_to_start(cfg.for_world(info.world_size), info, lease)
     cfg, corpus = build_data(cfg, start, info)
     ledger.switch("model")
     parallel = build_model(cfg, info, start)
     optimizer = init_state(build_optimizer(parallel.local, cfg.optim.lr, cfg.optim.betas, cfg.optim.weight_decay,
-                                                 cfg.trainer.optimizer))
-    tracker = open_tracker(cfg.trainer.tracker, cfg.trainer.run_dir, cfg.trainer.tracker_project, cfg.to_dict(),
-                           ends_with=partial(goodput.figures, cfg.trainer.run_dir))
-    metrics = MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard,
-                            tracker=tracker)
+                                           cfg.trainer.optimizer))
+    metrics = build_metrics(cfg, info)
     hosts = distributed.rank_names(distributed.all_gather_objects((info.hostname, info.node, info.local_rank)))
-    if spare is not None:  # built: it takes its member's place the moment the member's process exits
-        replicas, start = stand_by(cfg, info, lease, spare, ledger, preempt, build_replicas, start.store)
-    started = partial(record_start, ledger, info, start, parallel.name, hosts, cfg.replicas.group if replicas else None)
-    # replica groups: a member heals from live peers (its snapshot is read if none is) and records its start
-    # once it joined, at the step it healed to
-    heals = bool(replicas and start.candidates and start.manifest["step"] < cfg.trainer.max_steps)
-    layer = {} if replicas is None else {"replicas": replicas, "resume": partial(load_snapshot, cfg, start=start)
-                                         if heals else None, "joined": partial(started, partial(
-                                             append_once, cfg.trainer.run_dir, info))}
-    trainer = (ReplicaTrainer if replicas else Trainer)(
-        **layer, cfg=cfg.trainer, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer,
-        scaler=torch.amp.GradScaler(torch.device(info.device).type, enabled=cfg.trainer.precision == "fp16"),
-        data=build_train_data(cfg, corpus, parallel), snapshotter=build_snapshotter(cfg, info, start, metrics, parallel,
-                                                                                    lease),
+    start = launch.stand_by(cfg, info, lease, start, ledger, preempt) if launch else start  # a spare waits its turn
+    started = partial(record_start, ledger, info, start, parallel.name, hosts, cfg.replicas.group if launch else None)
+    trainer = (launch.trainer(cfg, info, start, started) if launch else Trainer)(
+        cfg=cfg.trainer, optim_cfg=cfg.optim, parallel=parallel, optimizer=optimizer, metrics=metrics, info=info, hosts=hosts,
+        scaler=torch.amp.GradScaler(torch.device(info.device).type, enabled=cfg.trainer.precision == "fp16"), ledger=ledger,
+        data=build_train_data(cfg, corpus, parallel), snapshotter=build_snapshotter(cfg, info, start, metrics, parallel, lease),
         policy=SavePolicy(cfg.snapshot.every_steps, cfg.snapshot.every_seconds, preempt or PreemptionFlag(),
-                          torch.device(info.device)),
-        meta={"run_id": start.run_id, "job_id": info.job_id, "launch_id": info.launch_id, "config": cfg.to_dict(),
-              "model_shape": cfg.model.shape_dict(), "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source},
-        metrics=metrics, info=info, hosts=hosts, ledger=ledger)
-    if start.candidates and not heals:
+                          torch.device(info.device)), meta=run_meta(cfg, info, start, corpus))
+    if start.candidates and not (launch and launch.heals(cfg, start)):  # (replica groups: healed from a live peer)
         ledger.switch("restore")
         load_snapshot(cfg, trainer, start)
-    if not replicas:
+    if not launch:  # (replica groups: once joined, at the step healed to)
         started(metrics.write, trainer)
     return trainer
 
 
-def build_replicas(cfg: RunConfig) -> Replicas | None:
-    """This process's side of a replica-group job (replicas.peers set), or None. (The run sees the process
-    as one of its own; the replicas read its place in its group's torchrun from the environment.)"""
-    if not cfg.replicas.enabled:
-        return None
-    return Replicas.build(cfg.replicas, DistInfo.from_env(cuda=False), distributed.job_secret(),
-                          sharded=splits_the_model(cfg), tp=cfg.trainer.tensor_parallel)
+def build_metrics(cfg: RunConfig, info: DistInfo) -> MetricsWriter:
+    """The run's records (rank 0 writes them), with TensorBoard and an experiment tracker if asked."""
+    tracker = open_tracker(cfg.trainer.tracker, cfg.trainer.run_dir, cfg.trainer.tracker_project, cfg.to_dict(),
+                           ends_with=partial(goodput.figures, cfg.trainer.run_dir))
+    return MetricsWriter(cfg.trainer.run_dir, enabled=info.is_rank0, tensorboard=cfg.trainer.tensorboard, tracker=tracker)
 
 
-def splits_the_model(cfg: RunConfig) -> bool:
-    """The processes of a replica group split the model between them: FSDP or tensor parallelism."""
-    return cfg.trainer.parallel == "fsdp" or cfg.trainer.tensor_parallel > 1
+def run_meta(cfg: RunConfig, info: DistInfo, start: Start, corpus: Corpus) -> dict:
+    """What every snapshot's manifest says of the run beside its tensors."""
+    return {"run_id": start.run_id, "job_id": info.job_id, "launch_id": info.launch_id, "config": cfg.to_dict(),
+            "model_shape": cfg.model.shape_dict(), "tokenizer": corpus.tokenizer.state_dict(), "corpus": corpus.source}
 
 
 def build_data(cfg: RunConfig, start: Start, info: DistInfo) -> tuple[RunConfig, Corpus]:
@@ -236,11 +215,7 @@ def start_process(cfg: RunConfig, info: DistInfo, ledger: Ledger) -> DistInfo:
     """The process's one setup (device, threads, process group), the preflight checks and the settings."""
     ledger.switch("process_group")
     threads = cfg.trainer.threads or distributed.default_threads(info.local_world_size)
-    if cfg.replicas.enabled:  # each process of a replica group is a member, with no process group of its
-        # torchrun; with FSDP or tensor parallelism its torchrun's processes split the model between them
-        info = member_view(info, sharded=splits_the_model(cfg))
-    info = distributed.init(info, cfg.dist.timeout_s, threads, cfg.trainer.deterministic)
-    info = one_launch(info) if cfg.replicas.enabled else info
+    info = distributed.init(as_member(cfg, info), cfg.dist.timeout_s, threads, cfg.trainer.deterministic)
     ledger.switch("preflight")
     logging.getLogger("mingpt.node").info(
         "%s joined: %d process(es) here, global ranks from %d, world size %d, torchrun restart %d",
@@ -263,13 +238,12 @@ def finish(finished: bool, cache, info: DistInfo) -> int:
     return 0
 
 
-def train_process(cfg: RunConfig, ledger: Ledger) -> int:
-    """The whole job of one process; returns its exit code. Every error ends here, as one line."""
+def train_process(cfg: RunConfig, info: DistInfo, ledger: Ledger) -> int:
+    """The whole job of one process (`info`: its place in its torchrun); its exit code. Every error ends here, as one line."""
     set_umask(cfg.trainer.readable_by)  # first: the run's files are its user's alone unless it says otherwise
-    info = env = DistInfo.from_env()  # env: its place in its torchrun (errors are reported by that)
     setup_logging(info)
-    if cfg.replicas.enabled:  # each process of a replica group reports its own errors (one may be its own: a port)
-        env = replace(env, rank=0, world_size=1)
+    # errors are reported by its place in its torchrun; a replica group's process reports its own (one may be its own: a port)
+    env = replace(info, rank=0, world_size=1) if cfg.replicas.enabled else info
     preempt = PreemptionFlag(announce=info.is_rank0).install()
     trainer, lease, had_run_dir = None, None, os.path.isdir(cfg.trainer.run_dir)
     try:
@@ -284,11 +258,9 @@ def train_process(cfg: RunConfig, ledger: Ledger) -> int:
         return distributed.report_error(env, str(e), code=distributed.EXIT_SAVE_FAILED)
     except USER_ERRORS as e:
         return distributed.report_error(env, str(e), code=2, let_rank0_report=True)
-    except StandbyEnded as e:  # a replica's spare that never took its member's place (0: the run finished)
+    except ReplicaExit as e:  # its group restarts, or a spare never took its member's place (0: the run finished)
         log.info("%s", e) if e.code == 0 else distributed.report_error(env, str(e), e.code, level=logging.WARNING)
         return e.code
-    except GroupRestart as e:  # a process of this replica group died: its torchrun restarts them all
-        return distributed.report_error(env, str(e), code=1, each_node=True, level=logging.WARNING)
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit
         return report_failure(e, env, trainer, cfg.replicas.enabled)
     finally:
@@ -306,23 +278,24 @@ def train_process(cfg: RunConfig, ledger: Ledger) -> int:
 def main() -> None:
     ledger = Ledger()  # the process's age so far (interpreter, imports) is its launch
     ledger.switch("config")
+    info = DistInfo.from_env()  # its place in its torchrun, read once
     overrides = sys.argv[1:]
     if any(a.startswith("-") for a in overrides) and not dashed_settings(overrides):  # Hydra's own flags go to Hydra
         register()
         codes = []
         hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")(
-            lambda dcfg: codes.append(train_process(from_dict(OmegaConf.to_container(dcfg, resolve=True)), ledger)))()
-        distributed.exit_process(max(codes, default=0), had_process_group=DistInfo.from_env(cuda=False).distributed)
+            lambda dcfg: codes.append(train_process(from_dict(OmegaConf.to_container(dcfg, resolve=True)),
+                                                    DistInfo.from_env(), ledger)))()  # (each job a start of its own)
+        distributed.exit_process(max(codes, default=0), had_process_group=info.distributed)
     try:  # composed once, here: a mistyped override is one line from rank 0 (and torchrun's error file)
         dashed_settings(overrides, refuse=True)
         cfg = compose(overrides)
     except ConfigError as e:
-        info = DistInfo.from_env(cuda=False)
         setup_logging(info)
         sys.exit(distributed.report_error(info, str(e), code=2, let_rank0_report=True))
-    code = train_process(cfg, ledger)
+    code = train_process(cfg, info, ledger)
     # replica groups keep every epoch's process group to the end (see mingpt.replicas): no interpreter shutdown
-    distributed.exit_process(code, had_process_group=DistInfo.from_env(cuda=False).distributed or cfg.replicas.enabled)
+    distributed.exit_process(code, had_process_group=info.distributed or cfg.replicas.enabled)
 
 
 if __name__ == "__main__":

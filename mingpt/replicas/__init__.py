@@ -35,9 +35,9 @@ authenticated (see docs/replicas.md, Security).
 """
 
 from mingpt.replicas.beacon import Beacon, Epoch, Member, MembershipChanged
-from mingpt.replicas.group import GroupRestart, Replicas, default_min_groups, member_view, one_launch
+from mingpt.replicas.group import ReplicaExit, Replicas, default_min_groups, member_view
 from mingpt.replicas.link import ReplicaError
 from mingpt.replicas.tensors import flat_grads, set_grads
 
-__all__ = ["Beacon", "Epoch", "GroupRestart", "Member", "MembershipChanged", "ReplicaError", "Replicas",
-           "default_min_groups", "flat_grads", "member_view", "one_launch", "set_grads"]
+__all__ = ["Beacon", "Epoch", "Member", "MembershipChanged", "ReplicaError", "ReplicaExit", "Replicas",
+           "default_min_groups", "flat_grads", "member_view", "set_grads"]

@@ -39,15 +39,13 @@ log = logging.getLogger(__name__)
 LEAVING_GRACE_S = 0.05  # at most this is added to the survivors' gap when a member is really lost
 
 
-class GroupRestart(Exception):
-    """A process of this replica group was lost: its torchrun restarts them all; this one leaves now."""
+class ReplicaExit(Exception):
+    """A replica group's process leaves early with `code`: a process of its group was lost (1: its torchrun restarts
+    them all), or a spare ended before it took its member's place (stopped: 75; the run finished: 0)."""
 
-
-def one_launch(info: DistInfo) -> DistInfo:
-    """Every group of a job is one launch, its id derived from the job secret alone, not from its own
-    torchrun's nonce (MINGPT_LAUNCH_ID): the groups share one lease and one run (docs/replicas.md)."""
-    secret = distributed.job_secret()
-    return replace(info, launch_id=distributed.derive(secret, "launch")[:16]) if secret else info
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
 
 
 def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:
@@ -158,7 +156,7 @@ class Replicas:
         t0 = time.monotonic()
         if self.epoch is not None:
             self._retired.append(self.epoch)
-        # (a process of this group lost meanwhile: GroupRestart, out of the wait)
+        # (a process of this group lost meanwhile: ReplicaExit, out of the wait)
         self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s,
                                       lambda: self.check_group() or should_stop(), why)
         self.rejoin_pending = False
@@ -172,22 +170,22 @@ class Replicas:
         return self.epoch
 
     def check(self) -> None:
-        """MembershipChanged if a member of the epoch is lost; GroupRestart if it is a process of this
+        """MembershipChanged if a member of the epoch is lost; ReplicaExit if it is a process of this
         group (its torchrun restarts them all)."""
         if (why := self.beacon.lost(self.epoch)) is not None:
             self.check_group()
             raise MembershipChanged(why)
 
     def check_group(self) -> None:
-        """GroupRestart if a process of this group that was alive is lost: this process leaves at once
+        """ReplicaExit if a process of this group that was alive is lost: this process leaves at once
         (its torchrun stops it anyway; it must not train on, nor pass the agent's SIGTERM on to the
         others as a preemption)."""
         if self.procs == 1:
             return
         lost = [m for m in self.beacon.siblings(self.beacon.member) if m != self.beacon.member and self.beacon.was_lost(m)]
         if lost:
-            raise GroupRestart(f"{self.beacon.name(lost[0])} was lost: its torchrun restarts the group's processes, "
-                               "which rejoin and heal from a live group")
+            raise ReplicaExit(f"{self.beacon.name(lost[0])} was lost: its torchrun restarts the group's processes, "
+                              "which rejoin and heal from a live group", code=1)
 
     def wait(self, work) -> None:
         """Wait for a collective of the epoch, giving up when a member is lost (a silent peer would

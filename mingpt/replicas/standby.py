@@ -33,15 +33,6 @@ CHECK_S = 0.2  # how often a waiting spare asks whether to give up
 _HELD: dict[Path, int] = {}  # the member locks this process holds, by path: held until it exits
 
 
-class StandbyEnded(Exception):
-    """A spare ended before it took its member's place: stopped (Ctrl-C, the scheduler's SIGTERM: `code`
-    75), or the run finished (0)."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-
 def lock_path(secret: bytes, member: int, root: str | None = None) -> Path:
     """Where member `member`'s lock of the job of `secret` lives on this node, a name only the job can
     make, in a directory of this user's alone: $XDG_RUNTIME_DIR/mingpt-replicas where that is set and

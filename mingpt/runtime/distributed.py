@@ -54,6 +54,8 @@ class DistInfo:
     restarted: bool = False
     """This start is a torchrun restart of a running launch: some rank's TORCHELASTIC_RESTART_COUNT
     is above 0 (agreed over the ranks once the process group forms; the count may differ by node)."""
+    torchrun: DistInfo | None = None
+    """Its place as torchrun gave it, where the run sees it in another (a replica group's member); None: this one."""
 
     @property
     def is_rank0(self) -> bool:

@@ -10,7 +10,7 @@ A launch id is one launch's (mingpt/cli/launch_id.py: a nonce per launch), so a 
 the same job secret is another launch and refused. Another launch of the same job (`job`, derived
 from the secret: a SLURM requeue after a node was lost) waits the old lease out instead: refused if
 its holder renews it while it waits, taken over once it expires. Replica groups are one launch: their
-id is the job's (mingpt/replicas/group.py one_launch), so a second replica job with the same secret
+id is the job's (mingpt/training/replica_launch.py as_member), so a second replica job with the same secret
 is not refused by the lease; a secret per job is what keeps two replica jobs apart.
 
 A holder that finds, when it renews or just before it commits a snapshot (`check`), that another

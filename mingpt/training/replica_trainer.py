@@ -14,12 +14,8 @@ from dataclasses import replace
 import torch
 
 from mingpt.replicas import MembershipChanged, Replicas, flat_grads
-from mingpt.replicas.standby import MemberLock, StandbyEnded, release
-from mingpt.replicas.wire import contexts
-from mingpt.runtime import distributed
-from mingpt.runtime.distributed import DistInfo
+from mingpt.replicas.standby import release
 from mingpt.training.metrics import peak_flops
-from mingpt.training.startup import Start, where_to_start
 from mingpt.training.state import Role, StepStats
 from mingpt.training.trainer import StopTraining, Trainer
 
@@ -197,40 +193,3 @@ class RunFinished:
             except Exception as e:  # noqa: BLE001 - an unreadable store: keep waiting for the groups
                 log.warning("cannot list %s (%s); waiting on", self.store.url, e)
         return self.seen
-
-
-def spare_lock(cfg) -> MemberLock | None:
-    """Where another process of this node is this replica process's member already (it holds the
-    member's lock: mingpt/replicas/standby.py), the lock this one, its spare, waits for; else None (the
-    lock taken, or no replica groups)."""
-    secret = distributed.job_secret()
-    if not cfg.replicas.enabled or secret is None:  # (without a secret Replicas.build says what to do)
-        return None
-    env = DistInfo.from_env(cuda=False)
-    lock = MemberLock(secret, cfg.replicas.group * env.local_world_size + env.local_rank)
-    return None if lock.take() else lock
-
-
-def stand_by(cfg, info, lease, lock: MemberLock, ledger, preempt, build: Callable, store) -> tuple[Replicas, Start]:
-    """A spare, built, waits for its member's lock; then it starts as the member would, from where the
-    run is now (`build`: its Replicas), its start counted from here (the wait was no start-up of the
-    job's). StandbyEnded when it is stopped, or the run finished, before it took the place."""
-    env = DistInfo.from_env(cuda=False)
-    me = f"group {cfg.replicas.group}" + (f" process {env.local_rank}" if env.local_world_size > 1 else "")
-    log.info("replica %s runs on this node already: this process stands by as its spare, built, and takes its "
-             "place the moment it exits", me)
-    contexts(lock.secret)  # its TLS libraries imported now, not after the takeover (tens of ms there)
-    waited, finished = time.monotonic(), RunFinished(store, cfg.trainer.max_steps, first_look_s=LOOK_EVERY_S)
-    over = f"replica {me}'s spare ends: the run finished while it stood by"
-    if not lock.wait(lambda: (preempt is not None and preempt.requested) or finished()):
-        if preempt is not None and preempt.requested:
-            raise StandbyEnded(f"replica {me}'s spare stopped while standing by (it trained nothing: nothing to save)",
-                               distributed.EXIT_PREEMPTED)
-        raise StandbyEnded(over, 0)
-    start = where_to_start(cfg, info, lease)[1]
-    if start.manifest and start.manifest["step"] >= cfg.trainer.max_steps:  # its member exited at the end
-        release(lock.secret, lock.member)
-        raise StandbyEnded(over, 0)
-    log.info("replica %s: its process exited; this spare takes its place (stood by %.0f s)", me, time.monotonic() - waited)
-    ledger.begin_again()
-    return build(cfg), start

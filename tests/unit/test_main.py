@@ -43,21 +43,22 @@ def test_replica_groups_are_refused_where_they_cannot_work(monkeypatch):
     import pytest
 
     from mingpt.config.compose import compose
-    from mingpt.main import build_replicas
     from mingpt.replicas import ReplicaError
+    from mingpt.runtime.distributed import DistInfo
+    from mingpt.training.replica_launch import ReplicaLaunch, as_member
 
     cfg = compose(["replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"])
     monkeypatch.delenv("MINGPT_JOB_SECRET", raising=False)
     monkeypatch.delenv("MINGPT_JOB_SECRET_FILE", raising=False)
-    monkeypatch.setenv("WORLD_SIZE", "4")  # a group's torchrun of two nodes with two processes each
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    two_nodes = DistInfo(world_size=4, local_world_size=2)  # a group's torchrun of two nodes with two processes each
     with pytest.raises(ReplicaError, match="a replica group is one node's torchrun.*run one group per node"):
-        build_replicas(cfg)
-    monkeypatch.delenv("WORLD_SIZE")
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+        as_member(cfg, two_nodes)
+    with pytest.raises(ReplicaError, match="a replica group is one node's torchrun.*run one group per node"):
+        ReplicaLaunch(cfg, two_nodes)
     with pytest.raises(ReplicaError, match="give every group the same MINGPT_JOB_SECRET"):
-        build_replicas(cfg)
-    assert build_replicas(compose([])) is None  # off by default
+        ReplicaLaunch(cfg, as_member(cfg, DistInfo(world_size=2, local_world_size=2, local_rank=1)))
+    plain = DistInfo()
+    assert as_member(compose([]), plain) is plain  # off by default
 
 
 def test_the_start_line_says_when_the_kernels_are_deterministic(corpus_file, tmp_path):

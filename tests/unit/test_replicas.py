@@ -515,13 +515,14 @@ def test_a_group_of_several_processes_leaves_and_joins_whole():
 def test_every_group_of_a_job_is_one_launch_whatever_its_torchruns_nonce(monkeypatch):
     """Each group is a torchrun of its own, with its own launch nonce (mingpt/cli/launch_id.py): the
     groups share one lease and one run, so their id is the job secret's."""
-    from mingpt.replicas import one_launch
+    from mingpt.config.compose import compose
+    from mingpt.training.replica_launch import as_member
 
     monkeypatch.setenv("MINGPT_JOB_SECRET", secrets.token_hex(32))
-    ids = set()
+    ids, cfg = set(), compose(["replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=0"])
     for nonce_id in ("group0-launch", "group1-launch"):
         monkeypatch.setenv("MINGPT_LAUNCH_ID", nonce_id)
-        ids.add(one_launch(DistInfo.from_env(cuda=False)).launch_id)
+        ids.add(as_member(cfg, DistInfo.from_env(cuda=False)).launch_id)
     assert len(ids) == 1 and not ids & {"group0-launch", "group1-launch"}
 
 

@@ -2,6 +2,7 @@
 spare the moment the holder dies."""
 
 import os
+import secrets
 import shutil
 import signal
 import stat
@@ -39,6 +40,43 @@ def test_a_second_process_stands_by_until_the_holder_is_killed_then_takes_the_me
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+def test_a_spare_stopped_while_standing_by_leaves_as_a_replica_process_does_with_75(tmp_path, monkeypatch, caplog):
+    """Process 1 of group 1's second torchrun (its member, 3, runs in another process): it stands by, named by
+    its place in its torchrun, builds no Replicas, and, stopped (SIGTERM), leaves with the one exception of a
+    replica process that exits (main.py reports it): 75 and a line that says nothing was trained."""
+    from types import SimpleNamespace
+
+    from mingpt.config.compose import compose
+    from mingpt.replicas import ReplicaExit
+    from mingpt.runtime.distributed import EXIT_PREEMPTED, DistInfo, PreemptionFlag
+    from mingpt.training.ledger import Ledger
+    from mingpt.training.replica_launch import ReplicaLaunch, as_member
+
+    secret, runtime = secrets.token_hex(32), tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("MINGPT_JOB_SECRET", secret)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    hold = ("import sys, time; from mingpt.replicas.standby import MemberLock; "
+            "print(MemberLock(sys.argv[1].encode(), 3).take(), flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, secret], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "True"
+        cfg = compose(["replicas.peers=[127.0.0.1:1,127.0.0.1:2]", "replicas.group=1"])
+        info = as_member(cfg, DistInfo(world_size=2, local_world_size=2, local_rank=1))
+        assert (info.local_rank, info.world_size, info.torchrun.local_rank) == (0, 1, 1)  # a member of its own
+        launch = ReplicaLaunch(cfg, info)
+        assert launch.spare is not None and launch.replicas is None  # nothing listens yet
+        stopped = PreemptionFlag()
+        stopped.signum = signal.SIGTERM
+        with caplog.at_level("INFO"), pytest.raises(ReplicaExit) as left:
+            launch.stand_by(cfg, info, None, SimpleNamespace(store=None), Ledger(), stopped)
+    finally:
+        holder.kill()
+    assert left.value.code == EXIT_PREEMPTED
+    assert str(left.value) == "replica group 1 process 1's spare stopped while standing by (it trained nothing: nothing to save)"
+    assert "replica group 1 process 1 runs on this node already: this process stands by as its spare" in caplog.text
 
 
 def test_the_lock_lives_in_a_directory_of_this_user_alone_named_by_the_secret(tmp_path):
