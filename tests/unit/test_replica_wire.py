@@ -23,6 +23,7 @@ from conftest import free_port
 
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas
 from mingpt.replicas.group import Healed
+from mingpt.replicas.link import Links
 from mingpt.replicas.wire import (
     MAX_LINE,
     PROTOCOL,
@@ -125,6 +126,47 @@ def test_a_stranger_is_refused_before_anything_is_read(caplog):
         assert "did not prove the job secret" in caplog.text
     finally:
         a.close()
+
+
+def test_links_hand_each_record_to_their_owners_callbacks():
+    """Two members' Links over loopback, with fake callbacks for an owner: each one's heartbeat reaches
+    the other's on_request, with the sender's member and incarnation; a request is answered on its
+    channel and the answer reaches on_reply; a record the owner refuses is dropped and counted; a
+    member that closes is reported to on_lost once."""
+    addresses = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
+    heard, up, lost, replies = {0: [], 1: []}, {0: [], 1: []}, {0: [], 1: []}, []
+
+    def on_request(me):
+        def take(member, inc, msg, channel):
+            heard[me].append((member, inc, msg))
+            if isinstance(msg, Join):
+                channel.send(Wait(msg.id))
+            return f"a {type(msg).__name__} sent to a server" if isinstance(msg, Wait) else None
+        return take
+
+    links = [Links(addresses, me, f"inc{me}", SECRET, 0.05, 60.0, 1, heartbeat=partial(Heartbeat, "training", me, 10 + me, -1),
+                   on_request=on_request(me), on_reply=replies.append, on_up=up[me].append,
+                   on_lost=lambda member, inc, me=me: lost[me].append((member, inc)))
+             for me in (0, 1)]
+    for link in links:
+        link.start()
+    a, b = links
+    try:
+        assert wait_for(lambda: (0, "inc0", Heartbeat("training", 0, 10, -1)) in heard[1]
+                        and (1, "inc1", Heartbeat("training", 1, 11, -1)) in heard[0])
+        assert up == {0: [1], 1: [0]}
+        a.send(1, Join("ab12", 3, True, 2))
+        assert wait_for(lambda: replies == [Wait("ab12")])
+        a.send(1, Wait("cd34"))
+        assert wait_for(lambda: b.dropped["group 0"] == 1) and (0, "inc0", Wait("cd34")) in heard[1]
+        assert lost == {0: [], 1: []}
+        a.close()
+        assert wait_for(lambda: lost[1] == [(0, "inc0")])
+        with pytest.raises(OSError):
+            b.send(5, Wait("ef56"))  # no channel to a member that is not there
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_relay_on_a_down_groups_address_cannot_pass_for_it():
