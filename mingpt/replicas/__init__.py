@@ -34,11 +34,10 @@ member's word. The exchange's and the healing's collectives run over gloo, whose
 authenticated (see docs/replicas.md, Security).
 """
 
-from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
+from mingpt.replicas.beacon import Beacon, Epoch, Member, MembershipChanged
 from mingpt.replicas.group import GroupRestart, Replicas, default_min_groups, member_view, one_launch
 from mingpt.replicas.link import ReplicaError
 from mingpt.replicas.tensors import flat_grads, set_grads
-from mingpt.replicas.wire import Member
 
 __all__ = ["Beacon", "Epoch", "GroupRestart", "Member", "MembershipChanged", "ReplicaError", "Replicas",
            "default_min_groups", "flat_grads", "member_view", "one_launch", "set_grads"]

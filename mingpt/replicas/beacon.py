@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch.distributed as dist
 
-from mingpt.replicas.link import Links, ReplicaError, host_port, member_name
+from mingpt.replicas.link import Links, ReplicaError, host_port
 from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, Member, Wait
 from mingpt.runtime.trust import bound_store, derive
 
@@ -86,15 +86,13 @@ class Beacon:
         self.links = Links([host_port(a) for a in addresses], member, self.incarnation, secret, heartbeat_s,
                            lost_after_s, procs, heartbeat=lambda: self.status, on_request=self._heard,
                            on_reply=self._reply, on_up=lambda _: self._news.set(), on_lost=self._hung_up)
+        self.name = self.links.name  # a member as the logs name it: "group 2", or "group 2 process 1"
         self.links.start()
 
     def close(self) -> None:
         self.links.close()
 
     # --- what the trainer asks -------------------------------------------------------------------
-    def name(self, member: int) -> str:
-        """A member as the logs name it: "group 2", or "group 2 process 1" with several per group."""
-        return member_name(member, self.procs)
 
     def was_lost(self, member: int) -> bool:
         """Whether `member` was heard from and is lost now (its connection broke, or it went silent)."""
@@ -387,7 +385,6 @@ class Beacon:
         if news:  # it missed the answer to an earlier request
             with contextlib.suppress(OSError):
                 channel.send(replace(news, id=msg.id))
-        return None
 
     def _hung_up(self, member: int, inc: str) -> None:
         """Member `member`'s (incarnation `inc`) connection to this server ended: it is lost."""

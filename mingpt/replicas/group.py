@@ -17,9 +17,9 @@ import torch.distributed as dist
 
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError, member_addresses
-from mingpt.replicas.members import membership, model_of
+from mingpt.replicas.members import model_of
 from mingpt.replicas.tensors import MAX_STATE_JSON, buckets, byte_view, heal_tag, set_grads, state_digest, unpack_state
-from mingpt.replicas.wire import Flags, ShareHeader, ShareRow, WireError
+from mingpt.replicas.wire import ShareHeader, ShareRow, WireError
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
 
@@ -35,8 +35,7 @@ class GroupRestart(Exception):
 
 @dataclass(frozen=True)
 class Healed:
-    """What a heal did: the member that sent its state (None: every member held the same), and the
-    members it brought forward."""
+    """What a heal did: the member that sent its state (None: all held the same), the members it brought forward."""
     source: int | None
     members: list[int]
 
@@ -72,7 +71,7 @@ class Replicas:
         self.beacon, self.members, self.min_groups, self.timeout_s = beacon, members, min_groups, timeout_s
         # how the group's processes take part (mingpt/replicas/members.py): shares of every global step per
         # member (member m owns m*k .. m*k+k-1), or per group, whose processes train each share together
-        self.membership = membership(beacon, tp)
+        self.membership = model_of(beacon.sharded, beacon.procs)(beacon, tp)
         self.per_group = per_group
         self.shares_total = (members // self.membership.unit) * per_group
         self.epoch: Epoch | None = None
@@ -247,8 +246,7 @@ class Replicas:
             if row is None:
                 continue
             if row.step != step or row.epoch != epoch.number or row.share in by_share:
-                raise MembershipChanged(f"the exchange of step {step} does not add up (share {row.share}, step "
-                                        f"{row.step}, epoch {row.epoch})")
+                raise MembershipChanged(f"the exchange of step {step} does not add up (row {list(row[:3])})")
             by_share[row.share], every[row.share] = i, row.header
         if sorted(by_share) != list(range(self.shares_total)):
             raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(by_share)}")
@@ -354,9 +352,8 @@ class Replicas:
             failed, every = e, []
         every = self.membership.agree(step, failed, every, self.shares_total, next(model.parameters()).device)
         set_grads(model, total)
-        flags = Flags.of(every)
-        self.flags = (bool(flags.preempted), bool(flags.timed))
-        self.rejoin_pending = bool(flags.joiners)
+        self.flags = (any(h.preempted for h in every), any(h.timed for h in every))
+        self.rejoin_pending = any(h.joiners for h in every)
         self.shares_record = [[int(h.group), int(h.samples), int(h.ids)] for h in every]
         by_group: dict[int, float] = {}
         for h in every:

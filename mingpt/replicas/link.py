@@ -79,36 +79,21 @@ def member_addresses(groups: list[str], procs: int) -> list[str]:
     return out
 
 
-def member_name(member: int, procs: int) -> str:
-    """A member as the logs name it: "group 2", or "group 2 process 1" with several per group."""
-    return f"group {member}" if procs == 1 else f"group {member // procs} process {member % procs}"
-
-
 class Links:
-    """The sockets of member `me` of `addresses` (every member's (host, port)), `procs` per group: a
-    server for the other members' channels in, and a channel out to each of them. Each line is parsed
-    here into its record; what it means is the owner's, through the callbacks (each runs on a link's
-    thread; a callback that returns a string drops the record, that string saying why):
-
-    - `heartbeat()`: the Heartbeat sent to every member every heartbeat_s;
-    - `on_request(member, inc, msg, channel)`: a record member `member` (incarnation `inc`) sent in;
-      `channel` answers it;
-    - `on_reply(msg)`: a record on a channel out (an answer to one of our requests);
-    - `on_up(member)`: a channel out to `member` is up;
-    - `on_lost(member, inc)`: that member's newest authenticated connection in ended (called under the
-      links' lock: it must not call back into Links).
-
-    `start()` starts the threads: the callbacks may run from then on."""
+    """The sockets of member `me` of `addresses` (every member's (host, port), `procs` per group): a server
+    for the others' channels in, a channel out to each. Lines are parsed here; their records go to the
+    owner's callbacks, on the links' threads once `start`ed (one that returns a string drops the record,
+    saying why): `on_request(member, inc, msg, channel)` what a member (incarnation `inc`) sent in,
+    `channel` to answer; `on_reply(msg)` what came back on a channel out; `heartbeat()` what goes out
+    every heartbeat_s; `on_up(member)` a channel out is up; `on_lost(member, inc)` the member's newest
+    connection in ended (under the links' lock: it must not call Links)."""
 
     def __init__(self, addresses: list[tuple[str, int]], me: int, incarnation: str, secret: bytes, heartbeat_s: float,
-                 lost_after_s: float, procs: int, *, heartbeat: Callable[[], Heartbeat],
-                 on_request: Callable[[int, str, object, Channel], str | None],
-                 on_reply: Callable[[object], str | None], on_up: Callable[[int], None],
-                 on_lost: Callable[[int, str], None]):
+                 lost_after_s: float, procs: int, *, heartbeat: Callable[[], Heartbeat], on_request: Callable,
+                 on_reply: Callable, on_up: Callable[[int], None], on_lost: Callable[[int, str], None]):
         self.addresses, self.member, self.incarnation, self.procs = addresses, me, incarnation, procs
         self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
-        self.heartbeat, self.on_request, self.on_reply, self.on_up, self.on_lost = (
-            heartbeat, on_request, on_reply, on_up, on_lost)
+        self.heartbeat, self.on_request, self.on_reply, self.on_up, self.on_lost = heartbeat, on_request, on_reply, on_up, on_lost
         self.dropped: Counter = Counter()  # messages and connections dropped, by sender
         self._lock = threading.Lock()
         self._tls_server, self._tls_client = contexts(secret)
@@ -142,7 +127,8 @@ class Links:
         self._threads[-1].start()
 
     def name(self, member: int) -> str:
-        return member_name(member, self.procs)
+        """A member as the logs name it: "group 2", or "group 2 process 1" with several per group."""
+        return f"group {member}" if self.procs == 1 else f"group {member // self.procs} process {member % self.procs}"
 
     def send(self, member: int, msg) -> None:
         """`msg` to `member` over this member's channel to it; OSError if there is none."""
@@ -294,8 +280,7 @@ class Links:
                     self.on_lost(member, inc)
 
     def _deliver(self, line: bytes, who: str, what: str, handler: Callable[[object], str | None]) -> None:
-        """A line from `who` into its record, for `handler`; dropped if it is not one of ours, or if
-        `handler` says why."""
+        """A line from `who` into its record, for `handler`; dropped if not one of ours, or if `handler` says why."""
         try:
             msg = parse(line, len(self.addresses))
         except WireError as e:

@@ -125,8 +125,3 @@ class WholeGroup:
 def model_of(sharded: bool, procs: int) -> type[EveryProcess] | type[WholeGroup]:
     """The membership model: whole groups where a group's several processes split the model."""
     return WholeGroup if sharded and procs > 1 else EveryProcess
-
-
-def membership(beacon, tp: int = 1) -> EveryProcess | WholeGroup:
-    """The model of a beacon's group, for this process."""
-    return model_of(beacon.sharded, beacon.procs)(beacon, tp)

@@ -15,10 +15,7 @@ member it reached refuses it before it counts the connection as the client's.
 Every line is one JSON object, parsed once here into its record (`Hello`, `Heartbeat`, `Join`,
 `EpochNews` with its `Member`s, `Wait`); a line too long, not JSON, or with a field of the wrong type
 or range is dropped (and counted by the caller).
-
-The exchange's collectives run over gloo, which authenticates nothing: what they carry is named here
-too. Each share's `ShareRow` (its `ShareHeader`, and its HMAC keyed by the job secret) as float64
-columns, and a sharded group's `Vote` after each exchange (its `Flags`, and each share's counts).
+The exchange's tensors (over gloo, which authenticates nothing) are named here too: `ShareRow`, `Vote`.
 """
 
 from __future__ import annotations
@@ -210,7 +207,7 @@ class ShareRow(NamedTuple):
     epoch: int
     header: ShareHeader
 
-    WIDTH = 3 + len(ShareHeader._fields) + MAC_COLUMNS  # (a class constant: not a field)
+    WIDTH = 3 + len(ShareHeader._fields) + MAC_COLUMNS  # (a class constant, not a field)
 
     def pack(self, key: bytes) -> torch.Tensor:
         row = torch.tensor([self.share, self.step, self.epoch, *self.header], dtype=torch.float64)
@@ -218,8 +215,7 @@ class ShareRow(NamedTuple):
 
     @classmethod
     def unpack(cls, t: torch.Tensor, key: bytes) -> ShareRow | None:
-        """The row `t` holds; None for padding (-1: a member with fewer shares than another); WireError
-        for a row without the job's MAC."""
+        """The row `t` holds; None for padding (-1: fewer shares than another member); WireError without the MAC."""
         row = t[:-MAC_COLUMNS]
         if row[0] < 0:
             return None
@@ -237,11 +233,8 @@ class Vote(NamedTuple):
     counts: list  # in share order ([] from a process whose exchange failed)
 
     def pack(self, shares: int) -> torch.Tensor:
-        t = torch.zeros(1 + len(Flags._fields) + 2 * shares, dtype=torch.float64)
-        t[0], t[1:4] = self.failed, torch.tensor(self.flags, dtype=torch.float64)
-        if self.counts:
-            t[4:] = torch.tensor(self.counts, dtype=torch.float64).reshape(-1)
-        return t
+        counts = [x for c in self.counts or [[0.0, 0.0]] * shares for x in c]
+        return torch.tensor([self.failed, *self.flags, *counts], dtype=torch.float64)
 
     @classmethod
     def unpack(cls, t: torch.Tensor, shares: int) -> Vote:
