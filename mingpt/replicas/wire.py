@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-PROTOCOL = 5  # checked at hello: groups of another release refuse each other (5: a hello names whom it is for)
+PROTOCOL = 6  # checked at hello: groups of another release refuse each other (6: an epoch names its members as `Member`)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
 HANDSHAKE_S = 2.0  # from accept to a peer's hello, at most: a connection slower than this is closed
 
