@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import re
 import secrets
 import threading
 import time
@@ -16,22 +15,19 @@ from dataclasses import asdict, dataclass, field, replace
 import torch.distributed as dist
 
 from mingpt.replicas.link import Links, ReplicaError, host_port
-from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, MemberEntry, Wait, WireError, parse
+from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, Member, Wait
 from mingpt.runtime.trust import bound_store, derive
 
 log = logging.getLogger(__name__)
 
+
 class MembershipChanged(Exception):
-    """A member was lost (or left) during a step: the step in flight is dropped."""
+    """A member was lost (or left) during a step: the step in flight is dropped. `cause`: the root cause,
+    which the heartbeats tell the others (where a member left for a cause it saw: that cause)."""
 
-
-@dataclass(frozen=True)
-class Member:
-    """A member (one process) as an epoch knows it."""
-    number: int  # its member number: group * processes per group + process
-    incarnation: str  # this process's start: a restarted group is a new member
-    step: int  # the steps its state holds
-    live: bool  # it has trained in an epoch (its state is the job's, not a snapshot's)
+    def __init__(self, why: str, cause: str = ""):
+        super().__init__(why)
+        self.cause = cause or why
 
 
 @dataclass
@@ -39,9 +35,10 @@ class Epoch:
     number: int
     members: list[Member]  # in rank order (by member number)
     rank: int
+    address: tuple[str, int] | None = None  # where its store listens (the coordinator hosts it)
+    store: dist.TCPStore | None = None  # once its group is made: kept alive with the group
     pg: object = None  # the epoch's gloo process group
-    store: object = None  # kept alive with the group (the coordinator hosts it)
-    peers: object = None  # sharded groups: the process group of the members holding this one's shard
+    shard_pg: object = None  # sharded groups: the process group of the members holding this one's shard
     since: float = field(default_factory=time.monotonic)  # when this member learned of it
 
     @property
@@ -58,21 +55,22 @@ class Epoch:
         return [m for m in self.members if m.number % procs == member % procs]
 
 
-class Beacon(Links):
+class Beacon:
     """This member's view of the job: who is alive (heartbeats), who trains in which epoch, and the
-    coordinator's forming of epochs, over the links to every other member (mingpt/replicas/link.py)."""
+    coordinator's forming of epochs, over its links to every other member (`links`: link.py)."""
 
-    def __init__(self, peers: list[str], member: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
+    def __init__(self, addresses: list[str], member: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
                  procs: int = 1, sharded: bool = False, quorum_wait_s: float = 600.0):
-        # with several processes per group (`procs`), each process is a member: `peers` lists every
-        # member's address and `member` is this process's place in it (group * procs + process);
+        # with several processes per group (`procs`), each process is a member: `addresses` lists every
+        # member's and `member` is this process's place in it (group * procs + process);
         # `sharded`: the group's processes shard the model (FSDP), and each epoch also gets a process
         # group per process index (the members that hold the same shard)
-        self.member, self.secret, self.procs = member, secret, procs
+        self.member, self.secret, self.procs, self.members = member, secret, procs, len(addresses)
+        self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
         self.quorum_wait_s = quorum_wait_s  # forming ends when too few groups are heard from at all for this long
         self.sharded = sharded and procs > 1
         self.incarnation = secrets.token_hex(6)
-        self.status = {"state": "starting", "epoch": -1, "step": 0, "taking": -1, "why": ""}  # then forming, training
+        self.status = Heartbeat("starting", -1, 0, -1)  # then forming, training, finished: sent as it is
         self.max_epoch = -1
         self.last: Epoch | None = None  # the last epoch this member trained in: the coordinator's own record
         self._lock = threading.Lock()
@@ -83,12 +81,18 @@ class Beacon(Links):
         self._announced: EpochNews | None = None  # the epoch this coordinator announced, until its group is made
         self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
         self._invited: EpochNews | None = None  # an epoch that counts this member in, answering a request it gave up on
-        super().__init__([host_port(p) for p in peers], member, secret, heartbeat_s, lost_after_s)
+        # news of a member (heard from anew, or a channel to it up): a member forming an epoch looks again
+        self._news = threading.Event()
+        self.links = Links([host_port(a) for a in addresses], member, self.incarnation, secret, heartbeat_s,
+                           lost_after_s, procs, heartbeat=lambda: self.status, on_request=self._heard,
+                           on_reply=self._reply, on_up=lambda _: self._news.set(), on_lost=self._hung_up)
+        self.name = self.links.name  # a member as the logs name it: "group 2", or "group 2 process 1"
+        self.links.start()
+
+    def close(self) -> None:
+        self.links.close()
 
     # --- what the trainer asks -------------------------------------------------------------------
-    def name(self, member: int) -> str:
-        """A member as the logs name it: "group 2", or "group 2 process 1" with several per group."""
-        return f"group {member}" if self.procs == 1 else f"group {member // self.procs} process {member % self.procs}"
 
     def was_lost(self, member: int) -> bool:
         """Whether `member` was heard from and is lost now (its connection broke, or it went silent)."""
@@ -103,7 +107,7 @@ class Beacon(Links):
 
     def broken(self) -> set[int]:
         """Members whose group lost a process: they leave with it (its torchrun restarts them all)."""
-        return {m for m in range(len(self.peers)) if any(self.was_lost(s) for s in self.siblings(m))}
+        return {m for m in range(self.members) if any(self.was_lost(s) for s in self.siblings(m))}
 
     def alive(self) -> dict[int, str]:
         """{member: incarnation} of every member heard from within lost_after_s, this one included."""
@@ -113,7 +117,7 @@ class Beacon(Links):
         out[self.member] = self.incarnation
         return out
 
-    def lost(self, epoch: Epoch) -> str | None:
+    def lost(self, epoch: Epoch) -> MembershipChanged | None:
         """Why `epoch` cannot go on (a member lost or gone to form another), or None."""
         alive = self.alive()
         with self._lock:
@@ -124,14 +128,15 @@ class Beacon(Links):
             # for by the coordinator that asked it in, until it has been silent as long as a lost one
             unheard = m.number not in seen and time.monotonic() - epoch.since < self.lost_after_s
             if alive.get(m.number) != m.incarnation and not unheard:
-                return f"{self.name(m.number)} lost ({self._how_lost(seen.get(m.number), m.incarnation)})"
+                return MembershipChanged(f"{self.name(m.number)} lost ({self._how_lost(seen.get(m.number), m.incarnation)})")
         for m in others:
             s = seen.get(m.number, {})
             if s.get("state") == "finished" and s.get("epoch") == epoch.number:
                 continue  # it applied the last step, and stays until every member has (`unfinished`)
             if (s.get("epoch") != epoch.number or s.get("state") != "training") and s.get("epoch", -1) >= epoch.number:
                 # (a heartbeat of the previous epoch may be late); it left for the cause it saw first
-                return f"{self.name(m.number)} left epoch {epoch.number}" + (f" ({s['why']})" if s.get("why") else "")
+                return MembershipChanged(f"{self.name(m.number)} left epoch {epoch.number}"
+                                         + (f" ({s['why']})" if s.get("why") else ""), s.get("why", ""))
         return None
 
     def _how_lost(self, seen: dict | None, incarnation: str) -> str:
@@ -173,7 +178,7 @@ class Beacon(Links):
 
     def set_status(self, **kw) -> None:
         with self._lock:
-            self.status.update(kw)
+            self.status = replace(self.status, **kw)
             if "epoch" in kw:
                 self.max_epoch = max(self.max_epoch, kw["epoch"])
 
@@ -182,9 +187,8 @@ class Beacon(Links):
              should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
         """Join the next epoch: ask the coordinator (the lowest member alive) until it forms one that
         holds at least `min_groups` groups; then make the epoch's process group. None: `should_stop`.
-        `why` the last epoch ended, told to the others in the heartbeats (its root cause only)."""
-        self.set_status(state="forming", step=step,
-                        why=re.sub(r"^group \d+( process \d+)? left epoch \d+ \((.*)\)$", r"\2", why)[:300])
+        `why` the last epoch ended (its root cause: MembershipChanged.cause), told to the others in the heartbeats."""
+        self.set_status(state="forming", step=step, why=why[:300])
         waited = heard = time.monotonic()  # heard: when a quorum of groups was last heard from (starting too)
         while True:
             self._news.clear()
@@ -193,7 +197,7 @@ class Beacon(Links):
             if len({m // self.procs for m in self.alive()}) >= min_groups:
                 heard = time.monotonic()
             elif time.monotonic() - heard > self.quorum_wait_s:  # the missing groups exited (or never started)
-                missing = sorted(set(range(len(self.peers) // self.procs)) - {m // self.procs for m in self.alive()})
+                missing = sorted(set(range(self.members // self.procs)) - {m // self.procs for m in self.alive()})
                 raise ReplicaError(f"replica {self.name(self.member)} heard from too few groups for a quorum of "
                                    f"{min_groups} in {self.quorum_wait_s:g} s (replicas.quorum_wait_s): groups "
                                    f"{missing} exited or never started (see their logs); start them again, then "
@@ -233,7 +237,7 @@ class Beacon(Links):
         with self._lock:
             self._pending.add(rid)
         try:
-            self._write(self._senders.get(coordinator), Join(rid, step, live, self.max_epoch))
+            self.links.send(coordinator, Join(rid, step, live, self.max_epoch))
             deadline = time.monotonic() + 5 * self.lost_after_s + 6  # a request the coordinator passed over
             while min(self.alive()) == coordinator and time.monotonic() < deadline:
                 with self._lock:
@@ -243,12 +247,12 @@ class Beacon(Links):
                 if isinstance(reply, Wait):
                     return None
                 if reply is not None:
-                    members = [Member(m.member, m.inc, m.step, m.live) for m in reply.members]
+                    members = list(reply.members)
                     if (self.member, self.incarnation) not in [(m.number, m.incarnation) for m in members]:
-                        self._drop(self.name(coordinator), f"an epoch {reply.number} without this member")
+                        self.links.drop(self.name(coordinator), f"an epoch {reply.number} without this member")
                         return None
                     rank = [m.number for m in members].index(self.member)
-                    return Epoch(reply.number, members, rank, store=(reply.host, reply.port))
+                    return Epoch(reply.number, members, rank, address=(reply.host, reply.port))
                 time.sleep(0.002)
             return None
         finally:
@@ -284,7 +288,7 @@ class Beacon(Links):
         for m in waiting:
             request, _, conn = asked.pop(m)
             with contextlib.suppress(OSError):
-                self._write(conn, Wait(request.id))
+                conn.send(Wait(request.id))
         if self.member in partial:  # this one's own group is not all here yet: no epoch now, ask again
             return None
         members = sorted([Member(self.member, self.incarnation, step, live)]
@@ -293,19 +297,18 @@ class Beacon(Links):
         if len({m.number // self.procs for m in members}) < min_groups:
             for request, _, conn in asked.values():
                 with contextlib.suppress(OSError):
-                    self._write(conn, Wait(request.id))
+                    conn.send(Wait(request.id))
             return None
         number = max([self.max_epoch] + [r[0].epoch_seen for r in asked.values()]) + 1
-        host = self.peers[self.member][0]
+        host = self.links.addresses[self.member][0]
         store = bound_store(host, 0, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-        news = EpochNews("0", number, host, store.port,
-                         tuple(MemberEntry(m.number, m.incarnation, m.step, m.live) for m in members))
+        news = EpochNews("0", number, host, store.port, tuple(members))
         with self._lock:  # a member that missed its answer (it asked again meanwhile) is answered with it
             self._announced = news
         for request, _, conn in asked.values():
             with contextlib.suppress(OSError):  # it is lost: forming the group notices
-                self._write(conn, replace(news, id=request.id))
-        return Epoch(number, members, [m.number for m in members].index(self.member), store=store)
+                conn.send(replace(news, id=request.id))
+        return Epoch(number, members, [m.number for m in members].index(self.member), (host, store.port), store)
 
     def _member(self, member: int, request: Join, inc: str, step: int, live: bool) -> Member:
         """A member of the next epoch as this coordinator knows it. Having trained in the last epoch (it
@@ -333,17 +336,14 @@ class Beacon(Links):
 
         def make():
             try:
-                store = epoch.store
-                if isinstance(store, tuple):
-                    store = dist.TCPStore(store[0], store[1], is_master=False, timeout=timeout)
-                    out["store"] = store
+                store = out["store"] = epoch.store or dist.TCPStore(*epoch.address, is_master=False, timeout=timeout)
                 prefixed = dist.PrefixStore(derive(self.secret, f"replicas-epoch-{epoch.number}"), store)
                 out["pg"] = dist.ProcessGroupGloo(prefixed, epoch.rank, epoch.world, timeout)
                 if self.sharded:
                     holders = [m.number for m in epoch.holders(self.member, self.procs)]
                     shard = f"replicas-epoch-{epoch.number}-shard-{self.member % self.procs}"
                     prefixed = dist.PrefixStore(derive(self.secret, shard), store)
-                    out["peers"] = dist.ProcessGroupGloo(prefixed, holders.index(self.member), len(holders), timeout)
+                    out["shard_pg"] = dist.ProcessGroupGloo(prefixed, holders.index(self.member), len(holders), timeout)
             except Exception as e:  # noqa: BLE001 - reported to the waiting thread
                 out["error"] = e
 
@@ -351,24 +351,19 @@ class Beacon(Links):
         thread.start()
         started = time.monotonic()
         while thread.is_alive():
-            if (why := self.lost(epoch)) is not None:
-                raise MembershipChanged(why)
+            if (lost := self.lost(epoch)) is not None:
+                raise lost
             if time.monotonic() - started > 2 * self.lost_after_s and (late := self._not_taking(epoch)):
                 raise MembershipChanged(f"{self.name(late)} did not take epoch {epoch.number}")
             thread.join(0.005)
         if "error" in out:
             raise MembershipChanged(str(out["error"]).splitlines()[0][:200])
-        epoch.pg, epoch.peers = out["pg"], out.get("peers")
-        if "store" in out:
-            epoch.store = out["store"]
+        epoch.store, epoch.pg, epoch.shard_pg = out["store"], out["pg"], out.get("shard_pg")
 
-    # --- what members say (parsed once, at the edge) ------------------------------------------------
-    def _heard(self, member: int, inc: str, channel: Channel, line: bytes) -> None:
-        """A line from member `member` (incarnation `inc`): its heartbeat, or a join request to this coordinator."""
-        try:
-            msg = parse(line, len(self.peers))
-        except WireError as e:
-            return self._drop(self.name(member), f"a message that is not one of ours ({e})")
+    # --- what members say (records parsed once, at the edge: link.py) -----------------------------------
+    def _heard(self, member: int, inc: str, msg, channel: Channel) -> str | None:
+        """A record from member `member` (incarnation `inc`): its heartbeat, or a join request to this
+        coordinator; else why it is dropped."""
         news = None
         with self._lock:
             if isinstance(msg, Heartbeat):
@@ -380,36 +375,38 @@ class Beacon(Links):
                 self.max_epoch = max(self.max_epoch, msg.epoch)
             elif isinstance(msg, Join):
                 news = self._announced
-                if news and (member, inc) in [(m.member, m.inc) for m in news.members]:
+                if news and (member, inc) in [(m.number, m.incarnation) for m in news.members]:
                     self._requests.pop(member, None)
                 else:
                     news = None
                     self._requests[member] = (msg, inc, channel)
             else:
-                return self._drop(self.name(member), f"a {type(msg).__name__} sent to a server")
+                return f"a {type(msg).__name__} sent to a server"
         if news:  # it missed the answer to an earlier request
             with contextlib.suppress(OSError):
                 channel.send(replace(news, id=msg.id))
 
+    def _hung_up(self, member: int, inc: str) -> None:
+        """Member `member`'s (incarnation `inc`) connection to this server ended: it is lost."""
+        with self._lock:
+            if self._seen.get(member, {}).get("inc") == inc:
+                self._seen[member]["eof"] = True
+
     def _invites(self, news: EpochNews) -> bool:
         """Whether `news` counts this member, forming now, into an epoch newer than its last (under the lock)."""
-        return (self.status["state"] == "forming" and news.number >= self.max_epoch
+        return (self.status.state == "forming" and news.number >= self.max_epoch
                 and (self.last is None or news.number > self.last.number)
-                and (self.member, self.incarnation) in [(m.member, m.inc) for m in news.members])
+                and (self.member, self.incarnation) in [(m.number, m.incarnation) for m in news.members])
 
-    def _reply(self, line: bytes) -> None:
-        """A coordinator's answer to one of our requests; any other line is dropped."""
-        try:
-            msg = parse(line, len(self.peers))
-        except WireError as e:
-            return self._drop("a coordinator", f"a reply that is not one of ours ({e})")
+    def _reply(self, msg) -> str | None:
+        """A coordinator's answer to one of our requests; else why it is dropped."""
         with self._lock:
             if isinstance(msg, (EpochNews, Wait)) and msg.id in self._pending:
                 self._replies[msg.id] = msg
-                return
+                return None
             if isinstance(msg, EpochNews) and self._invites(msg):
                 # it answers a request this member gave up on (the coordinator it asked seemed lost a moment,
                 # or another seemed lower): the coordinator counted it in, and the epoch waits for it
                 self._invited = msg
-                return
-        self._drop("a coordinator", f"a {type(msg).__name__} that answers no request of ours")
+                return None
+        return f"a {type(msg).__name__} that answers no request of ours"

@@ -10,26 +10,16 @@ import math
 import re
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError, member_addresses
-from mingpt.replicas.members import membership, model_of
-from mingpt.replicas.tensors import (
-    MAC_COLUMNS,
-    MAX_STATE_JSON,
-    ShareHeader,
-    buckets,
-    byte_view,
-    header_mac,
-    heal_tag,
-    set_grads,
-    state_digest,
-    unpack_state,
-)
+from mingpt.replicas.members import model_of
+from mingpt.replicas.tensors import MAX_STATE_JSON, buckets, byte_view, heal_tag, set_grads, state_digest, unpack_state
+from mingpt.replicas.wire import ShareHeader, ShareRow, WireError
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
 
@@ -46,6 +36,13 @@ class ReplicaExit(Exception):
     def __init__(self, message: str, code: int):
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True)
+class Healed:
+    """What a heal did: the member that sent its state (None: all held the same), the members it brought forward."""
+    source: int | None
+    members: list[int]
 
 
 def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:
@@ -72,7 +69,7 @@ class Replicas:
         self.beacon, self.members, self.min_groups, self.timeout_s = beacon, members, min_groups, timeout_s
         # how the group's processes take part (mingpt/replicas/members.py): shares of every global step per
         # member (member m owns m*k .. m*k+k-1), or per group, whose processes train each share together
-        self.membership = membership(beacon, tp)
+        self.membership = model_of(beacon.sharded, beacon.procs)(beacon, tp)
         self.per_group = per_group
         self.shares_total = (members // self.membership.unit) * per_group
         self.epoch: Epoch | None = None
@@ -153,6 +150,7 @@ class Replicas:
         return sorted([*own, *orphans[owners.index(me)::len(owners)]])
 
     def form(self, step: int, should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
+        """The next epoch (None: `should_stop`); `why` the last one ended (its root cause: MembershipChanged.cause)."""
         t0 = time.monotonic()
         if self.epoch is not None:
             self._retired.append(self.epoch)
@@ -172,9 +170,9 @@ class Replicas:
     def check(self) -> None:
         """MembershipChanged if a member of the epoch is lost; ReplicaExit if it is a process of this
         group (its torchrun restarts them all)."""
-        if (why := self.beacon.lost(self.epoch)) is not None:
+        if (lost := self.beacon.lost(self.epoch)) is not None:
             self.check_group()
-            raise MembershipChanged(why)
+            raise lost
 
     def check_group(self) -> None:
         """ReplicaExit if a process of this group that was alive is lost: this process leaves at once
@@ -209,43 +207,45 @@ class Replicas:
             # and how it was lost, given a moment to read the close; else gloo's first line (which names its
             # source file first: "[.../pair.cc:553] Connection ...")
             deadline = time.monotonic() + self.beacon.heartbeat_s
-            while (why := self.beacon.lost(self.epoch)) is None and time.monotonic() < deadline:
+            while (lost := self.beacon.lost(self.epoch)) is None and time.monotonic() < deadline:
                 time.sleep(0.001)
-            raise MembershipChanged(why or re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]) from None
+            raise lost or MembershipChanged(re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]) from None
 
     def exchange(self, step: int, rows: dict[int, torch.Tensor],
-                 headers: dict[int, list[float]]) -> tuple[torch.Tensor, list]:
+                 headers: dict[int, ShareHeader]) -> tuple[torch.Tensor, list[ShareHeader]]:
         """The sum of every share's gradient row, in share order (the same sum whoever trained which),
-        and every share's header (numbers its trainer sent with it), in share order.
+        and every share's header (what its trainer sent with it), in share order, with this member's
+        exchange partners (`membership.partners`).
 
         As a reduce-scatter then an all-gather, with the order kept: each member receives every
         share's values of its own slice of columns (an all-to-all), sums them in share order, and the
         summed slices are gathered by all (each member receives about 2 gradients' worth instead of
         every other member's shares)."""
-        epoch, (pg, _, _) = self.epoch, self.membership.peers(self.epoch)
+        epoch, (pg, _, _) = self.epoch, self.membership.partners(self.epoch)
         world = pg.size()
         per = math.ceil(self.shares_total / world)
         n = next(iter(rows.values())).numel()
         cols = math.ceil(n / world)  # each member's slice of the columns, the last one padded
-        width = 3 + len(next(iter(headers.values())))
-        heads = torch.full((per, width + MAC_COLUMNS), -1.0, dtype=torch.float64)
+        table = torch.full((per, ShareRow.WIDTH), -1.0, dtype=torch.float64)  # -1: no share in that row
         buf = torch.zeros(per, world * cols)
         key = distributed.derive(self.beacon.secret, "replicas-exchange").encode()
         for i, (share, row) in enumerate(sorted(rows.items())):
-            heads[i, :width] = torch.tensor([share, step, epoch.number, *headers[share]], dtype=torch.float64)
-            heads[i, width:] = header_mac(key, heads[i, :width])
+            table[i] = ShareRow(share, step, epoch.number, headers[share]).pack(key)
             buf[i, :n] = row
-        all_heads = torch.empty(world * per, heads.shape[1], dtype=torch.float64)
-        self.wait(pg.allgather([list(all_heads.chunk(world))], [heads]))
+        everyone = torch.empty(world * per, ShareRow.WIDTH, dtype=torch.float64)
+        self.wait(pg.allgather([list(everyone.chunk(world))], [table]))
         by_share: dict[int, int] = {}
-        for i, h in enumerate(all_heads[:, :width].tolist()):
-            if h[0] < 0:
+        every: dict[int, ShareHeader] = {}
+        for i, t in enumerate(everyone):
+            try:
+                row = ShareRow.unpack(t, key)
+            except WireError:
+                raise MembershipChanged(f"a header of the exchange of step {step} does not carry the job's MAC") from None
+            if row is None:
                 continue
-            if not torch.equal(all_heads[i, width:].view(torch.uint8), header_mac(key, all_heads[i, :width]).view(torch.uint8)):
-                raise MembershipChanged(f"a header of the exchange of step {step} does not carry the job's MAC")
-            if int(h[1]) != step or int(h[2]) != epoch.number or int(h[0]) in by_share:
-                raise MembershipChanged(f"the exchange of step {step} does not add up (row {h[:3]})")
-            by_share[int(h[0])] = i
+            if row.step != step or row.epoch != epoch.number or row.share in by_share:
+                raise MembershipChanged(f"the exchange of step {step} does not add up (row {list(row[:3])})")
+            by_share[row.share], every[row.share] = i, row.header
         if sorted(by_share) != list(range(self.shares_total)):
             raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(by_share)}")
         # rows [to member x row] of the columns of its slice; received: [from member x row] of this one's
@@ -257,22 +257,21 @@ class Replicas:
             mine += got[by_share[share]]
         total = torch.empty(world, cols)
         self.wait(pg.allgather([list(total.unbind(0))], [mine]))
-        return total.view(-1)[:n], [all_heads[by_share[s], 3:width].tolist() for s in range(self.shares_total)]
+        return total.view(-1)[:n], [every[s] for s in range(self.shares_total)]
 
-    def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> tuple[int, list[int]]:
+    def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> Healed:
         """Bring every member to the newest state among them: the first member holding it broadcasts
         its tensors and JSON state (a broadcast reaches every member behind in one collective); a
-        receiver keeps what it received only if it matches the sender's digest. Returns (the member
-        that sent, the members healed), or (-1, []) when every member held the same state."""
-        pg, members, me = self.membership.peers(self.epoch)  # whole groups: each shard from its holders
+        receiver keeps what it received only if it matches the sender's digest."""
+        pg, members, me = self.membership.partners(self.epoch)  # whole groups: each shard from its holders
         best = max(members, key=lambda m: (m.live, m.step))
         source = members.index(best)
         behind = [i for i, m in enumerate(members)
                   if i != source and ((m.step, m.live) != (best.step, best.live) or (best.live and not m.live))]
-        healed = (best.number, self.membership.healed([members[i].number for i in behind]))
+        healed = Healed(best.number, self.membership.healed([members[i].number for i in behind]))
         if not behind:
             self.live = True
-            return -1, []
+            return Healed(None, [])
         key = distributed.derive(self.beacon.secret, "replicas-heal").encode()  # a digest only the job can make
         meta = state() if me == source else {}
         if me == source:  # one tag per receiver, bound to this epoch and sender
@@ -344,7 +343,12 @@ class Replicas:
                                     float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),
                                     float(self.beacon.member // self.procs), float(compute_s))
                  for share, (_, loss, mbs) in rows.items()}
-        total, every = self.membership.exchange(self, step, rows, heads, next(model.parameters()).device)
+        failed = total = None
+        try:
+            total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+        except MembershipChanged as e:  # (whole groups: the group's processes vote on it first)
+            failed, every = e, []
+        every = self.membership.agree(step, failed, every, self.shares_total, next(model.parameters()).device)
         set_grads(model, total)
         self.flags = (any(h.preempted for h in every), any(h.timed for h in every))
         self.rejoin_pending = any(h.joiners for h in every)

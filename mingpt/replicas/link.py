@@ -1,7 +1,7 @@
 """A replica member's links: a TLS server on its own address (the other members' heartbeats and
 join requests) and a channel to every other member (its heartbeats and requests out, replies in).
-Sockets, threads, the handshake and the hello live here; what the lines mean is the Beacon's
-(mingpt/replicas/beacon.py), through `_heard` and `_reply`."""
+Sockets, threads, the handshake and the hello live here, with their own table of connections; what
+the records mean is their owner's (the Beacon, mingpt/replicas/beacon.py), told through callbacks."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from mingpt.replicas.wire import (
     HANDSHAKE_S,
@@ -64,27 +65,37 @@ def port_holder(port: int) -> str:
     return ""
 
 
-def member_addresses(peers: list[str], procs: int) -> list[str]:
-    """Every member's beacon address: process i of a group listens on its peers entry's port + i."""
+def member_addresses(groups: list[str], procs: int) -> list[str]:
+    """Every member's beacon address, from each group's (replicas.peers): process i of a group listens on
+    its group's port + i."""
     out = []
-    for peer in peers:
-        host, port = host_port(peer)
+    for address in groups:
+        host, port = host_port(address)
         out += [f"[{host}]:{port + i}" if ":" in host else f"{host}:{port + i}" for i in range(procs)]
     if len(set(out)) != len(out):
         raise ReplicaError(f"with {procs} processes per group, group g's processes listen on its replicas.peers "
-                           f"port and the {procs - 1} after it: these overlap in {peers}; space the ports at "
+                           f"port and the {procs - 1} after it: these overlap in {groups}; space the ports at "
                            f"least {procs} apart")
     return out
 
 
 class Links:
-    """The sockets of member `me` of `peers` (every member's (host, port)); a subclass answers the
-    lines they carry (`_heard`, `_reply`) and names members (`name`)."""
+    """The sockets of member `me` of `addresses` (every member's (host, port), `procs` per group): a server
+    for the others' channels in, a channel out to each. Lines are parsed here; their records go to the
+    owner's callbacks, on the links' threads once `start`ed (one that returns a string drops the record,
+    saying why): `on_request(member, inc, msg, channel)` what a member (incarnation `inc`) sent in,
+    `channel` to answer; `on_reply(msg)` what came back on a channel out; `heartbeat()` what goes out
+    every heartbeat_s; `on_up(member)` a channel out is up; `on_lost(member, inc)` the member's newest
+    connection in ended (under the links' lock: it must not call Links)."""
 
-    def __init__(self, peers: list[tuple[str, int]], me: int, secret: bytes, heartbeat_s: float,
-                 lost_after_s: float):
-        self.peers, self.heartbeat_s, self.lost_after_s = peers, heartbeat_s, lost_after_s
+    def __init__(self, addresses: list[tuple[str, int]], me: int, incarnation: str, secret: bytes, heartbeat_s: float,
+                 lost_after_s: float, procs: int, *, heartbeat: Callable[[], Heartbeat], on_request: Callable,
+                 on_reply: Callable, on_up: Callable[[int], None], on_lost: Callable[[int, str], None]):
+        self.addresses, self.member, self.incarnation, self.procs = addresses, me, incarnation, procs
+        self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
+        self.heartbeat, self.on_request, self.on_reply, self.on_up, self.on_lost = heartbeat, on_request, on_reply, on_up, on_lost
         self.dropped: Counter = Counter()  # messages and connections dropped, by sender
+        self._lock = threading.Lock()
         self._tls_server, self._tls_client = contexts(secret)
         self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
         self._door = threading.Lock()
@@ -94,15 +105,14 @@ class Links:
         # a member that dialled in is up: the sender to it dials now if it waits to (a returning member
         # hears this one within a handshake, not up to a heartbeat later; set while connected, it only
         # spares the sender's next wait once)
-        self._dial = {m: threading.Event() for m in range(len(peers)) if m != me}
-        # news of a member (heard from anew, or a channel to it up): a member forming an epoch looks again
-        self._news = threading.Event()
+        self._dial = {m: threading.Event() for m in range(len(addresses)) if m != me}
         self._stop = threading.Event()
         self._told_size = False  # a peer of another size of job was named once (its sender retries every heartbeat)
+
+    def start(self) -> None:
         # the senders first: while the port is taken, the other members hear this one (starting), and
         # wait for it rather than end the job for want of a group
-        self._threads = [threading.Thread(target=self._send, args=(m,), daemon=True)
-                         for m in range(len(self.peers)) if m != me]
+        self._threads = [threading.Thread(target=self._send, args=(m,), daemon=True) for m in self._dial]
         for t in self._threads:
             t.start()
         try:
@@ -116,12 +126,23 @@ class Links:
         self._threads.append(threading.Thread(target=self._accept, args=(selector,), daemon=True))
         self._threads[-1].start()
 
+    def name(self, member: int) -> str:
+        """A member as the logs name it: "group 2", or "group 2 process 1" with several per group."""
+        return f"group {member}" if self.procs == 1 else f"group {member // self.procs} process {member % self.procs}"
+
+    def send(self, member: int, msg) -> None:
+        """`msg` to `member` over this member's channel to it; OSError if there is none."""
+        channel = self._senders.get(member)
+        if channel is None:
+            raise OSError("not connected")
+        channel.send(msg)
+
     def _listen(self) -> socket.socket:
         """A listener on this member's address only (nothing listens wider than it must). A port held
         by another process (a previous incarnation's lingering socket, or another user) is tried again
         for as long as this process runs: every 10 s at most, the holder named where /proc tells it, in
         a line a minute at most once it has been said."""
-        host, port = self.peers[self.member]
+        host, port = self.addresses[self.member]
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         pause, said = 0.5, -1e9
         while True:
@@ -154,12 +175,7 @@ class Links:
             except OSError:
                 pass
 
-    def _write(self, conn: Channel | None, msg) -> None:
-        if conn is None:
-            raise OSError("not connected")
-        conn.send(msg)
-
-    def _drop(self, who: str, why: str) -> None:
+    def drop(self, who: str, why: str) -> None:
         """A message that is not one of ours, or a connection that did not prove the secret: dropped,
         counted, and logged the first time for each sender."""
         with self._lock:
@@ -198,7 +214,7 @@ class Links:
                     deadline, address = silent.pop(conn)
                     if not self._handshakes.acquire(blocking=False):
                         conn.close()
-                        self._drop("the accept loop", f"a connection beyond {HANDSHAKES} in their handshake")
+                        self.drop("the accept loop", f"a connection beyond {HANDSHAKES} in their handshake")
                         continue
                     threading.Thread(target=self._serve, args=(conn, address, deadline), daemon=True).start()
         for conn in silent:
@@ -211,7 +227,7 @@ class Links:
             conn, address = self._server.accept()
         except OSError as e:
             if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                self._drop("the accept loop", f"a connection ({e.strerror}: out of descriptors)")
+                self.drop("the accept loop", f"a connection ({e.strerror}: out of descriptors)")
                 time.sleep(0.05)  # connections close meanwhile; the listener stays
             return
         if len(silent) >= SILENT:
@@ -223,7 +239,7 @@ class Links:
         selector.unregister(conn)
         _, address = silent.pop(conn)
         conn.close()
-        self._drop(str(address[0]), f"{what} (it did not prove the job secret in {HANDSHAKE_S:g} s)")
+        self.drop(str(address[0]), f"{what} (it did not prove the job secret in {HANDSHAKE_S:g} s)")
 
     def _serve(self, conn: socket.socket, address, deadline: float) -> None:
         """One peer's heartbeats and requests, once it completed the handshake and named itself (by
@@ -237,10 +253,10 @@ class Links:
                 tls.settimeout(max(0.01, deadline - time.monotonic()))
                 tls.do_handshake()
                 tls.settimeout(max(0.01, deadline - time.monotonic()))
-                hello = parse(read_line(tls), len(self.peers))
+                hello = parse(read_line(tls), len(self.addresses))
             except (OSError, WireError, ValueError) as e:  # ValueError: shut down by the accept loop meanwhile
                 (tls or conn).close()
-                self._drop(str(address[0]), f"a connection that did not prove the job secret ({e})")
+                self.drop(str(address[0]), f"a connection that did not prove the job secret ({e})")
                 return
             finally:
                 with self._door:
@@ -250,36 +266,45 @@ class Links:
                 tls.close()
                 return
             member, inc = hello.member, hello.inc
-            channel = Channel(tls, lambda line: self._heard(member, inc, channel, line))
+            channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a message",
+                                                               lambda msg: self.on_request(member, inc, msg, channel)))
             with self._lock:  # this connection is now the member's: an older one's end says nothing of it
                 self._inbound[member] = channel
             self._dial[member].set()
-            channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.peers), member))
+            channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member))
             channel.run()
         finally:
             with self._lock:  # only the member's newest authenticated connection says, by ending, that it is gone
                 if member is not None and self._inbound.get(member) is channel:
                     del self._inbound[member]
-                    if self._seen.get(member, {}).get("inc") == inc:
-                        self._seen[member]["eof"] = True
+                    self.on_lost(member, inc)
+
+    def _deliver(self, line: bytes, who: str, what: str, handler: Callable[[object], str | None]) -> None:
+        """A line from `who` into its record, for `handler`; dropped if not one of ours, or if `handler` says why."""
+        try:
+            msg = parse(line, len(self.addresses))
+        except WireError as e:
+            return self.drop(who, f"{what} that is not one of ours ({e})")
+        if (why := handler(msg)) is not None:
+            self.drop(who, why)
 
     def _welcome(self, hello, tls) -> bool:
         """Whether a peer's hello (it holds the secret) is of this job's protocol and layout."""
         if not isinstance(hello, Hello) or hello.v != PROTOCOL:
-            self._drop("a peer", f"a hello of another protocol ({hello})")
+            self.drop("a peer", f"a hello of another protocol ({hello})")
             return False
-        if hello.members != len(self.peers):  # its member numbers are not ours: it must not join
+        if hello.members != len(self.addresses):  # its member numbers are not ours: it must not join
             if not self._told_size:
                 self._told_size = True
                 log.error("replica beacon: refused a peer of this job that counts %s processes in all, where this "
                           "one counts %d: start every group with the same --nproc_per_node and replicas.peers",
-                          hello.members, len(self.peers))
+                          hello.members, len(self.addresses))
             return False
-        if not 0 <= hello.member < len(self.peers) or hello.member == self.member:
-            self._drop("a peer", f"a hello from member {hello.member}")
+        if not 0 <= hello.member < len(self.addresses) or hello.member == self.member:
+            self.drop("a peer", f"a hello from member {hello.member}")
             return False
         if hello.to != self.member:  # it dialled another member's address, and was relayed here
-            self._drop(f"{self.name(hello.member)} relayed", f"a hello for {self.name(hello.to)} (a relay)")
+            self.drop(f"{self.name(hello.member)} relayed", f"a hello for {self.name(hello.to)} (a relay)")
             return False
         tls.settimeout(None)
         return True
@@ -289,26 +314,24 @@ class Links:
         while not self._stop.is_set():
             channel = None
             try:
-                conn = socket.create_connection(self.peers[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
+                conn = socket.create_connection(self.addresses[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 tls = self._tls_client.wrap_socket(conn)
-                tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.peers), member)))
-                hello = parse(read_line(tls), len(self.peers))
+                tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member)))
+                hello = parse(read_line(tls), len(self.addresses))
                 if (not isinstance(hello, Hello) or hello.member != member or hello.to != self.member
                         or hello.v != PROTOCOL):
                     # a relay: whoever holds the address we dialled passed us on to another member
-                    self._drop(f"{self.name(member)}'s address", f"a server that is not {self.name(member)} ({hello})")
+                    self.drop(f"{self.name(member)}'s address", f"a server that is not {self.name(member)} ({hello})")
                     tls.close()
                     time.sleep(self.heartbeat_s)
                     continue
-                channel = Channel(tls, self._reply)
+                channel = Channel(tls, lambda line: self._deliver(line, "a coordinator", "a reply", self.on_reply))
                 self._senders[member] = channel
-                self._news.set()
+                self.on_up(member)
                 threading.Thread(target=channel.run, daemon=True).start()
                 while not self._stop.is_set() and not channel.closed.is_set():
-                    with self._lock:
-                        status = dict(self.status)
-                    channel.send(Heartbeat(**status))
+                    channel.send(self.heartbeat())
                     channel.closed.wait(self.heartbeat_s)
             except (OSError, WireError):
                 pass

@@ -19,7 +19,7 @@ import torch
 
 from mingpt.replicas.beacon import Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError
-from mingpt.replicas.tensors import ShareHeader
+from mingpt.replicas.wire import Flags, ShareHeader, Vote
 from mingpt.runtime import distributed
 
 
@@ -47,17 +47,20 @@ class EveryProcess:
     def saves(self, epoch: Epoch | None) -> bool:
         return epoch is not None and epoch.rank == 0
 
-    def peers(self, epoch: Epoch) -> tuple[object, list, int]:
+    def partners(self, epoch: Epoch) -> tuple[object, list, int]:
         """The process group of the exchange and the healing, its members, and this one's rank there."""
         return epoch.pg, epoch.members, epoch.rank
 
     def healed(self, numbers: list[int]) -> list[int]:
-        """The members a heal brought forward, from those behind in `peers`."""
+        """The members a heal brought forward, from those behind among the `partners`."""
         return numbers
 
-    def exchange(self, replicas, step: int, rows: dict, heads: dict, device: torch.device) -> tuple[torch.Tensor, list]:  # noqa: ARG002
-        total, every = replicas.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
-        return total, [ShareHeader(*h) for h in every]
+    def agree(self, step: int, failed: MembershipChanged | None, every: list[ShareHeader],  # noqa: ARG002
+              shares: int, device: torch.device) -> list[ShareHeader]:  # noqa: ARG002 - the models' one signature
+        """The step's headers once the exchange is over: this member's exchange decides alone."""
+        if failed is not None:
+            raise failed
+        return every
 
 
 class WholeGroup:
@@ -92,48 +95,33 @@ class WholeGroup:
         procs = self.beacon.procs
         return epoch is not None and epoch.members[0].number // procs == self.beacon.member // procs
 
-    def peers(self, epoch: Epoch) -> tuple[object, list, int]:
+    def partners(self, epoch: Epoch) -> tuple[object, list, int]:
         """The members holding this process's shard (the same process of every group), and its rank there."""
         holders = epoch.holders(self.beacon.member, self.beacon.procs)
-        return epoch.peers, holders, [m.number for m in holders].index(self.beacon.member)
+        return epoch.shard_pg, holders, [m.number for m in holders].index(self.beacon.member)
 
     def healed(self, numbers: list[int]) -> list[int]:
         """A group heals whole, a shard each: every process of each group behind."""
         return [s for n in numbers for s in self.beacon.siblings(n)]
 
-    def exchange(self, replicas, step: int, rows: dict, heads: dict, device: torch.device) -> tuple[torch.Tensor, list]:
-        """The exchange of this process's shard, then a vote of the group's processes over their own
+    def agree(self, step: int, failed: MembershipChanged | None, every: list[ShareHeader], shares: int,
+              device: torch.device) -> list[ShareHeader]:
+        """After the exchange of this process's shard, a vote of the group's processes over their own
         process group: the group applies the step only if every one of them completed its exchange (so
         its shards stay one state), and agrees on the flags and on each share's samples (summed over
         the parts). The headers returned are the group's: flags and samples of every part; the loss
         and the trainer are this part's and group's (the trainer's log sums the parts' losses)."""
-        failed, total, every = None, None, []
-        try:
-            total, every = replicas.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
-            every = [ShareHeader(*h) for h in every]
-        except MembershipChanged as e:
-            failed = e
-        n = replicas.shares_total
-        vote = torch.zeros(4 + 2 * n, dtype=torch.float64)
-        vote[0] = float(failed is not None)
-        if every:
-            vote[1:4] = torch.tensor([float(any(h[i] for h in every)) for i in range(3)], dtype=torch.float64)  # the flags
-            vote[4:] = torch.tensor([[h.samples, h.ids] for h in every], dtype=torch.float64).reshape(-1)
+        mine = Vote(float(failed is not None), Flags.of(every), [[h.samples, h.ids] for h in every])
         # over the group's own process group (its torchrun's), on the model's device (NCCL's on GPUs)
-        agreed = distributed.all_reduce_sum(vote.to(device)).cpu()
-        if agreed[0] > 0:
+        agreed = Vote.unpack(distributed.all_reduce_sum(mine.pack(shares).to(device)).cpu(), shares)
+        if agreed.failed > 0:
             raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
+        flags = Flags(*(float(n > 0) for n in agreed.flags))
         # (each part's samples counted once: the processes of a tensor-parallel group train the same part)
-        flags, parts = (agreed[1:4] > 0).tolist(), (agreed[4:] / self.tp).view(n, 2).tolist()
-        return total, [ShareHeader(*map(float, flags), h.loss, samples, ids, h.group, h.compute)
-                       for h, (samples, ids) in zip(every, parts)]
+        return [h._replace(**flags._asdict(), samples=samples / self.tp, ids=ids / self.tp)
+                for h, (samples, ids) in zip(every, agreed.counts)]
 
 
 def model_of(sharded: bool, procs: int) -> type[EveryProcess] | type[WholeGroup]:
     """The membership model: whole groups where a group's several processes split the model."""
     return WholeGroup if sharded and procs > 1 else EveryProcess
-
-
-def membership(beacon, tp: int = 1) -> EveryProcess | WholeGroup:
-    """The model of a beacon's group, for this process."""
-    return model_of(beacon.sharded, beacon.procs)(beacon, tp)

@@ -1,37 +1,15 @@
-"""What replica groups send as tensors: gradients flattened and set back, the share headers' MAC, and
-the healing state's digest (both keyed by the job secret: gloo authenticates nothing)."""
+"""What replica groups send as tensors: gradients flattened and set back, and the healing state's
+digest (keyed by the job secret: gloo authenticates nothing). The exchange's rows are wire.py's."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
-from typing import NamedTuple
 
 import torch
 
 from mingpt.parallel.shards import own_part
-
-
-class ShareHeader(NamedTuple):
-    """What a share's trainer sends with its gradient row, as float64 columns in this order."""
-    preempted: float  # a preemption signal at that member
-    timed: float  # the save interval elapsed at that member
-    joiners: float  # a group waits to join (that member sees it ready)
-    loss: float  # the share's summed token loss
-    samples: float  # how many samples it trained
-    ids: float  # the sum of their ids (every member trains the same samples of a share, whoever it is)
-    group: float  # the group that trained it (its member's group)
-    compute: float  # that member's seconds computing its shares of the step (the report's time per group)
-
-MAC_COLUMNS = 4  # a header's HMAC-SHA256, its 32 bytes carried as four float64 columns
-
-
-def header_mac(key: bytes, row: torch.Tensor) -> torch.Tensor:
-    """A share header's HMAC (keyed by the job secret) as MAC_COLUMNS float64 values (bytes, not numbers)."""
-    digest = hmac.new(key, row.contiguous().numpy().tobytes(), hashlib.sha256).digest()
-    return torch.frombuffer(bytearray(digest), dtype=torch.float64)
-
 
 MAX_STATE_JSON = 64 * 2**20  # the sampler's and counters' state: kilobytes; a size beyond this is no state of ours
 

@@ -13,8 +13,9 @@ down group's port) hangs up, and the client names the member it dialled in its o
 member it reached refuses it before it counts the connection as the client's.
 
 Every line is one JSON object, parsed once here into its record (`Hello`, `Heartbeat`, `Join`,
-`EpochNews`, `Wait`); a line too long, not JSON, or with a field of the wrong type or range is
-dropped (and counted by the caller).
+`EpochNews` with its `Member`s, `Wait`); a line too long, not JSON, or with a field of the wrong type
+or range is dropped (and counted by the caller).
+The exchange's tensors (over gloo, which authenticates nothing) are named here too: `ShareRow`, `Vote`.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
+from typing import NamedTuple
 
-PROTOCOL = 5  # checked at hello: groups of another release refuse each other (5: a hello names whom it is for)
+import torch
+
+PROTOCOL = 6  # checked at hello: groups of another release refuse each other (6: an epoch names its members as `Member`)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
 HANDSHAKE_S = 2.0  # from accept to a peer's hello, at most: a connection slower than this is closed
 
@@ -93,11 +97,12 @@ class Join:
 
 
 @dataclass(frozen=True)
-class MemberEntry:
-    member: int
-    inc: str
-    step: int
-    live: bool
+class Member:
+    """A member (one process) as an epoch knows it."""
+    number: int  # its member number: group * processes per group + process
+    incarnation: str  # this process's start: a restarted group is a new member
+    step: int  # the steps its state holds
+    live: bool  # it has trained in an epoch (its state is the job's, not a snapshot's)
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class EpochNews:
     number: int
     host: str
     port: int
-    members: tuple[MemberEntry, ...]
+    members: tuple[Member, ...]
 
 
 @dataclass(frozen=True)
@@ -124,7 +129,7 @@ NAMES = {cls: name for name, cls in KINDS.items()}
 def checks(members: int) -> dict:
     """Each field's check, for a job of `members` members (built once per job size: every line is parsed)."""
     member = _int(0, members - 1)
-    entry = {"member": member, "inc": _text(32), "step": _int(0), "live": _bool}
+    entry = {"number": member, "incarnation": _text(32), "step": _int(0), "live": _bool}
     return {
         Hello: {"v": _int(0, 2**31), "member": _int(0, 2**31), "inc": _text(32), "members": _int(1, 2**31),
                 "to": _int(0, 2**31)},
@@ -155,12 +160,85 @@ def parse(line: bytes, members: int):
         if not spec[k](v):
             raise WireError(f"a {NAMES[cls]} whose {k} is {str(v)[:40]!r}")
     if cls is EpochNews:
-        obj["members"] = tuple(MemberEntry(**e) for e in obj["members"])
+        obj["members"] = tuple(Member(**e) for e in obj["members"])
     return cls(**obj)
 
 
 def encode(msg) -> bytes:
     return json.dumps({"t": NAMES[type(msg)], **asdict(msg)}).encode() + b"\n"
+
+
+# --- the exchange's tensors (over gloo) ------------------------------------------------------------
+class ShareHeader(NamedTuple):
+    """What a share's trainer sends with its gradient row, as float64 columns in this order."""
+    preempted: float  # a preemption signal at that member
+    timed: float  # the save interval elapsed at that member
+    joiners: float  # a group waits to join (that member sees it ready)
+    loss: float  # the share's summed token loss
+    samples: float  # how many samples it trained
+    ids: float  # the sum of their ids (every member trains the same samples of a share, whoever it is)
+    group: float  # the group that trained it (its member's group)
+    compute: float  # that member's seconds computing its shares of the step (the report's time per group)
+
+
+class Flags(NamedTuple):
+    """What the members of a step agree on: whether any of them saw each (a ShareHeader's first columns)."""
+    preempted: float
+    timed: float
+    joiners: float
+
+    @classmethod
+    def of(cls, headers) -> Flags:
+        return cls(*(float(any(getattr(h, f) for h in headers)) for f in cls._fields))
+
+
+MAC_COLUMNS = 4  # a row's HMAC-SHA256, its 32 bytes carried as four float64 columns
+
+
+def _mac(key: bytes, row: torch.Tensor) -> bytes:
+    return hmac.new(key, row.contiguous().numpy().tobytes(), hashlib.sha256).digest()
+
+
+class ShareRow(NamedTuple):
+    """A share's row in the exchange's table of headers: the share, its step and epoch, and its header;
+    float64 columns, then their HMAC keyed by the job secret (a forged row ends the exchange)."""
+    share: int
+    step: int
+    epoch: int
+    header: ShareHeader
+
+    WIDTH = 3 + len(ShareHeader._fields) + MAC_COLUMNS  # (a class constant, not a field)
+
+    def pack(self, key: bytes) -> torch.Tensor:
+        row = torch.tensor([self.share, self.step, self.epoch, *self.header], dtype=torch.float64)
+        return torch.cat([row, torch.frombuffer(bytearray(_mac(key, row)), dtype=torch.float64)])
+
+    @classmethod
+    def unpack(cls, t: torch.Tensor, key: bytes) -> ShareRow | None:
+        """The row `t` holds; None for padding (-1: fewer shares than another member); WireError without the MAC."""
+        row = t[:-MAC_COLUMNS]
+        if row[0] < 0:
+            return None
+        if not hmac.compare_digest(t[-MAC_COLUMNS:].contiguous().numpy().tobytes(), _mac(key, row)):
+            raise WireError("a row without the job's MAC")
+        share, step, epoch, *header = row.tolist()
+        return cls(int(share), int(step), int(epoch), ShareHeader(*header))
+
+
+class Vote(NamedTuple):
+    """A sharded group's processes' vote after each exchange, summed over their own process group as
+    float64: how many did not complete it, how many saw each flag, and each share's [samples, ids]."""
+    failed: float
+    flags: Flags
+    counts: list  # in share order ([] from a process whose exchange failed)
+
+    def pack(self, shares: int) -> torch.Tensor:
+        counts = [x for c in self.counts or [[0.0, 0.0]] * shares for x in c]
+        return torch.tensor([self.failed, *self.flags, *counts], dtype=torch.float64)
+
+    @classmethod
+    def unpack(cls, t: torch.Tensor, shares: int) -> Vote:
+        return cls(float(t[0]), Flags(*t[1:4].tolist()), t[4:].view(shares, 2).tolist())
 
 
 # --- the channel ------------------------------------------------------------------------------------

@@ -63,7 +63,7 @@ class ReplicaTrainer(Trainer):
             log.warning("replica epoch %d ended at step %d: %s; the next epoch trains the step again",
                         self.replicas.epoch.number, self.progress.step, e)
             self.data.sampler.load_state_dict(before)
-            if not self.regroup(str(e)):
+            if not self.regroup(str(e), e.cause):
                 raise StopTraining(self.run_over.seen) from None
             return None
 
@@ -129,15 +129,15 @@ class ReplicaTrainer(Trainer):
         self.replicas.close()
 
     # --- epochs --------------------------------------------------------------------------------------
-    def regroup(self, why: str) -> bool:
+    def regroup(self, why: str, cause: str = "") -> bool:
         """Form the next epoch and bring every member to the newest state among them; False when a
         preemption signal came first (the process stops without saving: it is no member), or the
-        other groups finished the run meanwhile."""
+        other groups finished the run meanwhile. `cause`: the last epoch's root cause, if not `why`."""
         t0, p, last = time.monotonic(), self.progress, self.replicas.epoch
         with self.ledger.during("regroup"):
             while True:
                 epoch = self.replicas.form(p.step, lambda: self.policy.preempt.requested or self.run_over(),
-                                           why)
+                                           cause or why)
                 self.role = self.epoch_role()
                 if epoch is None and self.run_over.seen:
                     log.info("the other replica groups finished the run (its snapshot of step %d is committed) while "
@@ -154,13 +154,13 @@ class ReplicaTrainer(Trainer):
                     continue  # announce the step loaded
                 self.resume = None  # a live member holds the job's state: heal from it, never load
                 try:
-                    source, healed = self.replicas.heal(self.parallel.held(self.optimizer), self.state_json,
-                                                        self.load_state)
+                    heal = self.replicas.heal(self.parallel.held(self.optimizer), self.state_json,
+                                              self.load_state)
                     break
                 except MembershipChanged as e:  # lost while healing: form the next epoch
                     log.warning("replica epoch %d ended while healing: %s", epoch.number, e)
-                    why = str(e)
-        name = self.replicas.beacon.name
+                    why, cause = str(e), e.cause
+        name, source, healed = self.replicas.beacon.name, heal.source, heal.members
         if self.replicas.beacon.member in healed:
             self._redo = None  # other weights now: nothing computed before holds
             log.info("healed from replica %s: at step %d", name(source), p.step)

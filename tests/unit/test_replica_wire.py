@@ -22,6 +22,8 @@ import torch.distributed as dist
 from conftest import free_port
 
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas
+from mingpt.replicas.group import Healed
+from mingpt.replicas.link import Links
 from mingpt.replicas.wire import (
     MAX_LINE,
     PROTOCOL,
@@ -29,7 +31,7 @@ from mingpt.replicas.wire import (
     Heartbeat,
     Hello,
     Join,
-    MemberEntry,
+    ShareHeader,
     Wait,
     WireError,
     contexts,
@@ -40,6 +42,7 @@ from mingpt.replicas.wire import (
 )
 
 SECRET = b"0f4c2a9d81e3b7c6a5d4e3f2a1b0c9d8"
+HEADER = ShareHeader(0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0)  # a share's header, as its trainer sends it
 OTHER = b"9a8b7c6d5e4f3a2b1c0d9e8f7a6b5c4d"
 
 
@@ -65,7 +68,8 @@ def peer(port, member, members, secret=SECRET, to=0):
     (b'{"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": 3}', Join("ab12", 9, True, 3)),
     (b'{"t": "wait", "id": "ab12"}', Wait("ab12")),
     (b'{"t": "epoch", "id": "ab12", "number": 4, "host": "h", "port": 5, "members": '
-     b'[{"member": 1, "inc": "x", "step": 9, "live": false}]}', EpochNews("ab12", 4, "h", 5, (MemberEntry(1, "x", 9, False),))),
+     b'[{"number": 1, "incarnation": "x", "step": 9, "live": false}]}',
+     EpochNews("ab12", 4, "h", 5, (Member(1, "x", 9, False),))),
 ])
 def test_each_message_is_parsed_into_its_record(line, record):
     assert parse(line, 3) == record
@@ -82,7 +86,7 @@ def test_each_message_is_parsed_into_its_record(line, record):
     b'{"t": "hb", "state": "training", "epoch": 3, "step": 9, "taking": -1, "extra": 1}',
     b'{"t": "hb", "state": "training", "epoch": 3, "step": 9}',
     b'{"t": "epoch", "id": "ab12", "number": 4, "host": "h", "port": 5, "members": '
-    b'[{"member": 7, "inc": "x", "step": 9, "live": false}]}',  # a member this job does not have
+    b'[{"number": 7, "incarnation": "x", "step": 9, "live": false}]}',  # a member this job does not have
     b'{"t": "rm -rf"}', b'[1, 2]', b'"hello"', b'not json', b'\xff\xfe',
 ])
 def test_a_message_of_the_wrong_type_or_range_is_refused(line):
@@ -118,10 +122,51 @@ def test_a_stranger_is_refused_before_anything_is_read(caplog):
         with pytest.raises((ssl.SSLError, OSError)):
             peer(port, 1, 2, secret=OTHER)
         assert set(a.alive()) == {0} and a.max_epoch == -1
-        assert wait_for(lambda: a.dropped["127.0.0.1"] == 2)
+        assert wait_for(lambda: a.links.dropped["127.0.0.1"] == 2)
         assert "did not prove the job secret" in caplog.text
     finally:
         a.close()
+
+
+def test_links_hand_each_record_to_their_owners_callbacks():
+    """Two members' Links over loopback, with fake callbacks for an owner: each one's heartbeat reaches
+    the other's on_request, with the sender's member and incarnation; a request is answered on its
+    channel and the answer reaches on_reply; a record the owner refuses is dropped and counted; a
+    member that closes is reported to on_lost once."""
+    addresses = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
+    heard, up, lost, replies = {0: [], 1: []}, {0: [], 1: []}, {0: [], 1: []}, []
+
+    def on_request(me):
+        def take(member, inc, msg, channel):
+            heard[me].append((member, inc, msg))
+            if isinstance(msg, Join):
+                channel.send(Wait(msg.id))
+            return f"a {type(msg).__name__} sent to a server" if isinstance(msg, Wait) else None
+        return take
+
+    links = [Links(addresses, me, f"inc{me}", SECRET, 0.05, 60.0, 1, heartbeat=partial(Heartbeat, "training", me, 10 + me, -1),
+                   on_request=on_request(me), on_reply=replies.append, on_up=up[me].append,
+                   on_lost=lambda member, inc, me=me: lost[me].append((member, inc)))
+             for me in (0, 1)]
+    for link in links:
+        link.start()
+    a, b = links
+    try:
+        assert wait_for(lambda: (0, "inc0", Heartbeat("training", 0, 10, -1)) in heard[1]
+                        and (1, "inc1", Heartbeat("training", 1, 11, -1)) in heard[0])
+        assert up == {0: [1], 1: [0]}
+        a.send(1, Join("ab12", 3, True, 2))
+        assert wait_for(lambda: replies == [Wait("ab12")])
+        a.send(1, Wait("cd34"))
+        assert wait_for(lambda: b.dropped["group 0"] == 1) and (0, "inc0", Wait("cd34")) in heard[1]
+        assert lost == {0: [], 1: []}
+        a.close()
+        assert wait_for(lambda: lost[1] == [(0, "inc0")])
+        with pytest.raises(OSError):
+            b.send(5, Wait("ef56"))  # no channel to a member that is not there
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_relay_on_a_down_groups_address_cannot_pass_for_it():
@@ -177,7 +222,7 @@ def test_a_relay_on_a_down_groups_address_cannot_pass_for_it():
         assert relayed["connections"] - start >= 5
         assert not any(lost), f"group 1 saw group 0 lost {sum(lost)} times of {len(lost)}"
         assert set(a.alive()) == {0, 1} and 2 not in a.alive()
-        assert a._senders.get(2) is None
+        assert a.links._senders.get(2) is None
     finally:
         stop.set()
         relay.close()
@@ -199,7 +244,7 @@ def test_a_bad_heartbeat_from_a_peer_is_dropped_and_the_beacon_goes_on(caplog):
             tls.sendall(json.dumps(bad).encode() + b"\n")
         tls.sendall(encode(Heartbeat("training", 4, 9, -1)))
         assert wait_for(lambda: 1 in a.alive())
-        assert a.dropped["group 1"] == 3 and a.max_epoch == 4
+        assert a.links.dropped["group 1"] == 3 and a.max_epoch == 4
         assert caplog.text.count("a message that is not one of ours") == 1
         epoch = Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "feedfeedfeed", 9, True)], 0)
         assert a.lost(epoch) is None
@@ -221,7 +266,7 @@ def test_a_reply_is_bounded_and_one_that_answers_no_request_is_dropped():
         assert parse(read_line(tls), 2).member == 0
         tls.sendall(encode(Hello(PROTOCOL, 1, "feedfeedfeed", 2, 0)))
         tls.sendall(encode(Wait("abcdef")))  # nobody asked
-        assert wait_for(lambda: a.dropped["a coordinator"] == 1)
+        assert wait_for(lambda: a.links.dropped["a coordinator"] == 1)
         assert a._replies == {}
         tls.settimeout(5)
         with pytest.raises(OSError):  # the client hangs up before the end of the line
@@ -270,7 +315,7 @@ def test_silent_connections_from_another_process_do_not_hold_the_door():
         threads = threading.active_count()
         t0 = time.monotonic()
         b = Beacon(peers, 1, SECRET, 0.05, 60.0)
-        assert wait_for(lambda: 1 in a.alive(), 4.0), f"no handshake in 4 s under the flood; dropped: {dict(a.dropped)}"
+        assert wait_for(lambda: 1 in a.alive(), 4.0), f"no handshake in 4 s under the flood; dropped: {dict(a.links.dropped)}"
         print(f"member's handshake under the flood: {time.monotonic() - t0:.2f} s")
         assert flood.poll() is None  # the flood went on all along
         assert threading.active_count() <= threads + 8  # b's own threads, and the channel: none per silent connection
@@ -309,7 +354,7 @@ def test_the_accept_loop_survives_running_out_of_descriptors():
         c.close()
         _, client = contexts({SECRET!r})
         tls = client.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5))
-        print("handshake after EMFILE:", tls.version(), "dropped:", dict(a.dropped))
+        print("handshake after EMFILE:", tls.version(), "dropped:", dict(a.links.dropped))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert "handshake after EMFILE: TLSv1.3" in out.stdout, out.stdout + out.stderr
@@ -326,7 +371,7 @@ def test_a_squatted_port_is_tried_again_and_its_holder_named(caplog):
     b = Beacon([f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"], 0, SECRET, 0.05, 1.0)
     try:
         assert time.monotonic() - t0 >= 1.0
-        assert b._server.getsockname() == ("127.0.0.1", port)
+        assert b.links._server.getsockname() == ("127.0.0.1", port)
         assert f"cannot listen on 127.0.0.1:{port} yet (Address already in use, held by " in caplog.text
     finally:
         b.close()
@@ -395,7 +440,7 @@ def test_a_heal_that_does_not_match_its_digest_is_transient_and_loads_nothing():
         t.start()
     for t in threads:
         t.join(timeout=30)
-    assert out[0] == (0, [1])
+    assert out[0] == Healed(0, [1])
     assert isinstance(out[1], MembershipChanged) and "does not match its digest" in str(out[1])
     weights, loaded, live, failed = out["1-state"]
     assert torch.equal(weights, torch.full((4,), 2.0)) and loaded == [] and live is False and failed == 1
@@ -437,7 +482,7 @@ def test_a_heal_sends_hundreds_of_tensors_of_any_dtype_in_a_few_collectives_bit_
         t.start()
     for t in threads:
         t.join(timeout=60)
-    assert out[0][0] == (0, [1, 2])
+    assert out[0][0] == Healed(0, [1, 2])
     for g in (1, 2):
         got = [slot.local for slot in out[g][1]]
         assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, sent))
@@ -457,7 +502,7 @@ def test_an_exchange_header_without_the_jobs_mac_is_refused():
         r.epoch = Epoch(3, [Member(0, "a", 5, True), Member(1, "b", 5, True)], g)
         r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
         try:
-            out[g] = r.exchange(5, {s: torch.ones(8) for s in r.shares()}, {s: [1.0] for s in r.shares()})
+            out[g] = r.exchange(5, {s: torch.ones(8) for s in r.shares()}, {s: HEADER for s in r.shares()})
         except MembershipChanged as e:
             out[g] = e
 
@@ -473,14 +518,12 @@ def test_an_exchange_header_without_the_jobs_mac_is_refused():
 def test_a_share_header_crosses_the_exchange_by_name():
     """The header a share's trainer sends (its flags, loss, samples, who trained it) is a named record,
     not eight positions read back as h[0]..h[7]."""
-    from mingpt.replicas.tensors import ShareHeader
-
     r = Replicas(HealBeacon(0, SECRET), members=2, min_groups=1, timeout_s=10, per_group=2)
     r.epoch = Epoch(1, [Member(0, "a", 5, True)], 0)
     r.epoch.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
     sent = {s: ShareHeader(0.0, 1.0, 0.0, 2.5 * s, 4.0, 10.0 + s, 0.0, 0.01 * s) for s in range(4)}
     _, every = r.exchange(3, {s: torch.ones(5) for s in range(4)}, sent)
-    got = [ShareHeader(*h) for h in every]
+    got = every
     assert got == [sent[s] for s in range(4)] and got[2].loss == 5.0 and got[3].ids == 13.0
 
 
@@ -490,7 +533,7 @@ class LeavingBeacon(HealBeacon):
     gone = threading.Event()
 
     def lost(self, epoch):
-        return "group 1 lost" if self.member == 0 and self.gone.is_set() else None
+        return MembershipChanged("group 1 lost") if self.member == 0 and self.gone.is_set() else None
 
 
 def test_a_member_that_completes_the_last_exchange_and_leaves_does_not_drop_the_step():
@@ -509,7 +552,7 @@ def test_a_member_that_completes_the_last_exchange_and_leaves_does_not_drop_the_
             LeavingBeacon.gone.set()
             time.sleep(0.01)
         try:
-            out[g] = r.exchange(9, {s: torch.ones(4) for s in r.shares()}, {s: [1.0] for s in r.shares()})
+            out[g] = r.exchange(9, {s: torch.ones(4) for s in r.shares()}, {s: HEADER for s in r.shares()})
         except MembershipChanged as e:
             out[g] = e
 
@@ -609,7 +652,7 @@ def test_a_recorded_heal_does_not_verify_in_another_epoch_from_another_source_or
     for bit with the same tensors, is refused in epoch 7, when group 2 sends it, or by group 2."""
     record = [Member(0, "a", 75, True), Member(1, "b", 0, False), Member(2, "c", 75, True)]
     out, got = run_heal(6, record)
-    assert out[1] == (0, [1]) and len(got) == 1  # the recording: a heal that verified
+    assert out[1] == Healed(0, [1]) and len(got) == 1  # the recording: a heal that verified
     epoch, members, receiver = {
         "another epoch": (7, record, 1),
         "from another source": (6, [Member(2, "c", 75, True), Member(1, "b", 0, False), Member(0, "a", 75, False)], 1),

@@ -17,7 +17,7 @@ from conftest import free_port, free_port_runs
 
 from mingpt.config.schema import ConfigError, ReplicasConfig
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas, default_min_groups
-from mingpt.replicas.wire import EpochNews, Join, MemberEntry, Wait, encode
+from mingpt.replicas.wire import EpochNews, Join, ShareHeader, Wait
 from mingpt.runtime.distributed import DistInfo
 
 SECRET = b"unit-test-secret-0123456789abcdef0123"
@@ -41,6 +41,11 @@ class Outbox:
 
     def send(self, msg):
         self.sent.append(msg)
+
+
+def header(group, loss=0.0):
+    """A share's header as its trainer sends it: trained by `group`."""
+    return ShareHeader(0.0, 0.0, 0.0, loss, 1.0, 0.0, float(group), 0.0)
 
 
 def epoch_of(groups, me):
@@ -132,14 +137,14 @@ def test_the_two_membership_models_decide_who_saves_exchanges_and_heals():
     every, whole = StubBeacon(5), StubBeacon(5)  # group 2's process 1
     every.procs, whole.procs, whole.sharded = 2, 2, True
     every.siblings = whole.siblings = lambda m: range(m - m % 2, m - m % 2 + 2)
-    epoch = Epoch(3, [Member(m, "x", 7, True) for m in (0, 1, 4, 5)], 3, pg="epoch", peers="shard")
+    epoch = Epoch(3, [Member(m, "x", 7, True) for m in (0, 1, 4, 5)], 3, pg="epoch", shard_pg="shard")
     a, b = (Replicas(beacon, members=6, min_groups=1, timeout_s=5, per_group=2) for beacon in (every, whole))
     assert (type(a.membership).__name__, type(b.membership).__name__) == ("EveryProcess", "WholeGroup")
     assert (a.shares_total, a.parts, b.shares_total, b.parts, b.part) == (12, 1, 6, 2, 1)
     a.epoch = b.epoch = epoch
     assert (a.saves, b.saves) == (False, False)  # group 0 leads: member 0 alone, or both of its processes
-    assert a.membership.peers(epoch) == ("epoch", epoch.members, 3)
-    assert b.membership.peers(epoch) == ("shard", [epoch.members[1], epoch.members[3]], 1)
+    assert a.membership.partners(epoch) == ("epoch", epoch.members, 3)
+    assert b.membership.partners(epoch) == ("shard", [epoch.members[1], epoch.members[3]], 1)
     assert (a.membership.healed([2]), b.membership.healed([2])) == ([2], [2, 3])
     a.epoch = b.epoch = replace(epoch, rank=1)
     every.member = whole.member = 1  # group 0's process 1: saves its shard of whole groups, and nothing else
@@ -157,7 +162,7 @@ def test_each_process_of_a_group_is_a_member_with_its_own_shares_and_port():
     r = Replicas.build(rc, DistInfo(world_size=2, local_world_size=2, local_rank=1), SECRET)
     try:
         assert (r.beacon.member, r.members, r.procs, r.per_group, r.shares_total, r.min_groups) == (3, 6, 2, 1, 6, 2)
-        assert r.beacon.peers[3] == ("127.0.0.1", ports[1] + 1) and r.me == "group 1 process 1"
+        assert r.beacon.links.addresses[3] == ("127.0.0.1", ports[1] + 1) and r.me == "group 1 process 1"
         r.epoch = epoch_of([2, 3, 4, 5], 3)  # group 0 lost (members 0 and 1): one of its shares to each of
         assert r.shares() == [1, 3]  # members 2 and 3; the quorum counts groups: 2 of 3
         assert r.beacon.name(4) == "group 2 process 0"
@@ -186,13 +191,13 @@ def one_member():
 def test_the_exchange_sums_the_shares_in_share_order(one_member):
     torch.manual_seed(0)
     rows = {s: torch.randn(1000) * 10 ** s for s in range(3)}  # magnitudes where the order shows
-    heads = {s: [float(s), 7.0] for s in range(3)}
+    heads = {s: header(s, 7.0) for s in range(3)}
     total, every = one_member.exchange(4, {2: rows[2], 0: rows[0], 1: rows[1]}, heads)
     expected = rows[0].clone()
     expected += rows[1]
     expected += rows[2]
     assert torch.equal(total, expected)
-    assert every == [[0.0, 7.0], [1.0, 7.0], [2.0, 7.0]]
+    assert every == [header(0, 7.0), header(1, 7.0), header(2, 7.0)]
 
 
 @pytest.mark.parametrize("groups", [[0, 1, 2], [0, 2]])
@@ -211,7 +216,7 @@ def test_members_sum_every_share_in_share_order_whoever_trained_it(groups):
         r = Replicas(StubBeacon(g), members=3, min_groups=1, timeout_s=5, per_group=2)
         r.epoch = epoch_of(groups, g)
         r.epoch.pg = dist.ProcessGroupGloo(store, r.epoch.rank, len(groups), datetime.timedelta(seconds=10))
-        results[g] = r.exchange(7, {s: rows[s] for s in r.shares()}, {s: [float(g)] for s in r.shares()})
+        results[g] = r.exchange(7, {s: rows[s] for s in r.shares()}, {s: header(g) for s in r.shares()})
 
     threads = [threading.Thread(target=member, args=(g,)) for g in groups]
     for t in threads:
@@ -221,13 +226,13 @@ def test_members_sum_every_share_in_share_order_whoever_trained_it(groups):
     assert sorted(results) == groups
     for total, every in results.values():
         assert torch.equal(total, expected)
-        assert [h[0] for h in every] == [float(s // 2) if s // 2 in groups else float(groups[s % 2]) for s in range(6)]
+        assert [h.group for h in every] == [float(s // 2) if s // 2 in groups else float(groups[s % 2]) for s in range(6)]
 
 
 def test_an_exchange_without_every_share_is_refused(one_member):
     rows = {0: torch.ones(4), 2: torch.ones(4)}
     with pytest.raises(MembershipChanged, match="lacks shares"):
-        one_member.exchange(0, rows, {0: [0.0], 2: [0.0]})
+        one_member.exchange(0, rows, {0: header(0), 2: header(0)})
 
 
 def serve(beacons):
@@ -262,8 +267,8 @@ def test_a_member_that_missed_the_announcement_gets_it_when_it_asks_again():
     a, b = Beacon(peers, 0, SECRET, 0.05, 1.0), Beacon(peers, 1, SECRET, 0.05, 1.0)
     try:
         assert serve([a, b])
-        a._announced = EpochNews("0", 7, "127.0.0.1", 1, (MemberEntry(0, a.incarnation, 3, True),
-                                                          MemberEntry(1, b.incarnation, 3, True)))
+        a._announced = EpochNews("0", 7, "127.0.0.1", 1, (Member(0, a.incarnation, 3, True),
+                                                          Member(1, b.incarnation, 3, True)))
         epoch = b._ask(0, step=3, live=True)  # a's main thread is busy: only its server answers
         assert epoch is not None and epoch.number == 7 and epoch.rank == 1 and epoch.numbers() == [0, 1]
     finally:
@@ -342,15 +347,15 @@ def test_an_answer_to_a_request_given_up_on_still_counts_the_member_in():
     try:
         assert serve([a, b])
         b.set_status(state="forming")
-        news = EpochNews("5a1e5a1e5a1e", 7, "127.0.0.1", 1, (MemberEntry(0, a.incarnation, 3, True),
-                                                             MemberEntry(1, b.incarnation, 3, True)))
-        b._reply(encode(news))  # the answer to a request b no longer waits for
+        news = EpochNews("5a1e5a1e5a1e", 7, "127.0.0.1", 1, (Member(0, a.incarnation, 3, True),
+                                                             Member(1, b.incarnation, 3, True)))
+        assert b._reply(news) is None  # the answer to a request b no longer waits for: kept
         t0 = time.monotonic()
         epoch = b._ask(0, step=3, live=True)  # a is not coordinating: it does not answer this one
         assert epoch is not None and epoch.number == 7 and epoch.numbers() == [0, 1] and epoch.rank == 1
-        assert time.monotonic() - t0 < 1.0 and b.dropped["a coordinator"] == 0
-        b._reply(encode(replace(news, members=news.members[:1])))  # an epoch without this member invites nothing
-        assert b._invited is None and b.dropped["a coordinator"] == 1
+        assert time.monotonic() - t0 < 1.0 and b.links.dropped["a coordinator"] == 0
+        why = b._reply(replace(news, members=news.members[:1]))  # an epoch without this member invites nothing
+        assert b._invited is None and why == "a EpochNews that answers no request of ours"
     finally:
         a.close()
         b.close()
@@ -360,7 +365,7 @@ def test_a_beacon_listens_on_its_own_address_only():
     port = free_port()
     b = Beacon([f"127.0.0.1:{port}", f"127.0.0.1:{free_port()}"], 0, SECRET, 0.05, 1.0)
     try:
-        assert b._server.getsockname() == ("127.0.0.1", port)
+        assert b.links._server.getsockname() == ("127.0.0.1", port)
     finally:
         b.close()
 
@@ -404,10 +409,12 @@ def test_a_member_that_left_is_reported_with_the_cause_it_saw():
         with a._lock:
             a._seen[1] = {"inc": "one", "t": now, "eof": False, "epoch": 4, "state": "forming", "why": "group 2 lost"}
             a._seen[2] = {"inc": "two", "t": now, "eof": False, "epoch": 4, "state": "training"}
-        assert a.lost(epoch) == "group 1 left epoch 4 (group 2 lost)"
+        left = a.lost(epoch)
+        assert str(left) == "group 1 left epoch 4 (group 2 lost)" and left.cause == "group 2 lost"
         with a._lock:
             a._seen[2]["eof"] = True  # now the coordinator sees group 2 gone too: the cause comes first
-        assert a.lost(epoch) == "group 2 lost (its connection closed)"
+        lost = a.lost(epoch)
+        assert str(lost) == lost.cause == "group 2 lost (its connection closed)"
     finally:
         a.close()
 
@@ -422,7 +429,7 @@ def test_a_member_not_heard_from_yet_is_not_lost_until_it_has_been_silent_as_lon
             a._seen[1] = {"inc": "one", "t": time.monotonic(), "eof": False, "epoch": 4, "state": "training"}
         assert a.lost(epoch) is None  # group 2 not heard from yet: vouched for by the coordinator
         old = replace(epoch, since=time.monotonic() - a.lost_after_s)
-        assert a.lost(old) == "group 2 lost (never heard from in 60 s)"  # silent as long as a lost member: lost
+        assert str(a.lost(old)) == "group 2 lost (never heard from in 60 s)"  # silent as long as a lost member: lost
     finally:
         a.close()
 
@@ -441,7 +448,7 @@ def test_a_lost_member_is_named_with_how_it_was_lost(heard, cause):
             a._seen[1] = {"inc": "one", "t": now, "eof": False, "epoch": 4, "state": "training"}
             a._seen[2] = {"inc": "two", "eof": False, "epoch": 4, "state": "training", **heard,
                           "t": now + heard.get("t", 0.0)}
-        assert a.lost(epoch) == f"group 2 lost ({cause})"
+        assert str(a.lost(epoch)) == f"group 2 lost ({cause})"
     finally:
         a.close()
 
@@ -464,11 +471,11 @@ def test_a_member_that_drops_an_epoch_says_so_and_the_others_leave_it(monkeypatc
         monkeypatch.setattr(b, "set_status", lambda **kw: (seen.append(dict(kw)), Beacon.set_status(b, **kw)))
         assert b.form(9, True, 2, 5.0, lambda: False) is not None
         dropped = next(kw for kw in seen if kw.get("epoch") == 4)  # said before it asked again
-        assert b.status["state"] == "training" and dropped["why"] == "group 2 lost", seen
+        assert b.status.state == "training" and dropped["why"] == "group 2 lost", seen
         with a._lock:  # group 1's heartbeat as it was then, seen by the coordinator training in epoch 4
             a._seen[1] = {"inc": "one", "t": time.monotonic(), "eof": False, "state": "forming", **dropped}
             a._seen[2] = {"inc": "two", "t": time.monotonic(), "eof": False, "epoch": 4, "state": "training"}
-        assert a.lost(epoch) == "group 1 left epoch 4 (group 2 lost)"
+        assert str(a.lost(epoch)) == "group 1 left epoch 4 (group 2 lost)"
     finally:
         a.close()
         b.close()
@@ -549,7 +556,7 @@ def test_a_member_that_finished_is_not_lost_and_the_last_waits_for_the_others():
         threading.Thread(target=two_finishes, daemon=True).start()
         started = time.monotonic()
         r.finish()
-        assert a.status["state"] == "finished" and 0.3 <= time.monotonic() - started < 25
+        assert a.status.state == "finished" and 0.3 <= time.monotonic() - started < 25
         assert a.unfinished(epoch) == []
     finally:
         a.close()
@@ -593,7 +600,7 @@ def test_a_collective_broken_by_a_lost_member_names_it_as_the_beacon_knows_it():
 
         def lost(self, epoch):
             self.reads += 1  # its reader sees the close a moment later
-            return "group 1 lost (its connection closed)" if self.reads > 3 else None
+            return MembershipChanged("group 1 lost (its connection closed)") if self.reads > 3 else None
 
     r = Replicas(Beacon(0), members=3, min_groups=2, timeout_s=5)
     r.epoch = epoch_of([0, 1, 2], 0)

@@ -39,7 +39,7 @@ class Member(ReplicaTrainer, ScriptedStep):
         self.heals, self.lose_at, self.join_at, self.logged = heals, lose_at, join_at, {}
         self.joined = None
 
-    def regroup(self, why: str) -> bool:
+    def regroup(self, why: str, cause: str = "") -> bool:
         self.progress.step = self.heals.get(why, self.progress.step)
         self.replicas.rejoin_pending = False
         return True
