@@ -1,4 +1,4 @@
-"""The README's and docs' training commands, read from their shell blocks."""
+"""The README's and docs' training commands, read from their shell blocks; their exit codes, read from their tables."""
 
 import re
 import shlex
@@ -6,6 +6,7 @@ import shlex
 from conftest import REPO
 
 from mingpt.config.compose import compose
+from mingpt.runtime.exits import Exit
 
 
 def _readme_runs() -> list[list[str]]:
@@ -47,3 +48,22 @@ def test_the_two_machine_recipes_make_a_secret_per_job():
         lines = [line for line in text.splitlines() if line.startswith("mingpt-torchrun --new-secret ~/")]
         assert lines and not any("once" in line for line in lines), (page, lines)
         assert "each job" in text and "secrets.token_hex" not in text, page  # the tool's random secret, no one-liner
+
+
+def _exit_code_tables() -> dict[str, set[int]]:
+    """The codes of every `| code | meaning |` table in the README and docs/, by page."""
+    tables = {}
+    for page in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]:
+        for rows in re.findall(r"^\| code \| meaning \|\n\|[- |]+\|\n((?:\|.*\n)+)", page.read_text(), re.M):
+            tables[page.name] = {int(row.split("|")[1]) for row in rows.splitlines()}
+    return tables
+
+
+def test_the_exit_code_tables_name_exactly_the_codes_a_job_exits_with():
+    """A code added to mingpt/runtime/exits.py and not to the README's table (or the other way round) fails."""
+    assert len(Exit.__members__) == len(Exit), "two of Exit's codes are the same number"
+    assert all(code.meaning and "\n" not in code.meaning for code in Exit)
+    tables = _exit_code_tables()
+    assert "README.md" in tables, "the README's exit-code table (| code | meaning |) is gone"
+    for page, codes in tables.items():
+        assert codes == set(Exit), f"{page}: its table lacks {sorted(map(int, set(Exit) - codes))}, Exit lacks {sorted(codes - set(Exit))}"

@@ -17,6 +17,7 @@ from mingpt.replicas.standby import MemberLock, StandbyEnded, release
 from mingpt.replicas.wire import contexts
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
+from mingpt.runtime.exits import Exit
 from mingpt.training.metrics import peak_flops
 from mingpt.training.snapshots import Start, where_to_start
 from mingpt.training.state import StepStats, Todo
@@ -236,7 +237,7 @@ def stand_by(cfg, info, lease, lock: MemberLock, ledger, preempt, build: Callabl
     if not lock.wait(lambda: (preempt is not None and preempt.requested) or finished()):
         if preempt is not None and preempt.requested:
             raise StandbyEnded(f"replica {me}'s spare stopped while standing by (it trained nothing: nothing to save)",
-                               distributed.EXIT_PREEMPTED)
+                               Exit.PREEMPTED)
         raise StandbyEnded(over, 0)
     start = where_to_start(cfg, info, lease)[1]
     if start.manifest and start.manifest["step"] >= cfg.trainer.max_steps:  # its member exited at the end
