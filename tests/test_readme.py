@@ -66,4 +66,5 @@ def test_the_exit_code_tables_name_exactly_the_codes_a_job_exits_with():
     tables = _exit_code_tables()
     assert "README.md" in tables, "the README's exit-code table (| code | meaning |) is gone"
     for page, codes in tables.items():
-        assert codes == set(Exit), f"{page}: its table lacks {sorted(map(int, set(Exit) - codes))}, Exit lacks {sorted(codes - set(Exit))}"
+        lacks, extra = sorted(map(int, set(Exit) - codes)), sorted(codes - set(Exit))
+        assert codes == set(Exit), f"{page}: its table lacks {lacks}, mingpt.runtime.exits.Exit lacks {extra}"
