@@ -42,6 +42,7 @@ def worker(overrides: list[str], steps: int) -> None:
     from mingpt.main import assemble
     from mingpt.runtime import distributed
     from mingpt.runtime.console import setup_logging
+    from mingpt.runtime.exits import exit_process
 
     info = distributed.DistInfo.from_env()
     setup_logging(info)
@@ -83,7 +84,7 @@ def worker(overrides: list[str], steps: int) -> None:
         print("RESULT " + json.dumps({k: max(m[k] for m in every) for k in every[0]}), flush=True)
     run.close()
     distributed.shutdown()
-    distributed.exit_process(0, had_process_group=True)
+    exit_process(0, had_process_group=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,6 +48,7 @@ def worker(steps: int, warmup: int, overrides: list[str]) -> None:
     from mingpt.config.compose import compose
     from mingpt.main import assemble, setup_logging
     from mingpt.runtime import distributed
+    from mingpt.runtime.exits import exit_process
 
     busy, scheduled = [0.0], [0.0]
 
@@ -101,7 +102,7 @@ def worker(steps: int, warmup: int, overrides: list[str]) -> None:
         print("RESULT " + json.dumps(every), flush=True)
     run.close()
     distributed.shutdown()
-    distributed.exit_process(0, had_process_group=True)
+    exit_process(0, had_process_group=True)
 
 
 def layouts(nproc: int, micro: list[int], n_layer: int) -> list[tuple[str, list[str], int]]:

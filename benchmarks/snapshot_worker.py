@@ -19,6 +19,7 @@ from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.parallel.layouts import parallelize
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
+from mingpt.runtime.exits import exit_process
 from mingpt.snapshot import SnapshotStore, Snapshotter
 from mingpt.snapshot.restore import restore
 from mingpt.snapshot.store import candidates, newest_that_loads
@@ -93,7 +94,7 @@ def main() -> None:
     if info.is_rank0:
         print(json.dumps(everyone), flush=True)
     distributed.shutdown()
-    distributed.exit_process(0, had_process_group=info.distributed)
+    exit_process(0, had_process_group=info.distributed)
 
 
 if __name__ == "__main__":

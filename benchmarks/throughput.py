@@ -20,6 +20,7 @@ from mingpt.config.compose import compose
 from mingpt.main import assemble
 from mingpt.runtime import distributed
 from mingpt.runtime.console import setup_logging
+from mingpt.runtime.exits import exit_process
 from mingpt.training.metrics import peak_flops
 
 
@@ -82,5 +83,5 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(f"{res['config']}\n  world size {res['world_size']} x {res['threads_per_process']} threads: "
                   f"{res['ms_per_step']:.1f} ms/step, {res['tokens_per_s']:,} tokens/s, MFU {100 * res['mfu']:.1f}%")
-    distributed.exit_process(0, had_process_group=res["world_size"] > 1)
+    exit_process(0, had_process_group=res["world_size"] > 1)
 

@@ -38,7 +38,8 @@ from mingpt.replicas import ReplicaError, ReplicaExit
 from mingpt.report import goodput
 from mingpt.runtime import distributed
 from mingpt.runtime.console import setup_logging
-from mingpt.runtime.distributed import DistInfo, PreemptionFlag
+from mingpt.runtime.distributed import DistInfo
+from mingpt.runtime.exits import Exit, PreemptionFlag, exit_process, report_error
 from mingpt.runtime.preflight import PreflightError, run_checks
 from mingpt.runtime.storage import set_umask, write_json_atomic
 from mingpt.snapshot import SaveFailedError, SnapshotError
@@ -198,8 +199,8 @@ def report_failure(e: Exception, info: DistInfo, trainer: Trainer | None, replic
     """A lost peer (torchrun restarts the workers; `replicas`: the group's, which heal from a live
     group) or any other failure: one report, an error file."""
     if not distributed.is_peer_failure(e):
-        return distributed.report_error(info, f"{e.__class__.__name__}: {e}", code=1, detail=traceback.format_exc(),
-                                        each_node=True)
+        return report_error(info, f"{e.__class__.__name__}: {e}", code=Exit.FAILED, detail=traceback.format_exc(),
+                            each_node=True)
     if trainer is not None and info.rank < 2:  # where its time went up to the failure (rank 1 too, in case
         # rank 0 is the one lost); no collective can run now
         trainer.ledger.record(lambda rec: MetricsWriter.append(trainer.cfg.run_dir, rec), trainer.progress.step,
@@ -207,8 +208,8 @@ def report_failure(e: Exception, info: DistInfo, trainer: Trainer | None, replic
     after = ("its torchrun restarts the group's processes, which rejoin and heal from a live group" if replicas
              else "torchrun restarts the workers from the latest snapshot")
     what = distributed.lost_peer(e, trainer.hosts if trainer is not None else [], info.rank)
-    return distributed.report_error(info, f"lost contact with a peer: {what}; exiting so that {after}", code=1,
-                                    each_node=True, level=logging.WARNING)
+    return report_error(info, f"lost contact with a peer: {what}; exiting so that {after}", code=Exit.FAILED,
+                        each_node=True, level=logging.WARNING)
 
 
 def start_process(cfg: RunConfig, info: DistInfo, ledger: Ledger) -> DistInfo:
@@ -231,7 +232,7 @@ def finish(finished: bool, cache, info: DistInfo) -> int:
     """The exit code of a training that returned: 0 when done (the node's snapshot cache given back),
     75 when it stopped early and saved, whatever the signal (130 means nothing was saved)."""
     if not finished:
-        return distributed.EXIT_PREEMPTED
+        return Exit.PREEMPTED
     if cache is not None:
         distributed.barrier()
         cache.clear() if info.local_rank == 0 else cache.close()
@@ -255,11 +256,11 @@ def train_process(cfg: RunConfig, info: DistInfo, ledger: Ledger) -> int:
         cache, trainer = trainer.snapshotter.cache, None
         return finish(finished, cache, info)
     except SaveFailedError as e:
-        return distributed.report_error(env, str(e), code=distributed.EXIT_SAVE_FAILED)
+        return report_error(env, str(e), code=Exit.SAVE_FAILED)
     except USER_ERRORS as e:
-        return distributed.report_error(env, str(e), code=2, let_rank0_report=True)
+        return report_error(env, str(e), code=Exit.BAD_INPUT, let_rank0_report=True)
     except ReplicaExit as e:  # its group restarts, or a spare never took its member's place (0: the run finished)
-        log.info("%s", e) if e.code == 0 else distributed.report_error(env, str(e), e.code, level=logging.WARNING)
+        log.info("%s", e) if e.code == 0 else report_error(env, str(e), e.code, level=logging.WARNING)
         return e.code
     except Exception as e:  # noqa: BLE001 - every other failure: one report, an error file, a non-zero exit
         return report_failure(e, env, trainer, cfg.replicas.enabled)
@@ -286,16 +287,16 @@ def main() -> None:
         hydra.main(config_path=config_dir(), config_name="config", version_base="1.3")(
             lambda dcfg: codes.append(train_process(from_dict(OmegaConf.to_container(dcfg, resolve=True)),
                                                     DistInfo.from_env(), ledger)))()  # (each job a start of its own)
-        distributed.exit_process(max(codes, default=0), had_process_group=info.distributed)
+        exit_process(max(codes, default=0), had_process_group=info.distributed)
     try:  # composed once, here: a mistyped override is one line from rank 0 (and torchrun's error file)
         dashed_settings(overrides, refuse=True)
         cfg = compose(overrides)
     except ConfigError as e:
         setup_logging(info)
-        sys.exit(distributed.report_error(info, str(e), code=2, let_rank0_report=True))
+        sys.exit(report_error(info, str(e), code=Exit.BAD_INPUT, let_rank0_report=True))
     code = train_process(cfg, info, ledger)
     # replica groups keep every epoch's process group to the end (see mingpt.replicas): no interpreter shutdown
-    distributed.exit_process(code, had_process_group=info.distributed or cfg.replicas.enabled)
+    exit_process(code, had_process_group=info.distributed or cfg.replicas.enabled)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The README's and docs' training commands, read from their shell blocks."""
+"""The README's and docs' training commands, read from their shell blocks; their exit codes, read from their tables."""
 
 import re
 import shlex
@@ -6,6 +6,7 @@ import shlex
 from conftest import REPO
 
 from mingpt.config.compose import compose
+from mingpt.runtime.exits import Exit
 
 
 def _readme_runs() -> list[list[str]]:
@@ -70,3 +71,23 @@ def test_every_link_to_a_section_of_the_docs_finds_its_heading():
             if not linked.exists() or anchor not in _anchors(linked.read_text()):
                 broken.append(f"{page.relative_to(REPO)}: {target}#{anchor}")
     assert not broken, broken
+
+
+def _exit_code_tables() -> dict[str, set[int]]:
+    """The codes of every `| code | meaning |` table in the README and docs/, by page."""
+    tables = {}
+    for page in [REPO / "README.md", *sorted(REPO.glob("docs/*.md"))]:
+        for rows in re.findall(r"^\| code \| meaning \|\n\|[- |]+\|\n((?:\|.*\n)+)", page.read_text(), re.M):
+            tables[page.name] = {int(row.split("|")[1]) for row in rows.splitlines()}
+    return tables
+
+
+def test_the_exit_code_tables_name_exactly_the_codes_a_job_exits_with():
+    """A code added to mingpt/runtime/exits.py and not to the README's table (or the other way round) fails."""
+    assert len(Exit.__members__) == len(Exit), "two of Exit's codes are the same number"
+    assert all(code.meaning and "\n" not in code.meaning for code in Exit)
+    tables = _exit_code_tables()
+    assert "README.md" in tables, "the README's exit-code table (| code | meaning |) is gone"
+    for page, codes in tables.items():
+        lacks, extra = sorted(map(int, set(Exit) - codes)), sorted(codes - set(Exit))
+        assert codes == set(Exit), f"{page}: its table lacks {lacks}, mingpt.runtime.exits.Exit lacks {extra}"

@@ -29,6 +29,7 @@ from mingpt.config.schema import ConfigError
 from mingpt.runtime import distributed
 from mingpt.runtime.console import quiet_on_closed_pipe
 from mingpt.runtime.distributed import DistInfo
+from mingpt.runtime.exits import Exit, exit_process, report_error
 from mingpt.runtime.preflight import run_checks
 from mingpt.snapshot import SnapshotError, open_store
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose(overrides)
     except ConfigError as e:
-        return distributed.report_error(info, str(e), code=2)
+        return report_error(info, str(e), code=Exit.BAD_INPUT)
     distributed.init(info, cfg.dist.timeout_s)
     store_url = cfg.snapshot_store
     problems, warnings, seconds = run_checks(info, cfg.to_dict(), cfg.data.path, store_url, raise_on_problem=False)
@@ -148,4 +149,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    distributed.exit_process(code, had_process_group=DistInfo.from_env(cuda=False).distributed)
+    exit_process(code, had_process_group=DistInfo.from_env(cuda=False).distributed)

@@ -20,6 +20,7 @@ from mingpt.cli.snapshot import store_path
 from mingpt.model.pretrained import write_gpt2
 from mingpt.model.tokenizer import EOT, TokenizerError, from_state
 from mingpt.runtime.console import quiet_on_closed_pipe
+from mingpt.runtime.exits import Exit
 from mingpt.snapshot.restore import load_from
 from mingpt.snapshot.store import SnapshotError
 
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                      args.ranks_file))
     except (SnapshotError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     return 0
 
 

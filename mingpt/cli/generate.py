@@ -20,6 +20,7 @@ from mingpt.model.generate import stream
 from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.model.tokenizer import TokenizerError, from_state
 from mingpt.runtime.console import quiet_on_closed_pipe
+from mingpt.runtime.exits import Exit
 from mingpt.snapshot.restore import load_from
 from mingpt.snapshot.store import SnapshotError
 
@@ -67,13 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         ids = tok.encode(args.prompt)
     except (SnapshotError, TokenizerError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     if not ids:
         print("error: the prompt encodes to no tokens; give a non-empty --prompt", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     if args.stop_at_eot and tok.eot_id is None:
         print("error: this run's tokenizer has no end-of-text token; leave out --stop-at-eot", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     threads = args.threads or (1 if model.num_params() < 50e6 else torch.get_num_threads())
     torch.set_num_threads(threads)
     print(f"mingpt-generate: sampling from the snapshot of step {manifest['step']} in {store_path(args.snapshot)} "

@@ -45,7 +45,7 @@ import torch  # noqa: F401 - loaded here, under that level
 if _QUIET_CPP:
     del os.environ["TORCH_CPP_LOG_LEVEL"]
 
-from mingpt.runtime.distributed import RESTART_SIGNAL
+from mingpt.runtime.exits import RESTART_SIGNAL, Exit
 from mingpt.runtime.orphan import AGENT_ENV
 from mingpt.runtime.trust import (
     SECRET_ENV,
@@ -57,8 +57,7 @@ from mingpt.runtime.trust import (
 )
 
 # A worker's exit codes that no restart can change (see the README's exit codes).
-PERMANENT = {2: "a bad setting or input", 74: "the snapshot could not be saved",
-             77: "another launch took the snapshot store's lease over"}  # mingpt.snapshot.lease.EXIT_LEASE_LOST
+PERMANENT = {Exit.BAD_INPUT, Exit.SAVE_FAILED, Exit.LEASE_LOST}
 
 
 def _option(argv: list[str], name: str, default: str) -> str:
@@ -106,7 +105,7 @@ def _agent_class():
             result = self._last = super()._monitor_workers(worker_group)
             if result.state == WorkerState.FAILED and self._remaining_restarts > 0:
                 codes = {f.exitcode for f in result.failures.values()}
-                if codes & PERMANENT.keys():
+                if codes & PERMANENT:
                     self._remaining_restarts = 0  # torchrun then stops the workers and ends the job
             return result
 
@@ -160,8 +159,8 @@ def exit_code_of_signal(signum: int, worker_codes: list[int]) -> int:
     """The job's code when the agent was signalled (Ctrl-C, SIGTERM): what the workers said after their
     save, or the shell's 128 + signal when they said nothing."""
     said = [c for c in worker_codes if c > 0]
-    if 74 in said:
-        return 74
+    if Exit.SAVE_FAILED in said:
+        return Exit.SAVE_FAILED
     return max(said) if said else 128 + signum
 
 
@@ -236,19 +235,19 @@ def main(argv: list[str] | None = None) -> None:
             job_secret()  # a missing or unsafe secret: one line here, before any rendezvous
         torchrun.run(args)
     except (SecretError, ConfigError) as e:
-        sys.exit(_say(str(e), 2))
+        sys.exit(_say(str(e), Exit.BAD_INPUT))
     except KeyboardInterrupt:  # before the workers started (torchrun's handler comes with them; see orphan.py)
-        sys.exit(_say("Ctrl-C while starting: stopped before training, nothing to save", 130))
+        sys.exit(_say("Ctrl-C while starting: stopped before training, nothing to save", Exit.INTERRUPTED))
     except (ForgedValueError, RendezvousStateError) as e:  # a value or state in the store that the job did not write
-        sys.exit(_say(str(e).strip().splitlines()[0], 1))
+        sys.exit(_say(str(e).strip().splitlines()[0], Exit.FAILED))
     except DistStoreError as e:  # a value the agents exchange never came: another node stopped in the rendezvous
         missing = str(e).strip().splitlines()[0].rsplit("/", 1)[-1][:80]
         sys.exit(_say(f"a value the nodes exchange through the rendezvous store at {endpoint} did not come within "
                       f"read_timeout={_conf(argv, 'read_timeout', '60')} s (the key {missing}): another node stopped during "
-                      "the rendezvous (its output says why), or cannot reach the store", 1))
+                      "the rendezvous (its output says why), or cannot reach the store", Exit.FAILED))
     except DistNetworkError:  # the node hosting the rendezvous store went away during the rendezvous
         sys.exit(_say(f"lost the rendezvous store at {endpoint} during the rendezvous: the node that hosts it "
-                      "stopped (its output says why) or the network between them failed", 1))
+                      "stopped (its output says why) or the network between them failed", Exit.FAILED))
     except ChildFailedError as e:
         sys.exit(exit_code_of_failures(list(e.failures.values())))
     except SignalException as e:
@@ -258,22 +257,22 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_say(f"cannot reach the rendezvous store at {endpoint} within read_timeout="
                       f"{_conf(argv, 'read_timeout', '60')} s ({cause}). Check that the node it runs on is up and started "
                       "first (or mingpt-rendezvous runs there), that its name resolves from this node, and that the port "
-                      "is open in the firewalls between them", 1))
+                      "is open in the firewalls between them", Exit.FAILED))
     except RendezvousTimeoutError:
         sys.exit(_say(f"the nodes did not all join the rendezvous at {endpoint} within join_timeout="
                       f"{_conf(argv, 'join_timeout', '600')} s (--nnodes={_option(argv, 'nnodes', '?')}). Check that "
-                      "every node was started with the same --rdzv_endpoint, --rdzv_id and job secret", 1))
+                      "every node was started with the same --rdzv_endpoint, --rdzv_id and job secret", Exit.FAILED))
 
 
 def make_secret(argv: list[str]) -> int:
     """`mingpt-torchrun --new-secret FILE`: a new random job secret in FILE (mode 0600; never over a file)."""
     path = argv[0].partition("=")[2] or (argv[1] if len(argv) == 2 else "")
     if not path or len(argv) > (1 if "=" in argv[0] else 2):
-        return _say("--new-secret takes one file name and nothing else: mingpt-torchrun --new-secret FILE", 2)
+        return _say("--new-secret takes one file name and nothing else: mingpt-torchrun --new-secret FILE", Exit.BAD_INPUT)
     try:
         write_new_secret(path)
     except SecretError as e:
-        return _say(str(e), 2)
+        return _say(str(e), Exit.BAD_INPUT)
     print(f"mingpt-torchrun: a new job secret in {path} (mode 0600): give every node of the job "
           f"{SECRET_FILE_ENV}={path} (the same secret)", file=sys.stderr)
     return 0

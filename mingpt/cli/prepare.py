@@ -14,6 +14,7 @@ from mingpt.data.prepare import __doc__ as prepare_doc
 from mingpt.data.sources import DataError
 from mingpt.model.tokenizer import TokenizerError
 from mingpt.runtime.console import quiet_on_closed_pipe
+from mingpt.runtime.exits import Exit
 
 
 def count(n: int, noun: str) -> str:
@@ -63,11 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("name the INPUTs and --out DIR (or --verify DATASET)")
     if not 0 < args.val_fraction < 1:
         print(f"error: --val-fraction must be between 0 and 1, got {args.val_fraction}", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     if args.kind == "char" and args.ranks_file:
         print("error: --tokenizer.ranks_file applies to --tokenizer.kind=bpe only (the char tokenizer builds its "
               "vocabulary from the text); leave one of them out", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     settings = Settings(args.format, args.separator, args.text_field, args.val_fraction, int(args.unit_mb * 2**20),
                         int(args.shard_mb * 2**20))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print("interrupted; run the same command again to continue where it stopped", file=sys.stderr)
-        return 130
+        return Exit.INTERRUPTED
     if rank == 0:
         held_out = (f"the last {m['val_documents']:,} documents" if m["val_documents"] else
                     f"the last {m['tokens'] - m['val_start_token']:,} tokens")

@@ -19,6 +19,7 @@ import time
 import torch
 
 from mingpt.runtime.console import quiet_on_closed_pipe
+from mingpt.runtime.exits import Exit
 from mingpt.runtime.storage import is_local
 from mingpt.snapshot import SnapshotStore
 from mingpt.snapshot.layout import layout_name
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             raise FileNotFoundError(f"{args.store} does not exist: give a run directory or a snapshot store")
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     if args.command == "uploads":
         return _uploads(store, args.older_than * 3600, args.abort)
     snaps = store.list()

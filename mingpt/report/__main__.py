@@ -14,6 +14,7 @@ from pathlib import Path
 from mingpt.report.goodput import read_records
 from mingpt.report.summary import Run, summary
 from mingpt.runtime.console import quiet_on_closed_pipe
+from mingpt.runtime.exits import Exit
 
 
 @quiet_on_closed_pipe
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if not metrics.is_file():
         print(f"error: no metrics at {metrics}: give the run directory a training run wrote "
               "(trainer.run_dir, default runs/default)", file=sys.stderr)
-        return 2
+        return Exit.BAD_INPUT
     run = Run.of(read_records(metrics))
     print(summary(run, str(metrics.parent)))
     if args.no_html:

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a Unix tool whose reader went away
+from mingpt.runtime.exits import CLOSED_PIPE
 
 
 def quiet_on_closed_pipe(main):
@@ -22,7 +22,7 @@ def quiet_on_closed_pipe(main):
             return code
         except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so that nothing writes to it again
-            return EXIT_CLOSED_PIPE
+            return CLOSED_PIPE
 
     return wrapper
 

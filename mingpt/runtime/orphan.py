@@ -13,6 +13,8 @@ import os
 import signal
 import sys
 
+from mingpt.runtime.exits import Exit
+
 _PARENT = os.getppid()  # the agent, recorded at main.py's first import (unless it died already)
 AGENT_ENV = "MINGPT_AGENT_PID"  # "PID:RUN_ID", the agent's pid, known before the worker starts: set by mingpt-torchrun
 # and by the mingpt rendezvous (--rdzv_backend=mingpt, under plain torchrun too)
@@ -35,14 +37,11 @@ def die_with_agent() -> None:
     agent = _agent()
     if agent is not None:  # mingpt-torchrun said who the agent is: a death before _PARENT was read shows too
         if parent != agent:
-            os._exit(1)
+            os._exit(Exit.FAILED)
         # this process's own children (a spawned pool re-runs main.py) have it as their parent
         os.environ[AGENT_ENV] = f"{os.getpid()}:{os.environ['TORCHELASTIC_RUN_ID']}"
     elif parent != _PARENT or (parent == 1 and not _is_launcher(1)):
-        os._exit(1)
-
-
-EXIT_INTERRUPTED = 130  # the shell's 128 + SIGINT (mingpt.runtime.distributed's, which this module cannot import)
+        os._exit(Exit.FAILED)
 
 
 def quiet_ctrl_c_while_starting() -> None:
@@ -58,7 +57,7 @@ def _stop_while_starting(signum, frame) -> None:  # noqa: ARG001 - signal handle
         return
     if os.environ.get("LOCAL_RANK", "0") == "0":  # one line a node (os.write: safe in a signal handler)
         os.write(2, b"Ctrl-C while starting: stopped before training, nothing to save\n")
-    os._exit(EXIT_INTERRUPTED)
+    os._exit(Exit.INTERRUPTED)
 
 
 def _agent() -> int | None:

@@ -15,7 +15,7 @@ is not refused by the lease; a secret per job is what keeps two replica jobs apa
 
 A holder that finds, when it renews or just before it commits a snapshot (`check`), that another
 launch took the lease over (it was frozen or cut off past `ttl_s`) stops at once: `on_lost`, which
-exits with EXIT_LEASE_LOST without committing, and which torchrun does not retry.
+exits with Exit.LEASE_LOST (mingpt/runtime/exits.py) without committing, and which torchrun does not retry.
 
 A holder that finds that another process of its own launch took the lease over
 while it still runs is a world that torchrun's rendezvous has left behind: a node whose heartbeats
@@ -44,9 +44,6 @@ LEASE_FILE = "lease.json"
 # Two launches that both found the store free write one after the other; reading back after this
 # pause, the first sees the second's lease and stops.
 SETTLE_S = 0.5
-# A holder that lost its store to another launch exits with this (EX_NOPERM: the store is no longer
-# its to write); mingpt-torchrun does not restart it (mingpt/cli/launch.py PERMANENT).
-EXIT_LEASE_LOST = 77
 
 
 class LeaseError(SnapshotError):

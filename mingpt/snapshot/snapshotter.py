@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 class SaveFailedError(RuntimeError):
     """The snapshot a run stops with (its last, or a preemption's) was not saved; the message says
-    what to do. The process exits with distributed.EXIT_SAVE_FAILED."""
+    what to do. The process exits with Exit.SAVE_FAILED (mingpt.runtime.exits)."""
 
 
 class ShardWriter:

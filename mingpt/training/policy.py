@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 import torch
 
-from mingpt.runtime.distributed import PreemptionFlag, all_reduce_sum
+from mingpt.runtime.distributed import all_reduce_sum
+from mingpt.runtime.exits import PreemptionFlag
 
 
 def decide(step: int, last: bool, every_steps: int, timed: bool, preempted: bool) -> tuple[bool, bool]:

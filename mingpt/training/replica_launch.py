@@ -13,7 +13,8 @@ from mingpt.config.schema import RunConfig
 from mingpt.replicas import ReplicaExit, Replicas, member_view
 from mingpt.replicas.standby import MemberLock, release
 from mingpt.replicas.wire import contexts
-from mingpt.runtime.distributed import EXIT_PREEMPTED, DistInfo, PreemptionFlag
+from mingpt.runtime.distributed import DistInfo
+from mingpt.runtime.exits import Exit, PreemptionFlag
 from mingpt.runtime.trust import derive, job_secret
 from mingpt.training.replica_trainer import LOOK_EVERY_S, ReplicaTrainer, RunFinished
 from mingpt.training.startup import Start, append_once, load_snapshot, where_to_start
@@ -65,7 +66,7 @@ class ReplicaLaunch:
         if not lock.wait(lambda: preempt.requested or finished()):
             if preempt.requested:
                 raise ReplicaExit(f"replica {me}'s spare stopped while standing by (it trained nothing: nothing to save)",
-                                  EXIT_PREEMPTED)
+                                  Exit.PREEMPTED)
             raise ReplicaExit(over, 0)
         start = where_to_start(cfg, info, lease)[1]
         if start.manifest and start.manifest["step"] >= cfg.trainer.max_steps:  # its member exited at the end

@@ -15,10 +15,11 @@ from mingpt.model.pretrained import pretrained_checkpoint, with_pretrained_shape
 from mingpt.parallel.layouts import Parallel
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
+from mingpt.runtime.exits import Exit, exit_process, report_error
 from mingpt.runtime.trust import derive, job_secret
 from mingpt.snapshot import SnapshotStore, Snapshotter, open_store
 from mingpt.snapshot.layout import layout_name
-from mingpt.snapshot.lease import EXIT_LEASE_LOST, Lease
+from mingpt.snapshot.lease import Lease
 from mingpt.snapshot.nodecache import NodeCache
 from mingpt.snapshot.restore import restore
 from mingpt.snapshot.start import abort_unfinished, check_compatible, choose_start
@@ -89,11 +90,11 @@ def take_lease(cfg: RunConfig, info: DistInfo) -> Lease | None:
     sc, held, secret = cfg.snapshot, [], job_secret()
 
     def lost(why: str) -> None:  # another launch took the store over: stop now, without committing
-        distributed.exit_process(distributed.report_error(info, why, code=EXIT_LEASE_LOST), True)
+        exit_process(report_error(info, why, code=Exit.LEASE_LOST), True)
 
     distributed.on_rank0(lambda: held.append(
         Lease(open_store(cfg.snapshot_store, sc.endpoint_url, sc.uploader), info.launch_id, sc.lease_s,
-              shared=cfg.replicas.enabled, on_superseded=lambda: distributed.exit_process(1, True),
+              shared=cfg.replicas.enabled, on_superseded=lambda: exit_process(Exit.FAILED, True),
               job=derive(secret, "job")[:16] if secret else None, on_lost=lost).take()))
     return held[0] if held else None
 

@@ -14,15 +14,15 @@ import threading
 import time
 from collections.abc import Callable
 
-log = logging.getLogger(__name__)
+from mingpt.runtime.exits import Exit
 
-EXIT_HUNG = 70  # EX_SOFTWARE
+log = logging.getLogger(__name__)
 
 
 def _exit_hung(message: str) -> None:
     log.error("%s; exiting so that torchrun restarts the workers", message)
     logging.shutdown()
-    os._exit(EXIT_HUNG)  # the main thread is stuck: a normal exit would wait for it
+    os._exit(Exit.HUNG)  # the main thread is stuck: a normal exit would wait for it
 
 
 class Watchdog:

@@ -14,6 +14,7 @@ from mingpt.config.compose import compose
 from mingpt.main import assemble
 from mingpt.runtime import distributed
 from mingpt.runtime.console import setup_logging
+from mingpt.runtime.exits import exit_process
 
 
 def whole(g: torch.Tensor) -> torch.Tensor:
@@ -72,7 +73,7 @@ def main() -> None:
         if run is not None:
             run.close()
         distributed.shutdown()
-    distributed.exit_process(0, had_process_group=info.distributed)
+    exit_process(0, had_process_group=info.distributed)
 
 
 if __name__ == "__main__":

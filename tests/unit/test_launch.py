@@ -75,16 +75,16 @@ def test_a_new_rendezvous_round_says_whether_a_node_joined_or_a_peers_workers_re
 
 def test_a_lost_lease_is_the_jobs_exit_code_and_never_retried(tmp_path):
     from mingpt.cli.launch import PERMANENT
-    from mingpt.snapshot.lease import EXIT_LEASE_LOST
+    from mingpt.runtime.exits import Exit
 
     def failure(rank: int, code: int, timestamp: int) -> ProcessFailure:
         f = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file=str(tmp_path / "none.json"))
         f.timestamp = timestamp
         return f
 
-    assert EXIT_LEASE_LOST in PERMANENT
+    assert Exit.LEASE_LOST in PERMANENT
     # rank 0 lost the store's lease and stopped; rank 1 then lost contact with it (exit 1) within the same second
-    assert exit_code_of_failures([failure(1, 1, 1000), failure(0, EXIT_LEASE_LOST, 1000)]) == EXIT_LEASE_LOST
+    assert exit_code_of_failures([failure(1, 1, 1000), failure(0, Exit.LEASE_LOST, 1000)]) == Exit.LEASE_LOST
 
 
 @pytest.mark.parametrize("error", ["forged state", "store gone"])

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from mingpt.runtime.distributed import PreemptionFlag
+from mingpt.runtime.exits import PreemptionFlag
 from mingpt.training.policy import SavePolicy, decide
 
 # step, last, every_steps, timed, preempted -> save, stop

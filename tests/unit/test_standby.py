@@ -50,7 +50,8 @@ def test_a_spare_stopped_while_standing_by_leaves_as_a_replica_process_does_with
 
     from mingpt.config.compose import compose
     from mingpt.replicas import ReplicaExit
-    from mingpt.runtime.distributed import EXIT_PREEMPTED, DistInfo, PreemptionFlag
+    from mingpt.runtime.distributed import DistInfo
+    from mingpt.runtime.exits import Exit, PreemptionFlag
     from mingpt.training.ledger import Ledger
     from mingpt.training.replica_launch import ReplicaLaunch, as_member
 
@@ -74,7 +75,7 @@ def test_a_spare_stopped_while_standing_by_leaves_as_a_replica_process_does_with
             launch.stand_by(cfg, info, None, SimpleNamespace(store=None), Ledger(), stopped)
     finally:
         holder.kill()
-    assert left.value.code == EXIT_PREEMPTED
+    assert left.value.code == Exit.PREEMPTED
     assert str(left.value) == "replica group 1 process 1's spare stopped while standing by (it trained nothing: nothing to save)"
     assert "replica group 1 process 1 runs on this node already: this process stands by as its spare" in caplog.text
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from mingpt.runtime.distributed import PreemptionFlag
+from mingpt.runtime.exits import PreemptionFlag
 from mingpt.training.policy import SavePolicy
 from mingpt.training.state import Progress, Role, StepStats
 from mingpt.training.trainer import StopTraining, Trainer
