@@ -32,7 +32,6 @@ from mingpt.model.gpt import GPT, GPTConfig
 from mingpt.parallel.shards import own_part
 from mingpt.snapshot.layout import Slot, dtype_name, dtype_of
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 CHUNKS = 2  # stages per process under the interleaved schedule
 
 

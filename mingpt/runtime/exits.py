@@ -119,11 +119,6 @@ class PreemptionFlag:
         return self.signum is not None
 
     @property
-    def interrupted(self) -> bool:
-        """The request came from Ctrl-C (SIGINT) on this rank."""
-        return self.signum == signal.SIGINT
-
-    @property
     def restarting(self) -> bool:
         """The request came from mingpt-torchrun's agent restarting the workers (nobody need act)."""
         return self.signum == RESTART_SIGNAL
