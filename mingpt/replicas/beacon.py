@@ -70,6 +70,7 @@ class Beacon:
         self.quorum_wait_s = quorum_wait_s  # forming ends when too few groups are heard from at all for this long
         self.sharded = sharded and procs > 1
         self.incarnation = secrets.token_hex(6)
+        self.born = time.monotonic()  # a member not heard from within lost_after_s of this is not waited for
         self.status = Heartbeat("starting", -1, 0, -1)  # then forming, training, finished: sent as it is
         self.max_epoch = -1
         self.last: Epoch | None = None  # the last epoch this member trained in: the coordinator's own record
@@ -274,7 +275,10 @@ class Beacon:
             with self._lock:
                 asked = {m: r for m, r in self._requests.items() if alive.get(m) == r[1]}
                 starting = {m for m, s in self._seen.items() if s.get("state") == "starting"}
-            if (set(alive) - {self.member} - starting - broken <= set(asked)
+                # a coordinator that just started has not heard every live member yet: one whose first
+                # heartbeat is on its way would be left out, and then healed as a new member
+                unheard = len(self._seen) < self.members - 1 and time.monotonic() - self.born < self.lost_after_s
+            if (set(alive) - {self.member} - starting - broken <= set(asked) and not unheard
                     or time.monotonic() - started > 5 * self.lost_after_s + 5):
                 break
             time.sleep(0.002)

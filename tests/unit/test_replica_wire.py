@@ -396,6 +396,34 @@ def test_the_coordinator_takes_live_and_step_from_its_own_record():
         a.close()
 
 
+def test_a_coordinator_that_just_started_waits_to_hear_every_member_before_it_forms():
+    """The suite's flake: group 0, restarted, was the lowest member alive and formed an epoch with the
+    one member whose heartbeat it had heard, while a live group's first heartbeat was still on its way;
+    that group was left out, and then healed like a new member. A coordinator waits to hear every
+    member (up to lost_after_s from its start) before it forms an epoch."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    beacons, formed, deadline = {1: Beacon(peers, 1, SECRET, 0.05, 5.0)}, {}, time.monotonic() + 20
+
+    def form(m):
+        formed[m] = beacons[m].form(0, False, 2, 10.0, lambda: time.monotonic() > deadline)
+
+    try:
+        beacons[0] = Beacon(peers, 0, SECRET, 0.05, 5.0)
+        threads = [threading.Thread(target=form, args=(m,), daemon=True) for m in (0, 1)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)  # member 2 starts later: the coordinator has heard member 1 only
+        beacons[2] = Beacon(peers, 2, SECRET, 0.05, 5.0)
+        threads.append(threading.Thread(target=form, args=(2,), daemon=True))
+        threads[-1].start()
+        for t in threads:
+            t.join(25)
+        assert [formed.get(m) and formed[m].numbers() for m in range(3)] == [[0, 1, 2]] * 3, formed
+    finally:
+        for b in beacons.values():
+            b.close()
+
+
 class HealBeacon:
     def __init__(self, member, secret):
         self.member, self.procs, self.sharded, self.secret = member, 1, False, secret
