@@ -103,6 +103,8 @@ def survivors(corpus_file, tmp_path, *only: str) -> list[dict]:
     return lines
 
 
+@pytest.mark.long  # (CI: the same faults in tests/scenarios/test_replica_groups.py, their accounting in
+# test_report_of_replica_groups.py)
 def test_survivors(corpus_file, tmp_path):
     """mingpt's replica groups: the survivors go on, the weights are bitwise the fault-free run's."""
     lines = survivors(corpus_file, tmp_path, "--no-torchft")

@@ -220,6 +220,7 @@ for p in filter(str.isdigit, os.listdir("/proc")):  # the entrypoint torchrun's 
 """
 
 
+@pytest.mark.long  # (CI: a spare's takeover in test_replica_groups.py, the image's two nodes below)
 def test_a_warm_spare_exec_d_in_a_groups_container_takes_a_killed_members_place(image, tmp_path):
     """docs/replicas.md, Docker: two replica groups as two containers (--network host); group 1's spare
     is the same command run again with `podman exec` in its container (its /tmp, its network). The

@@ -112,7 +112,7 @@ def test_hsdp_gradients_equal_one_process(nodes, tmp_path, tp):
     assert max(g.abs().max().item() for g in g1.values()) > 1e-3  # real, non-zero gradients
 
 
-@pytest.mark.long  # (CI: FSDP's SIGKILL in test_fault_tolerance; HSDP's restart in the lost node below)
+@pytest.mark.long  # (CI: FSDP's SIGKILL in test_fault_tolerance; an HSDP snapshot at any size: unit/test_store.py)
 def test_a_sigkilled_worker_resumes_bitwise(nodes, reference, tmp_path):
     corpus, ref_dir, _ = reference
     run_dir = tmp_path / "run"
@@ -131,6 +131,7 @@ def test_a_sigkilled_worker_resumes_bitwise(nodes, reference, tmp_path):
         assert torch.equal(v, got[k]), f"{k} differs from the uninterrupted run"
 
 
+@pytest.mark.long  # (CI: a lost node in test_elastic.py, HSDP's gradients and traffic here)
 def test_a_lost_node_leaves_one_copy_and_the_returning_node_rejoins(nodes, reference, tmp_path):
     corpus, ref_dir, _ = reference
     a, b = nodes

@@ -158,7 +158,8 @@ def assert_same(loaded: dict, stored: dict) -> None:
 
 @pytest.mark.parametrize("nproc, layout, said", [
     (2, ["trainer.pipeline_parallel=2"], "ddp x pipeline 2"),
-    (4, ["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"], "ddp x tensor parallel 2 x pipeline 2")],
+    pytest.param(4, ["trainer.pipeline_parallel=2", "trainer.tensor_parallel=2"], "ddp x tensor parallel 2 x pipeline 2",
+                 marks=pytest.mark.long)],  # (CI: split blocks in stages above, pp2-fsdp2-tp2-interleaved)
     ids=["pp2", "pp2-tp2"])
 def test_documents_through_a_pipeline_train_and_evaluate_as_one_process_and_snapshots_go_both_ways(tmp_path, nproc,
                                                                                                  layout, said):

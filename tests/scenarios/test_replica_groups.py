@@ -432,7 +432,10 @@ def test_groups_of_two_processes_lose_one_and_end_as_groups_of_one(reference, tm
 
 # tensor parallel over gloo: a step costs 3x FSDP's here (a collective per sub-layer), so one block
 # and 80 steps (its restart is back within 35, at 10 s)
-@pytest.mark.parametrize("split, shown, steps", [(("trainer.parallel=fsdp",), "fsdp", SHARDED),
+# (groups of several processes are -m long: CI's replica tests are groups of one process, and the
+# sharded groups' shares: tests/unit/test_replicas.py)
+@pytest.mark.parametrize("split, shown, steps", [pytest.param(("trainer.parallel=fsdp",), "fsdp", SHARDED,
+                                                              marks=pytest.mark.long),
                                                  pytest.param(("trainer.tensor_parallel=2", "model.n_layer=1"),
                                                               "ddp x tensor parallel 2", 80, marks=pytest.mark.long)],
                          ids=["fsdp", "tp2"])
