@@ -40,6 +40,7 @@ class Epoch:
     pg: object = None  # the epoch's gloo process group
     shard_pg: object = None  # sharded groups: the process group of the members holding this one's shard
     since: float = field(default_factory=time.monotonic)  # when this member learned of it
+    setup_s: float = 0.0  # how long making its process groups took here
 
     @property
     def world(self) -> int:
@@ -363,6 +364,7 @@ class Beacon:
         if "error" in out:
             raise MembershipChanged(str(out["error"]).splitlines()[0][:200])
         epoch.store, epoch.pg, epoch.shard_pg = out["store"], out["pg"], out.get("shard_pg")
+        epoch.setup_s = time.monotonic() - started
 
     # --- what members say (records parsed once, at the edge: link.py) -----------------------------------
     def _heard(self, member: int, inc: str, msg, channel: Channel) -> str | None:

@@ -162,9 +162,10 @@ class Replicas:
             return None
         members = self.epoch.numbers() if self.procs == 1 else [f"{m // self.procs}.{m % self.procs}"
                                                                 for m in self.epoch.numbers()]
-        log.info("replica epoch %d: %s %s (this is %s, rank %d), formed in %.2f s", self.epoch.number,
+        log.info("replica epoch %d: %s %s (this is %s, rank %d), formed in %.2f s (its process group %.2f s)",
+                 self.epoch.number,
                  "groups" if self.procs == 1 else "group.process", members, self.me, self.epoch.rank,
-                 time.monotonic() - t0)
+                 time.monotonic() - t0, self.epoch.setup_s)
         return self.epoch
 
     def check(self) -> None:

@@ -95,6 +95,8 @@ class Links:
         self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
         self.heartbeat, self.on_request, self.on_reply, self.on_up, self.on_lost = heartbeat, on_request, on_reply, on_up, on_lost
         self.dropped: Counter = Counter()  # messages and connections dropped, by sender
+        self.sent: Counter = Counter()  # messages and bytes this member sent (heartbeats, requests, replies)
+        self.started = time.monotonic()
         self._lock = threading.Lock()
         self._tls_server, self._tls_client = contexts(secret)
         self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
@@ -165,7 +167,15 @@ class Links:
                 time.sleep(pause)
                 pause = min(2 * pause, 10.0)
 
+    def channels(self) -> int:
+        """Connections this member holds now: channels out, and authenticated connections in."""
+        with self._lock:
+            return len(self._senders) + len(self._inbound)
+
     def close(self) -> None:
+        log.info("replica beacon of %s: %d channels at the end; sent %d messages (%d bytes) in %.1f s",
+                 self.name(self.member), self.channels(), self.sent["messages"], self.sent["bytes"],
+                 time.monotonic() - self.started)
         self._stop.set()
         for s in [getattr(self, "_server", None), *self._senders.values()]:
             if s is None:
@@ -267,7 +277,8 @@ class Links:
                 return
             member, inc = hello.member, hello.inc
             channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a message",
-                                                               lambda msg: self.on_request(member, inc, msg, channel)))
+                                                               lambda msg: self.on_request(member, inc, msg, channel)),
+                              sent=self.sent)
             with self._lock:  # this connection is now the member's: an older one's end says nothing of it
                 self._inbound[member] = channel
             self._dial[member].set()
@@ -326,7 +337,8 @@ class Links:
                     tls.close()
                     time.sleep(self.heartbeat_s)
                     continue
-                channel = Channel(tls, lambda line: self._deliver(line, "a coordinator", "a reply", self.on_reply))
+                channel = Channel(tls, lambda line: self._deliver(line, "a coordinator", "a reply", self.on_reply),
+                                  sent=self.sent)
                 self._senders[member] = channel
                 self.on_up(member)
                 threading.Thread(target=channel.run, daemon=True).start()

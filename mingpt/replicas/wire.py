@@ -31,7 +31,7 @@ import select
 import ssl
 import tempfile
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import NamedTuple
@@ -299,8 +299,10 @@ class Channel:
     each one to `on_line`, and writes what any thread `send`s (an SSL connection must not be read and
     written by two threads at once). A send blocked by a cut network gives up after `send_timeout_s`."""
 
-    def __init__(self, sock: ssl.SSLSocket, on_line: Callable[[bytes], None], send_timeout_s: float = 1.0):
+    def __init__(self, sock: ssl.SSLSocket, on_line: Callable[[bytes], None], send_timeout_s: float = 1.0,
+                 sent: Counter | None = None):
         self.sock, self.on_line = sock, on_line
+        self.sent = Counter() if sent is None else sent  # messages and bytes sent (its owner's tally, if given)
         self._out: deque[bytes] = deque()
         self._lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
@@ -311,8 +313,11 @@ class Channel:
     def send(self, msg) -> None:
         if self.closed.is_set():
             raise OSError("the connection is closed")
+        data = encode(msg)
         with self._lock:
-            self._out.append(encode(msg))
+            self._out.append(data)
+            self.sent["messages"] += 1
+            self.sent["bytes"] += len(data)
         with contextlib.suppress(OSError):  # (a full pipe: a wake-up is pending anyway)
             os.write(self._wake_w, b"x")
 
