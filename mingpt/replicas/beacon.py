@@ -1,5 +1,8 @@
-"""The beacon of a replica group: heartbeats to and from every other group, join requests, and
-the epochs their coordinator (the lowest group alive) forms. See mingpt/replicas/__init__.py."""
+"""The beacon of a replica group: heartbeats, join requests, and the epochs their coordinator (the
+lowest member alive) forms. A member hears only a few others directly (link.py: the two lowest
+members up, its epoch's coordinator and successor, its own group's processes); the coordinator, which
+every member dials, hears all of them and tells each member its verdict on their epoch in its
+heartbeats. See mingpt/replicas/__init__.py."""
 
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch.distributed as dist
 
 from mingpt.replicas.link import Links, ReplicaError, host_port
-from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, Member, Wait
+from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, Member, Wait, encode
 from mingpt.runtime.trust import bound_store, derive
 
 log = logging.getLogger(__name__)
@@ -58,7 +61,9 @@ class Epoch:
 
 class Beacon:
     """This member's view of the job: who is alive (heartbeats), who trains in which epoch, and the
-    coordinator's forming of epochs, over its links to every other member (`links`: link.py)."""
+    coordinator's forming of epochs, over its links to a few other members (`links`: link.py). The
+    coordinator of an epoch judges it for all (`lost`), from every member's heartbeats; a member
+    judges the members it hears itself, and takes the coordinator's verdict for the rest."""
 
     def __init__(self, addresses: list[str], member: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
                  procs: int = 1, sharded: bool = False, quorum_wait_s: float = 600.0):
@@ -71,7 +76,8 @@ class Beacon:
         self.quorum_wait_s = quorum_wait_s  # forming ends when too few groups are heard from at all for this long
         self.sharded = sharded and procs > 1
         self.incarnation = secrets.token_hex(6)
-        self.born = time.monotonic()  # a member not heard from within lost_after_s of this is not waited for
+        self._since: float | None = None  # since when this member is the lowest alive (a new coordinator):
+        # it waits for members it has never heard from for lost_after_s from then
         self.status = Heartbeat("starting", -1, 0, -1)  # then forming, training, finished: sent as it is
         self.max_epoch = -1
         self.last: Epoch | None = None  # the last epoch this member trained in: the coordinator's own record
@@ -86,8 +92,8 @@ class Beacon:
         # news of a member (heard from anew, or a channel to it up): a member forming an epoch looks again
         self._news = threading.Event()
         self.links = Links([host_port(a) for a in addresses], member, self.incarnation, secret, heartbeat_s,
-                           lost_after_s, procs, heartbeat=lambda: self.status, on_request=self._heard,
-                           on_reply=self._reply, on_up=lambda _: self._news.set(), on_lost=self._hung_up)
+                           lost_after_s, procs, heartbeat=self._beat, on_message=self._heard,
+                           on_up=lambda _: self._news.set(), on_lost=self._hung_up, pins=self._pins)
         self.name = self.links.name  # a member as the logs name it: "group 2", or "group 2 process 1"
         self.links.start()
 
@@ -120,15 +126,20 @@ class Beacon:
         return out
 
     def lost(self, epoch: Epoch) -> MembershipChanged | None:
-        """Why `epoch` cannot go on (a member lost or gone to form another), or None."""
+        """Why `epoch` cannot go on (a member lost or gone to form another), or None. Its coordinator judges
+        every member; another member the ones it hears itself, then takes the coordinator's verdict."""
         alive = self.alive()
+        coordinator = epoch.members[0].number
         with self._lock:
-            seen = {m: dict(s) for m, s in self._seen.items()}
-        others = [m for m in epoch.members if m.number != self.member]
+            seen = {m.number: dict(self._seen[m.number]) for m in epoch.members if m.number in self._seen}
+        direct = None if coordinator == self.member else self._direct(epoch)
+        others = [m for m in epoch.members if m.number != self.member and (direct is None or m.number in direct)]
         for m in others:  # a lost member first: it is the cause, the others leaving only follow it
-            # one not heard from yet (this member just started: a spare that took its place) is vouched
-            # for by the coordinator that asked it in, until it has been silent as long as a lost one
-            unheard = m.number not in seen and time.monotonic() - epoch.since < self.lost_after_s
+            # one not heard from yet (this member just started: a spare that took its place; or, not the
+            # coordinator, it dials it only now, as the epoch's successor) is vouched for by the
+            # coordinator that asked it in, until it has been silent as long as a lost one
+            last_heard = (seen[m.number]["t"] if direct is not None else float("inf")) if m.number in seen else 0.0
+            unheard = last_heard < epoch.since and time.monotonic() - epoch.since < self.lost_after_s
             if alive.get(m.number) != m.incarnation and not unheard:
                 return MembershipChanged(f"{self.name(m.number)} lost ({self._how_lost(seen.get(m.number), m.incarnation)})")
         for m in others:
@@ -139,7 +150,14 @@ class Beacon:
                 # (a heartbeat of the previous epoch may be late); it left for the cause it saw first
                 return MembershipChanged(f"{self.name(m.number)} left epoch {epoch.number}"
                                          + (f" ({s['why']})" if s.get("why") else ""), s.get("why", ""))
+        verdict = seen.get(coordinator, {})
+        if direct is not None and verdict.get("epoch") == epoch.number and verdict.get("ended"):
+            return MembershipChanged(verdict["ended"], verdict["cause"])
         return None
+
+    def _direct(self, epoch: Epoch) -> set[int]:
+        """The members of `epoch` this one hears itself: its coordinator and successor, its own group's processes."""
+        return {m.number for m in epoch.members[:2]} | set(self.siblings(self.member))
 
     def _how_lost(self, seen: dict | None, incarnation: str) -> str:
         """How a member of an epoch was lost, from its last heartbeat as this beacon saw it (`seen`)."""
@@ -152,9 +170,15 @@ class Beacon:
         return f"not heard from in {self.lost_after_s:g} s"
 
     def unfinished(self, epoch: Epoch) -> list[int]:
-        """Members still training in `epoch`: not finished, not gone to form another, not lost."""
+        """Members still training in `epoch`: not finished, not gone to form another, not lost. Its
+        coordinator's verdict for a member that does not hear them all: the coordinator, until it says
+        every member has finished."""
+        coordinator = epoch.members[0].number
         with self._lock:
             seen = {m: dict(s) for m, s in self._seen.items()}
+        if coordinator != self.member:
+            s = seen.get(coordinator, {})
+            return [] if self.was_lost(coordinator) or (s.get("done") and s.get("epoch") == epoch.number) else [coordinator]
         return [m.number for m in epoch.members if m.number != self.member and not self.was_lost(m.number)
                 and seen.get(m.number, {}).get("state") == "training" and seen[m.number].get("epoch") == epoch.number]
 
@@ -169,20 +193,31 @@ class Beacon:
         return sorted(m for m in ready
                       if all(s in ready or (s in alive and mine.get(s) == alive[s]) for s in self.siblings(m)))
 
-    def _not_taking(self, epoch: Epoch) -> int | None:
-        """A member whose heartbeats do not say it takes part in forming `epoch` (it missed the news)."""
-        with self._lock:
-            for m in epoch.members:
-                seen = self._seen.get(m.number, {})
-                if m.number != self.member and seen.get("taking") != epoch.number and seen.get("epoch") != epoch.number:
-                    return m.number
-        return None
-
     def set_status(self, **kw) -> None:
         with self._lock:
             self.status = replace(self.status, **kw)
             if "epoch" in kw:
                 self.max_epoch = max(self.max_epoch, kw["epoch"])
+        self.links.wake()  # the members that hear this one hear it now
+
+    def _beat(self) -> Heartbeat:
+        """This member's heartbeat; the coordinator of an epoch adds its verdict on it, for the members
+        that do not hear every other: why it cannot go on, whether every member finished."""
+        status, last = self.status, self.last
+        groups = len({m // self.procs for m in self.alive()})
+        if last is None or last.members[0].number != self.member or status.epoch != last.number:
+            return replace(status, groups=groups)
+        ended = self.lost(last) if status.state in ("training", "finished") else None
+        done = status.state == "finished" and not self.unfinished(last)
+        return replace(status, ended=str(ended or "")[:300], cause=(ended.cause if ended else "")[:300], done=done,
+                       groups=groups)
+
+    def _pins(self) -> set[int]:
+        """The members this one keeps a channel to beside the lowest ones up: its group's processes, and
+        while it trains in an epoch, the epoch's coordinator and successor (whose verdict it takes)."""
+        last, state = self.last, self.status.state
+        epoch = {m.number for m in last.members[:2]} if last is not None and state in ("training", "finished") else set()
+        return (set(self.siblings(self.member)) | epoch) - {self.member}
 
     # --- forming an epoch -------------------------------------------------------------------------
     def form(self, step: int, live: bool, min_groups: int, timeout_s: float,
@@ -196,15 +231,22 @@ class Beacon:
             self._news.clear()
             if should_stop():
                 return None
-            if len({m // self.procs for m in self.alive()}) >= min_groups:
+            coordinator = min(self.alive())
+            if coordinator != self.member:
+                self._since = None
+            elif self._since is None:
+                self._since = time.monotonic()
+            if self._groups_heard(coordinator) >= min_groups:
                 heard = time.monotonic()
             elif time.monotonic() - heard > self.quorum_wait_s:  # the missing groups exited (or never started)
                 missing = sorted(set(range(self.members // self.procs)) - {m // self.procs for m in self.alive()})
+                # (the coordinator hears every member: it names them; another member counts them)
+                which = (f"groups {missing}" if coordinator == self.member else
+                         f"{self.members // self.procs - self._groups_heard(coordinator)} groups")
                 raise ReplicaError(f"replica {self.name(self.member)} heard from too few groups for a quorum of "
-                                   f"{min_groups} in {self.quorum_wait_s:g} s (replicas.quorum_wait_s): groups "
-                                   f"{missing} exited or never started (see their logs); start them again, then "
-                                   "this group with them")
-            coordinator = min(self.alive())
+                                   f"{min_groups} in {self.quorum_wait_s:g} s (replicas.quorum_wait_s): {which} "
+                                   "exited or never started (see their logs); start them again, then this group "
+                                   "with them")
             try:
                 epoch = (self._coordinate(step, live, min_groups, timeout_s) if coordinator == self.member
                          else self._ask(coordinator, step, live))
@@ -233,6 +275,13 @@ class Beacon:
                             sorted({g // self.procs for g in self.alive()}))
                 waited = time.monotonic()
             self._news.wait(self.heartbeat_s)
+
+    def _groups_heard(self, coordinator: int) -> int:
+        """Groups alive, as this member hears them, or as the coordinator says (it hears every member)."""
+        heard = len({m // self.procs for m in self.alive()})
+        with self._lock:
+            told = self._seen.get(coordinator, {}).get("groups", 0) if coordinator != self.member else 0
+        return max(heard, told)
 
     def _ask(self, coordinator: int, step: int, live: bool) -> Epoch | None:
         rid = secrets.token_hex(6)
@@ -276,9 +325,11 @@ class Beacon:
             with self._lock:
                 asked = {m: r for m, r in self._requests.items() if alive.get(m) == r[1]}
                 starting = {m for m, s in self._seen.items() if s.get("state") == "starting"}
-                # a coordinator that just started has not heard every live member yet: one whose first
-                # heartbeat is on its way would be left out, and then healed as a new member
-                unheard = len(self._seen) < self.members - 1 and time.monotonic() - self.born < self.lost_after_s
+                # a coordinator that just started (or just became the lowest member alive) has not heard every
+                # live member yet: one whose first heartbeat is on its way would be left out, and then healed
+                # as a new member; one it heard before and lost since is not waited for
+                unheard = (len(self._seen) < self.members - 1
+                           and time.monotonic() - (self._since or 0.0) < self.lost_after_s)
             if (set(alive) - {self.member} - starting - broken <= set(asked) and not unheard
                     or time.monotonic() - started > 5 * self.lost_after_s + 5):
                 break
@@ -310,9 +361,10 @@ class Beacon:
         news = EpochNews("0", number, host, store.port, tuple(members))
         with self._lock:  # a member that missed its answer (it asked again meanwhile) is answered with it
             self._announced = news
+        line = encode(news)  # encoded once (an epoch of a thousand members is 70 kB), each request's id put in
         for request, _, conn in asked.values():
             with contextlib.suppress(OSError):  # it is lost: forming the group notices
-                conn.send(replace(news, id=request.id))
+                conn.send(line.replace(b'"id": "0"', f'"id": "{request.id}"'.encode(), 1))
         return Epoch(number, members, [m.number for m in members].index(self.member), (host, store.port), store)
 
     def _member(self, member: int, request: Join, inc: str, step: int, live: bool) -> Member:
@@ -335,7 +387,9 @@ class Beacon:
         return Member(member, inc, 0, False)
 
     def _make_group(self, epoch: Epoch, timeout_s: float) -> None:
-        """The epoch's gloo process group, made in a thread so that a member lost meanwhile is noticed."""
+        """The epoch's gloo process group, made in a thread so that a member lost meanwhile is noticed. A
+        member slow to take it (a loaded node) is waited for, up to timeout_s, as a collective waits for
+        it: slow is not lost, and leaving it out would only start another epoch for it to be slow in."""
         timeout = datetime.timedelta(seconds=timeout_s)
         out: dict = {}
 
@@ -358,8 +412,6 @@ class Beacon:
         while thread.is_alive():
             if (lost := self.lost(epoch)) is not None:
                 raise lost
-            if time.monotonic() - started > 2 * self.lost_after_s and (late := self._not_taking(epoch)):
-                raise MembershipChanged(f"{self.name(late)} did not take epoch {epoch.number}")
             thread.join(0.005)
         if "error" in out:
             raise MembershipChanged(str(out["error"]).splitlines()[0][:200])
@@ -376,9 +428,13 @@ class Beacon:
                 was = self._seen.get(member)
                 self._seen[member] = {**asdict(msg), "inc": inc, "t": time.monotonic(), "eof": False}
                 if (was is None or was["eof"] or was["inc"] != inc or was["state"] != msg.state
+                        or (was["epoch"], was["ended"], was["done"]) != (msg.epoch, msg.ended, msg.done)
                         or self._seen[member]["t"] - was["t"] >= self.lost_after_s):
                     self._news.set()
+                    self.links.wake()  # (a coordinator's verdict may change: the members hear it now)
                 self.max_epoch = max(self.max_epoch, msg.epoch)
+            elif isinstance(msg, (EpochNews, Wait)):
+                return self._reply(msg)
             elif isinstance(msg, Join):
                 news = self._announced
                 if news and (member, inc) in [(m.number, m.incarnation) for m in news.members]:
@@ -387,7 +443,7 @@ class Beacon:
                     news = None
                     self._requests[member] = (msg, inc, channel)
             else:
-                return f"a {type(msg).__name__} sent to a server"
+                return f"a {type(msg).__name__} sent to a beacon"
         if news:  # it missed the answer to an earlier request
             with contextlib.suppress(OSError):
                 channel.send(replace(news, id=msg.id))
@@ -397,6 +453,7 @@ class Beacon:
         with self._lock:
             if self._seen.get(member, {}).get("inc") == inc:
                 self._seen[member]["eof"] = True
+        self.links.wake()
 
     def _invites(self, news: EpochNews) -> bool:
         """Whether `news` counts this member, forming now, into an epoch newer than its last (under the lock)."""
@@ -405,14 +462,13 @@ class Beacon:
                 and (self.member, self.incarnation) in [(m.number, m.incarnation) for m in news.members])
 
     def _reply(self, msg) -> str | None:
-        """A coordinator's answer to one of our requests; else why it is dropped."""
-        with self._lock:
-            if isinstance(msg, (EpochNews, Wait)) and msg.id in self._pending:
-                self._replies[msg.id] = msg
-                return None
-            if isinstance(msg, EpochNews) and self._invites(msg):
-                # it answers a request this member gave up on (the coordinator it asked seemed lost a moment,
-                # or another seemed lower): the coordinator counted it in, and the epoch waits for it
-                self._invited = msg
-                return None
+        """A coordinator's answer to one of our requests (under the lock); else why it is dropped."""
+        if msg.id in self._pending:
+            self._replies[msg.id] = msg
+            return None
+        if isinstance(msg, EpochNews) and self._invites(msg):
+            # it answers a request this member gave up on (the coordinator it asked seemed lost a moment,
+            # or another seemed lower): the coordinator counted it in, and the epoch waits for it
+            self._invited = msg
+            return None
         return f"a {type(msg).__name__} that answers no request of ours"

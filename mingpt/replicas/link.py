@@ -1,7 +1,8 @@
-"""A replica member's links: a TLS server on its own address (the other members' heartbeats and
-join requests) and a channel to every other member (its heartbeats and requests out, replies in).
-Sockets, threads, the handshake and the hello live here, with their own table of connections; what
-the records mean is their owner's (the Beacon, mingpt/replicas/beacon.py), told through callbacks."""
+"""A replica member's links: a TLS server on its own address (the channels of the members that dial
+this one) and channels out to a few members (`Links.targets`), each carrying heartbeats both ways,
+join requests and their replies. Sockets, threads, the handshake and the hello live here, with their
+own table of connections; what the records mean is their owner's (the Beacon,
+mingpt/replicas/beacon.py), told through callbacks."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from mingpt.replicas.wire import (
     HANDSHAKE_S,
     PROTOCOL,
+    Bye,
     Channel,
     Heartbeat,
     Hello,
@@ -30,6 +32,7 @@ from mingpt.replicas.wire import (
 
 log = logging.getLogger("mingpt.replicas.beacon")
 
+PROBES = 4  # dials at once to members not pinned (the lowest members, or those below them that may be back)
 HANDSHAKES = 16  # connections in their handshake at once (each sent its first bytes): more are closed unread
 SILENT = 256  # connections accepted that have sent nothing yet: beyond this, the oldest is closed
 
@@ -81,19 +84,26 @@ def member_addresses(groups: list[str], procs: int) -> list[str]:
 
 class Links:
     """The sockets of member `me` of `addresses` (every member's (host, port), `procs` per group): a server
-    for the others' channels in, a channel out to each. Lines are parsed here; their records go to the
-    owner's callbacks, on the links' threads once `start`ed (one that returns a string drops the record,
-    saying why): `on_request(member, inc, msg, channel)` what a member (incarnation `inc`) sent in,
-    `channel` to answer; `on_reply(msg)` what came back on a channel out; `heartbeat()` what goes out
-    every heartbeat_s; `on_up(member)` a channel out is up; `on_lost(member, inc)` the member's newest
-    connection in ended (under the links' lock: it must not call Links)."""
+    for the others' channels in, and channels out to a few members only (never to every one): the two
+    lowest-numbered members up (the coordinator and its successor, who so hear every member), those the
+    owner pins (`pins()`: its epoch's coordinator and successor, its own group's processes), and probes
+    of any member below the second of those (a member come back). So a member holds a constant number
+    of channels whatever the job's size; the coordinator and its successor hold one per member.
+
+    Each channel carries the owner's `heartbeat()` both ways, every heartbeat_s (one thread ticks them
+    all), so either end hears the other alive. Lines are parsed here; their records go to the owner's
+    `on_message(member, inc, msg, channel)` (`channel` to answer on; on the links' threads once `start`ed; one that
+    returns a string drops the record, saying why); `on_up(member)` a channel is up (either way);
+    `on_lost(member, inc)` a member's connection ended without its goodbye (under the links' lock: it
+    must not call Links)."""
 
     def __init__(self, addresses: list[tuple[str, int]], me: int, incarnation: str, secret: bytes, heartbeat_s: float,
-                 lost_after_s: float, procs: int, *, heartbeat: Callable[[], Heartbeat], on_request: Callable,
-                 on_reply: Callable, on_up: Callable[[int], None], on_lost: Callable[[int, str], None]):
+                 lost_after_s: float, procs: int, *, heartbeat: Callable[[], Heartbeat], on_message: Callable,
+                 on_up: Callable[[int], None], on_lost: Callable[[int, str], None],
+                 pins: Callable[[], set[int]] = set):
         self.addresses, self.member, self.incarnation, self.procs = addresses, me, incarnation, procs
         self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
-        self.heartbeat, self.on_request, self.on_reply, self.on_up, self.on_lost = heartbeat, on_request, on_reply, on_up, on_lost
+        self.heartbeat, self.on_message, self.on_up, self.on_lost, self.pins = heartbeat, on_message, on_up, on_lost, pins
         self.dropped: Counter = Counter()  # messages and connections dropped, by sender
         self.sent: Counter = Counter()  # messages and bytes this member sent (heartbeats, requests, replies)
         self.started = time.monotonic()
@@ -103,20 +113,18 @@ class Links:
         self._door = threading.Lock()
         self._shaking: dict = {}  # connections in their handshake -> (deadline, address), oldest first
         self._inbound: dict[int, Channel] = {}  # each member's newest authenticated connection to this server
-        self._senders: dict[int, Channel] = {}
-        # a member that dialled in is up: the sender to it dials now if it waits to (a returning member
-        # hears this one within a handshake, not up to a heartbeat later; set while connected, it only
-        # spares the sender's next wait once)
-        self._dial = {m: threading.Event() for m in range(len(addresses)) if m != me}
+        self._senders: dict[int, Channel] = {}  # channels out, by member
+        self._dialing: set[int] = set()  # members a thread is dialling now
+        self._retry: dict[int, float] = {}  # member -> when a failed dial may be tried again
+        self._wake = threading.Event()  # the ticker looks again now (a member dialled in, a channel ended)
         self._stop = threading.Event()
-        self._told_size = False  # a peer of another size of job was named once (its sender retries every heartbeat)
+        self._told_size = False  # a peer of another size of job was named once (it dials again and again)
 
     def start(self) -> None:
-        # the senders first: while the port is taken, the other members hear this one (starting), and
+        # the ticker first: while the port is taken, the other members hear this one (starting), and
         # wait for it rather than end the job for want of a group
-        self._threads = [threading.Thread(target=self._send, args=(m,), daemon=True) for m in self._dial]
-        for t in self._threads:
-            t.start()
+        self._threads = [threading.Thread(target=self._tick, daemon=True)]
+        self._threads[0].start()
         try:
             self._server = self._listen()
         except BaseException:
@@ -128,13 +136,38 @@ class Links:
         self._threads.append(threading.Thread(target=self._accept, args=(selector,), daemon=True))
         self._threads[-1].start()
 
+    def targets(self) -> tuple[set[int], set[int]]:
+        """(members to keep a channel to, members to dial now): the two lowest members up, the pinned,
+        and a dial to every member below the second of those whose last dial did not fail just now
+        (at most PROBES at once beyond the pinned: a job starting all at once does not dial every member)."""
+        now = time.monotonic()
+        with self._lock:
+            up, dialing = set(self._senders), set(self._dialing)
+        pins = {m for m in self.pins() if 0 <= m < len(self.addresses) and m != self.member}
+        keep, dial, found = set(pins), {m for m in pins - up - dialing if self._retry.get(m, 0) <= now}, 0
+        probes = len(dialing - pins)
+        for m in range(len(self.addresses)):
+            if m == self.member:
+                continue
+            if m in up:
+                keep.add(m)
+                found += 1
+                if found == 2:
+                    break
+            elif m in dialing:
+                keep.add(m)
+            elif self._retry.get(m, 0) <= now and probes < PROBES:
+                dial.add(m)
+                probes += 1
+        return keep, dial
+
     def name(self, member: int) -> str:
         """A member as the logs name it: "group 2", or "group 2 process 1" with several per group."""
         return f"group {member}" if self.procs == 1 else f"group {member // self.procs} process {member % self.procs}"
 
     def send(self, member: int, msg) -> None:
         """`msg` to `member` over this member's channel to it; OSError if there is none."""
-        channel = self._senders.get(member)
+        channel = self._senders.get(member) or self._inbound.get(member)
         if channel is None:
             raise OSError("not connected")
         channel.send(msg)
@@ -177,7 +210,10 @@ class Links:
                  self.name(self.member), self.channels(), self.sent["messages"], self.sent["bytes"],
                  time.monotonic() - self.started)
         self._stop.set()
-        for s in [getattr(self, "_server", None), *self._senders.values()]:
+        self._wake.set()
+        with self._lock:
+            channels = [*self._senders.values(), *self._inbound.values()]
+        for s in [getattr(self, "_server", None), *channels]:
             if s is None:
                 continue
             try:
@@ -277,18 +313,28 @@ class Links:
                 return
             member, inc = hello.member, hello.inc
             channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a message",
-                                                               lambda msg: self.on_request(member, inc, msg, channel)),
+                                                               lambda msg: self._take_in(member, inc, msg, channel)),
                               sent=self.sent)
             with self._lock:  # this connection is now the member's: an older one's end says nothing of it
                 self._inbound[member] = channel
-            self._dial[member].set()
+                self._retry.pop(member, None)  # it is up: a dial to it (where this member wants one) goes now
+            self._wake.set()
             channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member))
+            channel.send(self.heartbeat())
+            self.on_up(member)
             channel.run()
         finally:
-            with self._lock:  # only the member's newest authenticated connection says, by ending, that it is gone
+            with self._lock:  # only the member's newest connection says, by ending without a goodbye, that it is gone
                 if member is not None and self._inbound.get(member) is channel:
                     del self._inbound[member]
-                    self.on_lost(member, inc)
+                    if not channel.bye:
+                        self.on_lost(member, inc)
+
+    def _take_in(self, member: int, inc: str, msg, channel: Channel) -> str | None:
+        if isinstance(msg, Bye):  # it no longer needs this channel: its end says nothing of it
+            channel.bye = True
+            return None
+        return self.on_message(member, inc, msg, channel)
 
     def _deliver(self, line: bytes, who: str, what: str, handler: Callable[[object], str | None]) -> None:
         """A line from `who` into its record, for `handler`; dropped if not one of ours, or if `handler` says why."""
@@ -320,37 +366,76 @@ class Links:
         tls.settimeout(None)
         return True
 
-    def _send(self, member: int) -> None:
-        """Keep a channel to `member`'s beacon: heartbeats out, replies to our requests in."""
+    def _tick(self) -> None:
+        """Every heartbeat_s (and at once when woken): channels out opened and closed as `targets` says,
+        and the owner's heartbeat sent on every channel, out and in."""
+        early, last, due = False, None, 0.0
         while not self._stop.is_set():
-            channel = None
-            try:
-                conn = socket.create_connection(self.addresses[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                tls = self._tls_client.wrap_socket(conn)
-                tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member)))
-                hello = parse(read_line(tls), len(self.addresses))
-                if (not isinstance(hello, Hello) or hello.member != member or hello.to != self.member
-                        or hello.v != PROTOCOL):
-                    # a relay: whoever holds the address we dialled passed us on to another member
-                    self.drop(f"{self.name(member)}'s address", f"a server that is not {self.name(member)} ({hello})")
-                    tls.close()
-                    time.sleep(self.heartbeat_s)
-                    continue
-                channel = Channel(tls, lambda line: self._deliver(line, "a coordinator", "a reply", self.on_reply),
-                                  sent=self.sent)
+            keep, dial = self.targets()
+            for m in dial:
+                with self._lock:
+                    self._dialing.add(m)
+                threading.Thread(target=self._dial_to, args=(m,), daemon=True).start()
+            with self._lock:
+                out = dict(self._senders)
+                channels = list(out.values()) + list(self._inbound.values())
+            for m, channel in out.items():
+                if m not in keep:  # not needed: said goodbye to, so its end is no loss there
+                    with contextlib.suppress(OSError):
+                        channel.send(Bye())
+                    channel.bye = True
+                    channel.close_after_flush()
+            beat = self.heartbeat()
+            if not early or beat != last:  # woken early with nothing new to say: the usual beat will do
+                last, due = beat, time.monotonic() + self.heartbeat_s
+                for channel in channels:
+                    with contextlib.suppress(OSError):
+                        channel.send(beat)
+            early = self._wake.wait(max(0.0, due - time.monotonic()))
+            self._wake.clear()
+
+    def wake(self) -> None:
+        """Heartbeats out now (the owner's news: the others hear it within a message, not a heartbeat later)."""
+        self._wake.set()
+
+    def _dial_to(self, member: int) -> None:
+        """A channel to `member`'s beacon, for as long as it is up and wanted: heartbeats both ways,
+        requests out and replies in."""
+        channel = hello = None
+        try:
+            conn = socket.create_connection(self.addresses[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls = self._tls_client.wrap_socket(conn)
+            tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member)))
+            hello = parse(read_line(tls), len(self.addresses))
+            if (not isinstance(hello, Hello) or hello.member != member or hello.to != self.member
+                    or hello.v != PROTOCOL):
+                # a relay: whoever holds the address we dialled passed us on to another member
+                self.drop(f"{self.name(member)}'s address", f"a server that is not {self.name(member)} ({hello})")
+                tls.close()
+                hello = None
+                return
+            inc = hello.inc
+            channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a reply",
+                                                              lambda msg: self.on_message(member, inc, msg, channel)),
+                              sent=self.sent)
+            with self._lock:
                 self._senders[member] = channel
-                self.on_up(member)
-                threading.Thread(target=channel.run, daemon=True).start()
-                while not self._stop.is_set() and not channel.closed.is_set():
-                    channel.send(self.heartbeat())
-                    channel.closed.wait(self.heartbeat_s)
-            except (OSError, WireError):
-                pass
-            if self._senders.get(member) is channel:
-                self._senders.pop(member, None)
+                self._dialing.discard(member)
+            channel.send(self.heartbeat())
+            self.on_up(member)
+            channel.run()
+        except (OSError, WireError):
+            hello = None
+        finally:
+            with self._lock:
+                self._dialing.discard(member)
+                if channel is not None and self._senders.get(member) is channel:
+                    del self._senders[member]
+                    if not channel.bye:  # (we said goodbye: it is not lost)
+                        self.on_lost(member, hello.inc)
+                if channel is None:  # not reached: not dialled again before a heartbeat or two
+                    self._retry[member] = time.monotonic() + 2 * self.heartbeat_s
             if channel is not None:
                 channel.close()
-            self._dial[member].wait(self.heartbeat_s)
-            self._dial[member].clear()
-
+                self._wake.set()  # its place among the lowest members up goes to the next one now

@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-PROTOCOL = 6  # checked at hello: groups of another release refuse each other (6: an epoch names its members as `Member`)
+PROTOCOL = 7  # checked at hello: groups of another release refuse each other (7: channels to a few members, not to all)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
 HANDSHAKE_S = 2.0  # from accept to a peer's hello, at most: a connection slower than this is closed
 
@@ -79,12 +79,22 @@ class Hello:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """A member's state, every heartbeat_s."""
+    """A member's state, every heartbeat_s, both ways on each channel. The last four are what an epoch's
+    coordinator (which hears every member) tells the members (which hear only a few): its verdict."""
     state: str  # starting (building), forming (asking to join an epoch), training, finished (the last step applied)
     epoch: int  # the newest epoch it trained in (-1: none)
     step: int
     taking: int  # the epoch it is forming (-1: none)
     why: str = ""  # why its last epoch ended (its root cause)
+    ended: str = ""  # the coordinator's: why `epoch` cannot go on ("": it goes on)
+    cause: str = ""  # the coordinator's: the root cause of that
+    done: bool = False  # the coordinator's: every member of `epoch` has finished the run
+    groups: int = 0  # the coordinator's: the groups it hears alive (for a quorum)
+
+
+@dataclass(frozen=True)
+class Bye:
+    """A member no longer needs this channel (it closes it next): its end is no loss."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +131,7 @@ class Wait:
     id: str
 
 
-KINDS = {"hello": Hello, "hb": Heartbeat, "join": Join, "epoch": EpochNews, "wait": Wait}
+KINDS = {"hello": Hello, "hb": Heartbeat, "bye": Bye, "join": Join, "epoch": EpochNews, "wait": Wait}
 NAMES = {cls: name for name, cls in KINDS.items()}
 
 
@@ -134,7 +144,8 @@ def checks(members: int) -> dict:
         Hello: {"v": _int(0, 2**31), "member": _int(0, 2**31), "inc": _text(32), "members": _int(1, 2**31),
                 "to": _int(0, 2**31)},
         Heartbeat: {"state": lambda v: v in STATES, "epoch": _int(-1), "step": _int(0), "taking": _int(-1),
-                    "why": _text(300)},
+                    "why": _text(300), "ended": _text(300), "cause": _text(300), "done": _bool, "groups": _int(0, members)},
+        Bye: {},
         Join: {"id": _id, "step": _int(0), "live": _bool, "epoch_seen": _int(-1)},
         EpochNews: {"id": _id, "number": _int(0), "host": _text(255), "port": _int(1, 65535),
                     "members": lambda v: isinstance(v, list) and 0 < len(v) <= members
@@ -308,12 +319,15 @@ class Channel:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self.closed = threading.Event()
+        self.bye = False  # it ends by a goodbye (either way): no loss
+        self._closing = False  # close once what is queued is sent
         sock.settimeout(send_timeout_s)
 
     def send(self, msg) -> None:
+        """`msg`, a record (or a line already encoded), sent by the channel's thread."""
         if self.closed.is_set():
             raise OSError("the connection is closed")
-        data = encode(msg)
+        data = msg if isinstance(msg, bytes) else encode(msg)
         with self._lock:
             self._out.append(data)
             self.sent["messages"] += 1
@@ -327,6 +341,8 @@ class Channel:
         try:
             while not self.closed.is_set():
                 self._flush()
+                if self._closing:
+                    return
                 if not self.sock.pending():
                     ready, _, _ = select.select([self.sock, self._wake_r], [], [], 1.0)
                     if self._wake_r in ready:
@@ -357,6 +373,11 @@ class Channel:
                     return
                 data = self._out.popleft()
             self.sock.sendall(data)
+
+    def close_after_flush(self) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
 
     def close(self) -> None:
         if self.closed.is_set():
