@@ -11,12 +11,13 @@ Who is alive is told by heartbeats of our own (`Beacon`): every group's process 
 `replicas.peers` address and keeps channels to a few others (the coordinator and its successor, its
 own group's processes), with a heartbeat each way every `heartbeat_s`; the coordinator hears every
 member and tells each its verdict on their epoch. A peer is lost when its connection breaks (a
-killed process) or after `lost_after_s` of silence (a lost node, a cut network). The members of an *epoch* train together over a process group made for that epoch:
-when one is lost, the others drop the step in flight (nothing is applied from a gradient exchange
-that did not complete), form the next epoch without it and train the step again. A group that
-(re)starts asks to join; the members let it in at the next step boundary, and it heals from a live
-member: the whole training state sent over the epoch's process group as tensors plus JSON (never a
-pickle), checked by a digest before its first step.
+killed process) or after `lost_after_s` of silence (a lost node, a cut network). The members of an
+*epoch* train together over a process group made for that epoch: when one is lost, the others drop
+the step in flight (nothing is applied from a gradient exchange that did not complete), form the
+next epoch without it and train the step again. A group that (re)starts asks to join; the members
+let it in at the next step boundary, and it heals from a live member: the whole training state sent
+over the epoch's process group as tensors plus JSON (never a pickle), checked by a digest before its
+first step.
 
 A group of several processes is one unit: it leaves whole when one of its processes is lost, and
 joins only whole. With `trainer.parallel=fsdp` its processes shard the model (a fault-tolerant

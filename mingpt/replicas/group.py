@@ -73,9 +73,9 @@ class Replicas:
         self.per_group = per_group
         self.shares_total = (members // self.membership.unit) * per_group
         self.epoch: Epoch | None = None
-        # Every epoch's process group is kept until the process exits: freeing one whose collective a
-        # lost member left unfinished would wait in its destructor (joining gloo's threads) until
-        # that collective times out.
+        # An epoch whose collective a lost member left unfinished keeps its process group until the
+        # process exits: freeing it would wait in its destructor (joining gloo's threads) until that
+        # collective times out. Any other is freed with its sockets when the next epoch forms.
         self._retired: list[Epoch] = []
         self.live = False  # trained in an epoch: this state is the job's
         self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
@@ -152,7 +152,7 @@ class Replicas:
     def form(self, step: int, should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
         """The next epoch (None: `should_stop`); `why` the last one ended (its root cause: MembershipChanged.cause)."""
         t0 = time.monotonic()
-        if self.epoch is not None:
+        if self.epoch is not None and self.epoch.abandoned:
             self._retired.append(self.epoch)
         # (a process of this group lost meanwhile: ReplicaExit, out of the wait)
         self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s,
@@ -188,18 +188,23 @@ class Replicas:
 
     def wait(self, work) -> None:
         """Wait for a collective of the epoch, giving up when a member is lost (a silent peer would
-        otherwise hold it until the process group's timeout)."""
+        otherwise hold it until the process group's timeout). The beacon is asked every millisecond at
+        most (the coordinator's answer looks at every member)."""
+        looked = 0.0
         while not work.is_completed():
-            try:
-                self.check()
-            except MembershipChanged:
-                # a member that completed this collective may leave at once (the last step: it exits):
-                # its data may be here already; give the collective a moment before dropping the step
-                deadline = time.monotonic() + LEAVING_GRACE_S
-                while not work.is_completed() and time.monotonic() < deadline:
-                    time.sleep(0.0005)
-                if not work.is_completed():
-                    raise
+            if time.monotonic() - looked >= 0.001:
+                looked = time.monotonic()
+                try:
+                    self.check()
+                except MembershipChanged:
+                    # a member that completed this collective may leave at once (the last step: it exits):
+                    # its data may be here already; give the collective a moment before dropping the step
+                    deadline = time.monotonic() + LEAVING_GRACE_S
+                    while not work.is_completed() and time.monotonic() < deadline:
+                        time.sleep(0.0005)
+                    if not work.is_completed():
+                        self.epoch.abandoned = True
+                        raise
             time.sleep(0.0002)
         try:
             work.wait()
