@@ -13,7 +13,8 @@ member's beacon logs at its close (the last incarnation's, with --kill); `passes
 trained in a step: backward passes) and `grad_copies` (1 + the shares it trained that are not its
 own), from the step records' `shares`, for a fault-free step and, with --kill, the step after the
 kill. `first_epoch`: the first epoch's groups and its formation (`formed_s`, `process_group_s` over
-its members, from their `replica epoch N: ...` lines); with --kill, `epoch_after_kill`: the same for
+its members, from their `replica epoch N: ...` lines; `first_whole_epoch` too where a group started
+too late for the first); with --kill, `epoch_after_kill`: the same for
 the survivors' epoch without the killed group, and `steps_lost_per_fault`, `fault_cost_s`,
 `survivor_gap_s`, `new_epoch_s`, `rejoin_s` as survivors.py measures them. `step_s`: the median
 interval between fault-free steps' commits. `--check-bitwise` also runs each R without the fault and
@@ -96,13 +97,17 @@ def epoch_figures(lines: list[dict]) -> dict:
             "process_group_s": stat({e["group"]: e["process_group_s"] for e in lines})}
 
 
-def epochs_of(epochs: list[dict], killed: int | None) -> dict:
-    """The first epoch's figures, and with a kill those of the survivors' first epoch without the
-    killed group (after one that held it)."""
+def epochs_of(epochs: list[dict], killed: int | None, groups: int) -> dict:
+    """The first epoch's figures (and the first of all `groups`'s, where a group started too late for
+    the first), and with a kill those of the survivors' first epoch without the killed group (after
+    one that held it)."""
     if not epochs:
         return {"first_epoch": None}
     first = min(e["number"] for e in epochs)
     out = {"first_epoch": epoch_figures([e for e in epochs if e["number"] == first])}
+    if out["first_epoch"]["groups"] < groups:
+        whole = min((e["number"] for e in epochs if len(e["groups"]) == groups), default=None)
+        out["first_whole_epoch"] = epoch_figures([e for e in epochs if e["number"] == whole]) if whole is not None else None
     if killed is not None:
         held = [e["number"] for e in epochs if killed in e["groups"]]
         after = sorted({e["number"] for e in epochs if held and e["number"] > min(held) and killed not in e["groups"]})
@@ -186,7 +191,7 @@ def setting(args, groups: int, run_dir: Path, kill: bool, ref: dict | None = Non
            "channels": stat({g: b["channels"] for g, b in beacons.items()}, 1),
            "beacon_msgs_per_s": stat({g: b["msgs_per_s"] for g, b in beacons.items()}, 1),
            "beacon_bytes_per_s": stat({g: b["bytes_per_s"] for g, b in beacons.items()}, 0),
-           **work_figures(train, groups, t), **epochs_of(epoch_lines(logs), done[0]["group"] if done else None)}
+           **work_figures(train, groups, t), **epochs_of(epoch_lines(logs), done[0]["group"] if done else None, groups)}
     got = measure(run_dir, wall, done, ref, args.procs_per_group)
     keep = ["steps", "wall_s", *(["steps_lost_per_fault", "fault_cost_s", "survivor_gap_s", "new_epoch_s", "rejoin_s"]
                                  if done else []), *(["final_max_abs_diff"] if ref else [])]
