@@ -3,6 +3,7 @@
 
 import pytest
 
+from benchmarks.__main__ import main
 from benchmarks.membership_sim import layout, quorum
 from benchmarks.survivors_scale import beacon_lines, epoch_lines, epochs_of, stat, step_time, step_work, work_figures
 
@@ -95,3 +96,13 @@ def test_the_sim_puts_the_lost_members_in_one_process_and_splits_the_rest():
     assert layout(1024, 10, 128) == [range(0, 10), *(range(10 + 1014 * i // 8, 10 + 1014 * (i + 1) // 8) for i in range(8))]
     assert [len(r) for r in layout(32, 10, 128)] == [10, 22]
     assert quorum(1024, 10) == 513 and quorum(16, 10) == 6  # a majority, or the survivors where they are fewer
+
+
+@pytest.mark.parametrize(("argv", "said"), [
+    (["survivors-scale", "--groups", "1", "4"], "--groups [1, 4]: replica groups come 2 or more to a job"),
+    (["membership-sim", "--members", "8"], "--members [8]: at least --lose 10 + 2"),
+])
+def test_the_benches_go_by_their_dashed_names_and_a_bad_size_gets_one_line(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err
