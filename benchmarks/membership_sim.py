@@ -237,7 +237,8 @@ def setting(args, members: int, logs: Path) -> dict:
         out.update(channels=stat({m: v[0] for m, v in after.items()}, 1),
                    beacon_msgs_per_s=stat({m: (after[m][1] - before[m][1]) / (t2 - t1) for m in after}, 1),
                    beacon_bytes_per_s=stat({m: (after[m][2] - before[m][2]) / (t2 - t1) for m in after}, 0),
-                   threads_per_process=stat(threads, 0), threads_per_member=round(sum(threads.values()) / members, 1))
+                   threads_per_process=stat(threads, 0, "max_process"),
+                   threads_per_member=round(sum(threads.values()) / members, 1))
         again: dict[int, tuple[float, int]] = {}
 
         def without(_, msg):

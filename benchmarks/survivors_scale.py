@@ -81,13 +81,13 @@ def step_work(shares: list, groups: int) -> dict[int, tuple[int, int]]:
     return out
 
 
-def stat(by_member: dict[int, float], digits: int = 3) -> dict | None:
-    """Median and max over members, and the member holding the max (the lowest, on a tie)."""
+def stat(by_member: dict[int, float], digits: int = 3, who: str = "max_member") -> dict | None:
+    """Median and max over members, and the member holding the max (the lowest, on a tie), named `who`."""
     if not by_member:
         return None
     top = max(by_member, key=lambda m: (by_member[m], -m))
     return {"median": round(statistics.median(by_member.values()), digits), "max": round(by_member[top], digits),
-            "max_member": top}
+            who: top}
 
 
 def epoch_figures(lines: list[dict]) -> dict:
