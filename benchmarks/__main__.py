@@ -13,6 +13,8 @@
     internode   bytes between two nodes (network namespaces) per step under DDP, FSDP and HSDP
     gpu         the GPU path on one CUDA device: flash attention, bf16/fp16, compile, MFU, a SIGKILL resumed
     survivors   3 replica groups, one SIGKILLed every T s or cut off: goodput, survivor gap, rejoin; vs one torchrun
+    survivors-scale  4 to 32 replica groups: per member threads, sockets, beacon traffic, passes; forming; a SIGKILL
+    membership-sim   256 and 1,024 members' beacons alone (no model): forming, re-forming after 10 lost, channels
     memory      memory per process (parameters, gradients, optimizer state, activations) by layout, tensor parallel too
     pipeline    pipeline schedules: bubble against theory, tokens/s against DDP, memory and bytes sent against the layouts
 """
@@ -23,7 +25,7 @@ import importlib
 import sys
 
 BENCHMARKS = ("throughput", "snapshot", "batching", "generate", "plan", "data", "goodput", "scale", "internode", "s3tune", "soak",
-              "survivors", "gpu", "memory", "pipeline")
+              "survivors", "gpu", "memory", "pipeline", "survivors-scale", "membership-sim")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         print(__doc__)
         return
     name, rest = (argv[0], argv[1:]) if argv and argv[0] in BENCHMARKS else ("throughput", argv)
-    importlib.import_module(f"benchmarks.{name}").main(rest)
+    importlib.import_module(f"benchmarks.{name.replace('-', '_')}").main(rest)
 
 
 if __name__ == "__main__":

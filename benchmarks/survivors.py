@@ -421,14 +421,14 @@ def fault_cost(train: list[tuple[float, int]], t: float, horizon: float, pace_of
     return round((t1 - t0) - (s1 - s0) * pace, 3)
 
 
-def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list, str]:
-    """3 replica groups on loopback (or one per network namespace node)."""
-    addrs = [n.addr for n in nodes] if nodes else ["127.0.0.1"] * GROUPS
+def replicas_job(args, run_dir: Path, faults, nodes=None, groups: int = GROUPS) -> tuple[float, list, str]:
+    """3 replica groups (or `groups`) on loopback (or one per network namespace node)."""
+    addrs = [n.addr for n in nodes] if nodes else ["127.0.0.1"] * groups
     procs = args.procs_per_group
-    ports = free_port_runs(GROUPS, procs) if not nodes else [29500 + i for i in range(GROUPS)]
+    ports = free_port_runs(groups, procs) if not nodes else [29500 + i for i in range(groups)]
     peers = [f"{a}:{p}" for a, p in zip(addrs, ports)]
     cmds = []
-    for g in range(GROUPS):
+    for g in range(groups):
         env = {**os.environ, "MINGPT_JOB_SECRET": SECRET, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                "OMP_NUM_THREADS": "1"}
         if nodes:
@@ -439,7 +439,7 @@ def replicas_job(args, run_dir: Path, faults, nodes=None) -> tuple[float, list, 
         cmds.append((cmd, env))
     # --spares: each group's command started twice, the second standing by (in the group's CPU share, or
     # on the cores beside the groups' with --spare-cores)
-    return run(cmds * (1 + args.spares), run_dir, faults, args.limit_s, isolate=args.isolate, shares_of=GROUPS,
+    return run(cmds * (1 + args.spares), run_dir, faults, args.limit_s, isolate=args.isolate, shares_of=groups,
                beside=args.spare_cores)
 
 

@@ -1,0 +1,295 @@
+"""The replica groups' membership alone, at hundreds of members: their beacons (mingpt.replicas.beacon,
+no model, no training, no epoch process group), spread over a few processes on loopback, each member
+on its own port with the job's one secret, each forming epochs in a thread of its own.
+
+    python -m benchmarks membership-sim [--members 256 1024] [--per-process 128] [--lose 10]
+        [--deadline-s 120] [--window-s 3] [--max-threads 4096] [--keep DIR]
+
+For each number of members N: the time from the start until every member holds an epoch of all N
+(`first_formation_s`); each member's beacon traffic over --window-s then (`beacon_msgs_per_s`,
+`beacon_bytes_per_s`: Links.sent), its channels (`Links.channels()`), and the threads per process
+and per member; then --lose members (0, the coordinator, to lose - 1: one process, SIGKILLed) and
+the time from the kill until every survivor holds an epoch without them (`reformation_s`, the aim
+being 2 s; `reformed_world`: its members). Members' figures: median, max and the member holding the
+max. A survivor leaves its epoch when `beacon.lost(epoch)` says why (or another member waits to
+join: `beacon.joiners`) and forms again. The quorum is a majority, or the survivors where they are
+fewer. A setting that does not form within --deadline-s (or whose process passes --max-threads: a
+beacon's links to every other member cost threads) says so in its line, and the next one runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import queue
+import resource
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks import die_with_bench, free_port_runs
+from benchmarks.survivors import REPO
+from benchmarks.survivors_scale import stat
+from mingpt.replicas.beacon import Beacon
+from mingpt.runtime.trust import job_secret
+
+POLL_S = 0.05  # how often a member holding an epoch asks whether it must form again
+HEARTBEAT_S, LOST_AFTER_S, TIMEOUT_S = 0.1, 1.0, 30.0  # replicas' defaults
+
+
+class SimBeacon(Beacon):
+    """A beacon whose epochs make no process group: the membership is what is measured."""
+
+    def _make_group(self, epoch, timeout_s: float) -> None:
+        pass
+
+
+def layout(members: int, lose: int, per_process: int) -> list[range]:
+    """The members of each process: the `lose` first (the coordinator among them) in the first, the
+    rest split evenly, `per_process` at most each."""
+    rest = members - lose
+    procs = -(-rest // per_process)
+    cuts = [lose + rest * i // procs for i in range(procs + 1)]
+    return [range(0, lose), *(range(a, b) for a, b in zip(cuts, cuts[1:]))]
+
+
+def quorum(members: int, lose: int) -> int:
+    """A majority, or the survivors of the loss where they are fewer (the loss must not stop the job)."""
+    return min(members // 2 + 1, members - lose)
+
+
+# --- a process of members ------------------------------------------------------------------------
+def child(args) -> None:
+    """Members args.first to args.first + args.count - 1: their beacons, then, on "go" from stdin, each
+    forming epochs in its thread (a JSON line per epoch it holds); "report": each member's channels and
+    what it sent; "quit": close."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a socket per channel
+    said = threading.Lock()
+
+    def say(**kw) -> None:
+        with said:
+            print(json.dumps(kw), flush=True)
+    addresses = [f"127.0.0.1:{args.port + i}" for i in range(args.members)]
+    secret = job_secret()
+    beacons = []
+    for m in range(args.first, args.first + args.count):
+        try:
+            beacons.append(SimBeacon(addresses, m, secret, HEARTBEAT_S, LOST_AFTER_S, quorum_wait_s=args.deadline_s))
+        except (RuntimeError, OSError) as e:  # (a thread or a descriptor refused)
+            return say(event="error", why=f"member {m} could not start its beacon ({e})")
+        if threading.active_count() > args.max_threads:
+            return say(event="error", why=f"{threading.active_count()} threads in a process after {len(beacons)} of "
+                                          f"its {args.count} beacons: over --max-threads {args.max_threads}")
+    say(event="ready")
+    stop = threading.Event()
+
+    def member(beacon: Beacon) -> None:
+        why = ""
+        while not stop.is_set():
+            epoch = beacon.form(0, False, args.quorum, TIMEOUT_S, stop.is_set, why)
+            if epoch is None:
+                return
+            say(event="epoch", member=beacon.member, number=epoch.number, world=epoch.world,
+                lowest=epoch.members[0].number, t=time.time())
+            while not stop.wait(POLL_S):
+                if (lost := beacon.lost(epoch)) is not None:
+                    why = lost.cause
+                    break
+                if beacon.joiners(epoch):
+                    why = "a member joins"
+                    break
+    for line in sys.stdin:
+        if line.strip() == "go":
+            for b in beacons:
+                threading.Thread(target=member, args=(b,), daemon=True).start()
+        elif line.strip() == "report":
+            say(event="report", t=time.time(), members={b.member: [b.links.channels(), b.links.sent["messages"],
+                                                                   b.links.sent["bytes"]] for b in beacons})
+        else:
+            break
+    stop.set()
+    for b in beacons:
+        b.close()
+
+
+# --- the bench -----------------------------------------------------------------------------------
+def threads_of(pid: int) -> int:
+    try:
+        return int(next(line.split()[1] for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                        if line.startswith("Threads:")))
+    except (OSError, StopIteration):
+        return 0
+
+
+class Sim:
+    """One setting's processes of members, and what they say (a reader thread each, into one queue)."""
+
+    def __init__(self, args, members: int, logs: Path):
+        self.args, self.members = args, members
+        self.parts = layout(members, args.lose, args.per_process)
+        port = free_port_runs(1, members)[0]
+        env = {**os.environ, "MINGPT_JOB_SECRET": secrets.token_hex(32), "OMP_NUM_THREADS": "1"}
+        self.procs = [subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.membership_sim", "--child", "--first", str(r.start), "--count", str(len(r)),
+             "--members", str(members), "--port", str(port), "--quorum", str(quorum(members, args.lose)),
+             "--deadline-s", str(args.deadline_s), "--max-threads", str(args.max_threads)],
+            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stderr=open(logs / f"members{members}-process{i}.log", "w"), preexec_fn=die_with_bench)
+            for i, r in enumerate(self.parts)]
+        self.said: queue.Queue = queue.Queue()
+        self.killed = False  # the first process (the lost members) SIGKILLed: its end is expected
+        for i, p in enumerate(self.procs):
+            threading.Thread(target=self._read, args=(i, p), daemon=True).start()
+
+    def _read(self, i: int, p: subprocess.Popen) -> None:
+        for line in p.stdout:
+            with contextlib.suppress(ValueError):
+                self.said.put((i, json.loads(line)))
+        self.said.put((i, {"event": "exit"}))
+
+    def tell(self, what: str, procs=None) -> None:
+        for p in procs or self.procs:
+            with contextlib.suppress(OSError):
+                p.stdin.write(what + "\n")
+                p.stdin.flush()
+
+    def until(self, done, on_event, deadline: float, why: str) -> None:
+        """Hand what the processes say to `on_event` until `done()`; RuntimeError(why...) past `deadline`,
+        or where a process errs, exits or passes --max-threads."""
+        while not done():
+            if time.time() > deadline:
+                raise RuntimeError(why)
+            for i, p in enumerate(self.procs):
+                if p.poll() is None and (n := threads_of(p.pid)) > self.args.max_threads:
+                    raise RuntimeError(f"{why}: process {i} reached {n} threads, over --max-threads {self.args.max_threads}")
+            with contextlib.suppress(queue.Empty):
+                i, msg = self.said.get(timeout=0.1)
+                if msg["event"] == "error":
+                    raise RuntimeError(f"{why}: {msg['why']}")
+                if msg["event"] == "exit" and (i > 0 or not self.killed):
+                    raise RuntimeError(f"{why}: process {i} exited (code {self.procs[i].wait()})")
+                on_event(i, msg)
+
+    def report(self, deadline: float) -> tuple[float, dict]:
+        """Every member's (channels, messages, bytes) now, and when (the latest process's time)."""
+        got: dict = {}
+        times = []
+
+        def take(_, msg):
+            if msg["event"] == "report":
+                got.update({int(m): v for m, v in msg["members"].items()})
+                times.append(msg["t"])
+        self.tell("report")
+        self.until(lambda: len(times) == len(self.procs), take, deadline, "no report")
+        return max(times), got
+
+    def close(self) -> None:
+        self.tell("quit")
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def setting(args, members: int, logs: Path) -> dict:
+    sim = Sim(args, members, logs)
+    lose = range(args.lose)
+    out = {"members": members, "processes": [len(r) for r in sim.parts], "quorum": quorum(members, args.lose)}
+    try:
+        ready = []
+        deadline = time.time() + args.deadline_s
+        try:
+            sim.until(lambda: len(ready) == len(sim.procs), lambda i, m: ready.append(i) if m["event"] == "ready" else None,
+                      deadline, f"did not start within {args.deadline_s:g} s")
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} ({len(ready)} of {len(sim.procs)} processes had started their beacons)") from None
+        whole: dict[int, float] = {}
+        biggest = [0]
+
+        def first(_, msg):
+            if msg["event"] == "epoch":
+                biggest[0] = max(biggest[0], msg["world"])
+                if msg["world"] == members:
+                    whole.setdefault(msg["member"], msg["t"])
+        go = time.time()
+        sim.tell("go")
+        try:
+            sim.until(lambda: len(whole) == members, first, go + args.deadline_s,
+                      f"did not form within {args.deadline_s:g} s")
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} ({len(whole)} of {members} members held an epoch of all; the largest "
+                               f"epoch held {biggest[0]})") from None
+        out["first_formation_s"] = round(max(whole.values()) - go, 3)
+        t1, before = sim.report(time.time() + args.deadline_s)
+        time.sleep(args.window_s)
+        t2, after = sim.report(time.time() + args.deadline_s)
+        threads = {i: threads_of(p.pid) for i, p in enumerate(sim.procs)}
+        out.update(channels=stat({m: v[0] for m, v in after.items()}, 1),
+                   beacon_msgs_per_s=stat({m: (after[m][1] - before[m][1]) / (t2 - t1) for m in after}, 1),
+                   beacon_bytes_per_s=stat({m: (after[m][2] - before[m][2]) / (t2 - t1) for m in after}, 0),
+                   threads_per_process=stat(threads, 0, "max_process"),
+                   threads_per_member=round(sum(threads.values()) / members, 1))
+        again: dict[int, tuple[float, int]] = {}
+
+        def without(_, msg):
+            if msg["event"] == "epoch" and msg["t"] > kill and msg["lowest"] >= len(lose):
+                again.setdefault(msg["member"], (msg["t"], msg["world"]))
+        kill = time.time()
+        os.kill(sim.procs[0].pid, signal.SIGKILL)
+        sim.killed = True
+        survivors = members - len(lose)
+        try:
+            sim.until(lambda: len(again) == survivors, without, kill + args.deadline_s,
+                      f"did not re-form within {args.deadline_s:g} s of losing members {lose.start}-{lose.stop - 1}")
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} ({len(again)} of {survivors} survivors held an epoch without them)") from None
+        out["reformation_s"] = round(max(t for t, _ in again.values()) - kill, 3)
+        out["reformed_world"] = {"min": min(w for _, w in again.values()), "max": max(w for _, w in again.values())}
+    except RuntimeError as e:
+        out["error"] = str(e)
+    finally:
+        sim.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks membership-sim", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--members", nargs="+", type=int, default=[256, 1024], help="the numbers of members to run")
+    ap.add_argument("--per-process", type=int, default=128, help="members per process at most (the lost ones aside)")
+    ap.add_argument("--lose", type=int, default=10, help="members lost at once (the coordinator among them)")
+    ap.add_argument("--deadline-s", type=float, default=120, help="starting, forming and re-forming each, at most")
+    ap.add_argument("--window-s", type=float, default=3, help="the steady window the traffic is measured over")
+    ap.add_argument("--max-threads", type=int, default=4096, help="threads per process at most: past it, the setting "
+                                                                  "stops (this machine's other users go on)")
+    ap.add_argument("--keep", help="keep each process's log here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--first", "--count", "--port", "--quorum"):
+        ap.add_argument(name, type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        args.members = args.members[0]
+        return child(args)
+    if any(n < args.lose + 2 for n in args.members):
+        ap.error(f"--members {args.members}: at least --lose {args.lose} + 2 (survivors to form an epoch without them)")
+    if args.lose < 1:
+        ap.error(f"--lose {args.lose}: 1 or more (the coordinator among them)")
+    with tempfile.TemporaryDirectory(prefix="mingpt-membership-sim-") as scratch:
+        logs = Path(args.keep or scratch)
+        logs.mkdir(parents=True, exist_ok=True)
+        for members in args.members:
+            print(json.dumps(setting(args, members, logs)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
