@@ -61,16 +61,19 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
 
 def flat_grads(model: torch.nn.Module, into: torch.Tensor | None = None) -> torch.Tensor:
     """Every parameter's gradient (under FSDP: this process's shard of it) in one host tensor (parameter
-    order; none: zeros); given `into`, added to it in place, a parameter at a time (no second row)."""
-    parts = (own_part(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-             for p in model.parameters())
-    if into is None:
-        return torch.cat(list(parts))
+    order; none: zeros); given `into`, added to it in place. A parameter at a time: one host row, not a
+    copy of every gradient and then their concatenation."""
+    out = torch.empty(sum(own_part(p).numel() for p in model.parameters())) if into is None else into
     offset = 0
-    for g in parts:
-        into[offset:offset + g.numel()] += g
+    for p in model.parameters():
+        g = own_part(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+        part = out[offset:offset + g.numel()]
+        if into is None:
+            part.copy_(g)
+        else:
+            part.add_(g.float().cpu())
         offset += g.numel()
-    return into
+    return out
 
 
 class Rows:
