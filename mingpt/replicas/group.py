@@ -362,10 +362,10 @@ class Replicas:
     def reduce(self, model: torch.nn.Module, rows: Rows, step: int, preempted: bool, timed: bool,
                compute_s: float = 0.0) -> float:
         """The step's gradient into `model`: every share's (`rows`: this member's, with each share's
-        summed token loss and micro-batches), summed by the exchange's fixed tree; this member's flags (a preemption signal,
-        the save interval elapsed, a group waiting to join) are agreed by the same exchange, and its
-        seconds computing its shares (`compute_s`) told to all. Returns the step's summed token loss. A
-        sync: the exchange runs on the host."""
+        summed token loss and micro-batches), summed by the exchange's fixed tree; this member's flags
+        (a preemption signal, the save interval elapsed, a group waiting to join) are agreed by the same
+        exchange, and its seconds computing its shares (`compute_s`) told to all. Returns the step's
+        summed token loss. A sync: the exchange runs on the host."""
         if preempted and self.procs > 1:  # the agent's SIGTERM after a process of this group died is no preemption
             time.sleep(2 * self.beacon.heartbeat_s)  # (the dead process's connection closed first: give it time)
             self.check_group()
