@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reuse-reference", help="the run directory of a kept fault-free replica run of the same "
                                               "settings (its step time and weights), instead of running it again")
     ap.add_argument("--shares-per-group", type=int, default=0, help="replica groups: replicas.shares_per_group "
-                                                                     "(default 0: groups - 1)")
+                                                                     "(default 0: min(groups - 1, 4))")
     ap.add_argument("--procs-per-group", type=int, default=1, help="replica groups: processes per group's "
                                                                    "torchrun (each a member; the SIGKILL takes one)")
     ap.add_argument("--max-kills", type=int, default=0, help="faults per job at most (default: no limit)")

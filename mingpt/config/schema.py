@@ -337,9 +337,9 @@ class ReplicasConfig:
     or waiting for its port) is waited for as long as it takes."""
     shares_per_group: int = 0
     """Every global step is cut into len(peers) x this many shares, each group training its own;
-    a lost group's shares are dealt out among the survivors. 0: a lost group's shares go one to each
-    surviving process (N x (groups - 1) for groups of N processes; with trainer.parallel=fsdp, whose
-    processes train each share together, a part each: groups - 1)."""
+    a lost group's shares are dealt out among the survivors. 0: N x min(groups - 1, 4) for groups of N
+    processes, min(groups - 1, 4) each (with trainer.parallel=fsdp, whose processes train each share
+    together, a part each: min(groups - 1, 4)); a lost owner's shares go one to each of up to 4 others."""
 
     def __post_init__(self) -> None:
         n = len(self.peers)
@@ -350,7 +350,8 @@ class ReplicasConfig:
         _check(0 < self.heartbeat_s < self.lost_after_s,
                f"replicas.heartbeat_s ({self.heartbeat_s}) must be positive and below lost_after_s ({self.lost_after_s})")
         _check(self.quorum_wait_s > 0, f"replicas.quorum_wait_s={self.quorum_wait_s} must be positive")
-        _check(self.shares_per_group >= 0, f"replicas.shares_per_group={self.shares_per_group} must be 0 (groups - 1) or more")
+        _check(self.shares_per_group >= 0, f"replicas.shares_per_group={self.shares_per_group} must be 0 "
+                                           "(the default: min(groups - 1, 4) per process) or more")
         _check(len(set(self.peers)) == n, "replicas.peers lists an address twice: give each group its own HOST:PORT")
 
     @property

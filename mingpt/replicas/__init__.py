@@ -39,7 +39,7 @@ authenticated (see docs/replicas.md, Security).
 from mingpt.replicas.beacon import Beacon, Epoch, Member, MembershipChanged
 from mingpt.replicas.group import ReplicaExit, Replicas, default_min_groups, member_view
 from mingpt.replicas.link import ReplicaError
-from mingpt.replicas.tensors import flat_grads, set_grads
+from mingpt.replicas.tensors import Rows, set_grads
 
-__all__ = ["Beacon", "Epoch", "Member", "MembershipChanged", "ReplicaError", "ReplicaExit", "Replicas",
-           "default_min_groups", "flat_grads", "member_view", "set_grads"]
+__all__ = ["Beacon", "Epoch", "Member", "MembershipChanged", "ReplicaError", "ReplicaExit", "Replicas", "Rows",
+           "default_min_groups", "member_view", "set_grads"]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError, member_addresses
 from mingpt.replicas.members import model_of
-from mingpt.replicas.tensors import MAX_STATE_JSON, buckets, byte_view, heal_tag, set_grads, state_digest, unpack_state
+from mingpt.replicas.tensors import MAX_STATE_JSON, Rows, buckets, byte_view, heal_tag, set_grads, state_digest, unpack_state
 from mingpt.replicas.wire import ShareHeader, ShareRow, WireError
 from mingpt.runtime import distributed
 from mingpt.runtime.distributed import DistInfo
@@ -139,15 +139,19 @@ class Replicas:
         """The epoch's first member: it logs for the job."""
         return self.epoch is not None and self.epoch.rank == 0
 
+    def own(self) -> range:
+        """The shares this member's owner (itself, or its whole group) owns: k of them, in a row."""
+        k = self.per_group
+        me = self.beacon.member // self.membership.unit  # whole groups: a group owns shares (its processes train parts)
+        return range(me * k, (me + 1) * k)
+
     def shares(self) -> list[int]:
-        """The shares this member trains: its own group's, and those of lost groups dealt out in turn
-        (with k = groups - 1 shares per group, a lost group's go one to each survivor)."""
-        k, unit = self.per_group, self.membership.unit  # whole groups: a group owns shares (its processes train parts)
+        """The shares this member trains: its own, and those of lost owners dealt out in turn (with k
+        shares per owner, a lost owner's go one to each of the first k survivors)."""
+        k, unit = self.per_group, self.membership.unit
         owners = sorted({m // unit for m in self.epoch.numbers()})  # each member, or each group
-        me = self.beacon.member // unit
         orphans = [s for s in range(self.shares_total) if s // k not in owners]
-        own = range(me * k, (me + 1) * k)
-        return sorted([*own, *orphans[owners.index(me)::len(owners)]])
+        return sorted([*self.own(), *orphans[owners.index(self.beacon.member // unit)::len(owners)]])
 
     def form(self, step: int, should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
         """The next epoch (None: `should_stop`); `why` the last one ended (its root cause: MembershipChanged.cause)."""
@@ -217,30 +221,33 @@ class Replicas:
                 time.sleep(0.001)
             raise lost or MembershipChanged(re.sub(r"^\[[^\]]*\]\s*", "", str(e).splitlines()[0])[:160]) from None
 
-    def exchange(self, step: int, rows: dict[int, torch.Tensor],
+    def exchange(self, step: int, rows: dict[tuple[int, ...], torch.Tensor],
                  headers: dict[int, ShareHeader]) -> tuple[torch.Tensor, list[ShareHeader]]:
-        """The sum of every share's gradient row, in share order (the same sum whoever trained which),
-        and every share's header (what its trainer sent with it), in share order, with this member's
-        exchange partners (`membership.partners`).
+        """The step's gradient, the same sum whoever trained which share, and every share's header (what
+        its trainer sent with it), in share order, with this member's exchange partners
+        (`membership.partners`). `rows`: the shares each gradient row carries -> the row: one share, or
+        all of one owner's folded in share order (`Rows`).
 
-        As a reduce-scatter then an all-gather, with the order kept: each member receives every
-        share's values of its own slice of columns (an all-to-all), sums them in share order, and the
-        summed slices are gathered by all (each member receives about 2 gradients' worth instead of
-        every other member's shares)."""
+        The sum is a fixed tree: each owner's subtree, the fold of its k shares in share order, then
+        the fold of the subtrees in owner order. A live owner sends its subtree as one row; a lost
+        owner's shares arrive one row each, and are folded here as the owner would have. As a
+        reduce-scatter then an all-gather, with the order kept: each member receives every row's
+        values of its own slice of the columns (an all-to-all), sums them by the tree (elementwise
+        adds: the same on a slice as on the whole row), and the summed slices are gathered by all.
+        Each member sends 1 + orphans rows (padded to the most any member holds)."""
         epoch, (pg, _, _) = self.epoch, self.membership.partners(self.epoch)
-        world = pg.size()
-        per = math.ceil(self.shares_total / world)
+        world, k = pg.size(), self.per_group
+        per = math.ceil(self.shares_total / world)  # headers per member: the most shares one holds
         n = next(iter(rows.values())).numel()
-        cols = math.ceil(n / world)  # each member's slice of the columns, the last one padded
+        cols = max(1, math.ceil(n / world))  # each member's slice of the columns, the last one padded
         table = torch.full((per, ShareRow.WIDTH), -1.0, dtype=torch.float64)  # -1: no share in that row
-        buf = torch.zeros(per, world * cols)
         key = distributed.derive(self.beacon.secret, "replicas-exchange").encode()
-        for i, (share, row) in enumerate(sorted(rows.items())):
-            table[i] = ShareRow(share, step, epoch.number, headers[share]).pack(key)
-            buf[i, :n] = row
+        held = sorted((share, i) for i, shares in enumerate(rows) for share in shares)
+        for j, (share, i) in enumerate(held):  # each share's header names the gradient row that carries it
+            table[j] = ShareRow(share, step, epoch.number, i, headers[share]).pack(key)
         everyone = torch.empty(world * per, ShareRow.WIDTH, dtype=torch.float64)
         self.wait(pg.allgather([list(everyone.chunk(world))], [table]))
-        by_share: dict[int, int] = {}
+        carried: dict[tuple[int, int], list[int]] = {}  # (sender, its gradient row) -> the shares in it
         every: dict[int, ShareHeader] = {}
         for i, t in enumerate(everyone):
             try:
@@ -249,18 +256,41 @@ class Replicas:
                 raise MembershipChanged(f"a header of the exchange of step {step} does not carry the job's MAC") from None
             if row is None:
                 continue
-            if row.step != step or row.epoch != epoch.number or row.share in by_share:
-                raise MembershipChanged(f"the exchange of step {step} does not add up (row {list(row[:3])})")
-            by_share[row.share], every[row.share] = i, row.header
-        if sorted(by_share) != list(range(self.shares_total)):
-            raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(by_share)}")
-        # rows [to member x row] of the columns of its slice; received: [from member x row] of this one's
-        send = buf.view(per, world, cols).transpose(0, 1).reshape(world * per, cols)
-        got = torch.empty(world * per, cols)
-        self.wait(pg.alltoall_base(got, send, [per] * world, [per] * world))
-        mine = got[by_share[0]].clone()
-        for share in range(1, self.shares_total):  # share order, whoever trained which
-            mine += got[by_share[share]]
+            if (row.step != step or row.epoch != epoch.number or row.share in every
+                    or not 0 <= row.share < self.shares_total or not 0 <= row.row < per):
+                raise MembershipChanged(f"the exchange of step {step} does not add up (row {list(row[:4])})")
+            carried.setdefault((i // per, row.row), []).append(row.share)
+            every[row.share] = row.header
+        if sorted(every) != list(range(self.shares_total)):
+            raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(every)}")
+        each = 1 + max(r for _, r in carried)  # gradient rows per member (the most any sends)
+        subtree: dict[int, int] = {}  # owner -> the received row of its whole subtree
+        single: dict[int, int] = {}  # share -> its received row (a lost owner's)
+        for (sender, r), shares in carried.items():
+            owner = shares[0] // k
+            if len(shares) == 1:
+                single[shares[0]] = sender * each + r
+            elif sorted(shares) == list(range(owner * k, owner * k + k)):
+                subtree[owner] = sender * each + r
+            else:
+                raise MembershipChanged(f"the exchange of step {step} does not add up (a row carries shares {sorted(shares)})")
+        send = torch.zeros(world, each, cols)  # [to member, row, that member's slice of the columns]
+        whole = n // cols  # the members whose slice is whole; the next one's is cut
+        for r, row in enumerate(rows.values()):
+            send[:whole, r] = row[:whole * cols].view(whole, cols)
+            if whole < world:
+                send[whole, r, :n - whole * cols] = row[whole * cols:]
+        got = torch.empty(world * each, cols)  # [from member x row] of this one's slice
+        self.wait(pg.alltoall_base(got, send.view(world * each, cols), [each] * world, [each] * world))
+        mine = None
+        for owner in range(self.shares_total // k):  # owner order, whoever trained which share
+            if owner in subtree:
+                part = got[subtree[owner]]
+            else:  # a lost owner's: its shares folded in share order, as it would have
+                part = got[single[owner * k]].clone()
+                for share in range(owner * k + 1, owner * k + k):
+                    part += got[single[share]]
+            mine = part.clone() if mine is None else mine.add_(part)
         total = torch.empty(world, cols)
         self.wait(pg.allgather([list(total.unbind(0))], [mine]))
         return total.view(-1)[:n], [every[s] for s in range(self.shares_total)]
@@ -334,13 +364,13 @@ class Replicas:
         opts.rootRank, opts.rootTensor = source, 0
         self.wait(pg.broadcast([t], opts))
 
-    def reduce(self, model: torch.nn.Module, rows: dict, step: int, preempted: bool, timed: bool,
+    def reduce(self, model: torch.nn.Module, rows: Rows, step: int, preempted: bool, timed: bool,
                compute_s: float = 0.0) -> float:
-        """The step's gradient into `model`: every share's (`rows`: share -> (flat gradient, summed
-        token loss, micro-batches)), summed in share order; this member's flags (a preemption signal,
-        the save interval elapsed, a group waiting to join) are agreed by the same exchange, and its
-        seconds computing its shares (`compute_s`) told to all. Returns the step's summed token loss. A
-        sync: the exchange runs on the host."""
+        """The step's gradient into `model`: every share's (`rows`: this member's, with each share's
+        summed token loss and micro-batches), summed by the exchange's fixed tree; this member's flags
+        (a preemption signal, the save interval elapsed, a group waiting to join) are agreed by the same
+        exchange, and its seconds computing its shares (`compute_s`) told to all. Returns the step's
+        summed token loss. A sync: the exchange runs on the host."""
         if preempted and self.procs > 1:  # the agent's SIGTERM after a process of this group died is no preemption
             time.sleep(2 * self.beacon.heartbeat_s)  # (the dead process's connection closed first: give it time)
             self.check_group()
@@ -348,10 +378,10 @@ class Replicas:
         heads = {share: ShareHeader(float(preempted), float(timed), joiners, float(loss.item()),
                                     float(sum(len(mb) for mb in mbs)), float(sum(int(mb.sum()) for mb in mbs)),
                                     float(self.beacon.member // self.procs), float(compute_s))
-                 for share, (_, loss, mbs) in rows.items()}
+                 for share, (loss, mbs) in rows.meta.items()}
         failed = total = None
         try:
-            total, every = self.exchange(step, {s: g for s, (g, _, _) in rows.items()}, heads)
+            total, every = self.exchange(step, rows.rows(), heads)
         except MembershipChanged as e:  # (whole groups: the group's processes vote on it first)
             failed, every = e, []
         every = self.membership.agree(step, failed, every, self.shares_total, next(model.parameters()).device)

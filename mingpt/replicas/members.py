@@ -22,6 +22,16 @@ from mingpt.replicas.link import ReplicaError
 from mingpt.replicas.wire import Flags, ShareHeader, Vote
 from mingpt.runtime import distributed
 
+# An owner's shares by default: k = groups - 1 up to this many. With k = R - 1 a lost owner's shares go one
+# to each survivor, but every member runs k backward passes and its exchange grows with R; with at most 4, a
+# lost owner's shares spread over 4 survivors, whose step costs them 1.25x (5 shares for 4) while it is away.
+DEFAULT_SHARES_MAX = 4
+
+
+def default_shares(groups: int) -> int:
+    """Shares per owner (a member, or a whole group) by default: one per other group, at most DEFAULT_SHARES_MAX."""
+    return min(max(1, groups - 1), DEFAULT_SHARES_MAX)
+
 
 class EveryProcess:
     """Each process a member of its own, with shares of its own."""
@@ -38,10 +48,10 @@ class EveryProcess:
     @staticmethod
     def shares_each(asked: int, procs: int, groups: int) -> int:
         """Shares per member from replicas.shares_per_group (0: the default): a group's split among its processes."""
-        shares = asked or procs * max(1, groups - 1)
+        shares = asked or procs * default_shares(groups)
         if shares % procs:
             raise ReplicaError(f"replicas.shares_per_group={shares} does not divide among a group's {procs} "
-                               f"processes: make it a multiple of {procs} (or 0, for {procs * max(1, groups - 1)})")
+                               f"processes: make it a multiple of {procs} (or 0, for {procs * default_shares(groups)})")
         return shares // procs
 
     def saves(self, epoch: Epoch | None) -> bool:
@@ -75,7 +85,7 @@ class WholeGroup:
     @staticmethod
     def shares_each(asked: int, procs: int, groups: int) -> int:  # noqa: ARG004 - the models' one signature
         """Shares per group from replicas.shares_per_group (0: the default)."""
-        return asked or max(1, groups - 1)
+        return asked or default_shares(groups)
 
     @property
     def unit(self) -> int:

@@ -59,11 +59,65 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def flat_grads(model: torch.nn.Module) -> torch.Tensor:
+def flat_grads(model: torch.nn.Module, into: torch.Tensor | None = None) -> torch.Tensor:
     """Every parameter's gradient (under FSDP: this process's shard of it) in one host tensor (parameter
-    order; none: zeros)."""
-    return torch.cat([own_part(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-                      for p in model.parameters()])
+    order; none: zeros); given `into`, added to it in place. A parameter at a time: one host row, not a
+    copy of every gradient and then their concatenation."""
+    out = torch.empty(sum(own_part(p).numel() for p in model.parameters())) if into is None else into
+    offset = 0
+    for p in model.parameters():
+        g = own_part(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1)
+        part = out[offset:offset + g.numel()]
+        if into is None:
+            part.copy_(g)
+        else:
+            part.add_(g.float().cpu())
+        offset += g.numel()
+    return out
+
+
+class Rows:
+    """A member's gradients of a step as the exchange takes them: its own shares (`own`, a range) folded
+    in share order into one host accumulator as they are trained (its owner's subtree of the step's
+    sum: `acc = row(s0).clone(); acc += row(s1); ...`, the same fold whoever makes it), and a row apiece
+    for the shares of lost owners dealt to it. Each share is still its own backward into zeroed
+    gradients: accumulating several shares' micro-batches in p.grad would add them in another order."""
+
+    def __init__(self, own: range):
+        self.own = own
+        self.acc: torch.Tensor | None = None
+        self.folded = 0  # own shares in `acc`: always a prefix of `own`
+        self.orphans: dict[int, torch.Tensor] = {}
+        self.meta: dict[int, tuple] = {}  # every share done -> (its summed token loss, its micro-batches)
+
+    def __contains__(self, share: int) -> bool:
+        return share in self.meta
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    def add(self, share: int, model: torch.nn.Module, loss: torch.Tensor, micro_batches: list) -> None:
+        """`share`'s gradient, as the model holds it after the share's backward."""
+        if share in self.own:
+            if share != self.own[self.folded]:
+                raise ValueError(f"share {share} out of order: the next of {self.own} to fold is {self.own[self.folded]}")
+            self.acc = flat_grads(model, self.acc)
+            self.folded += 1
+        else:
+            self.orphans[share] = flat_grads(model)
+        self.meta[share] = (loss, micro_batches)
+
+    def keep(self, mine: list[int]) -> Rows:
+        """What still holds for the redo of the step in the next epoch (the same weights and samples): the
+        accumulator's own shares, and the orphan rows of the shares still dealt to this member (`mine`)."""
+        self.orphans = {s: row for s, row in self.orphans.items() if s in mine}
+        self.meta = {s: m for s, m in self.meta.items() if s in self.orphans or s in self.own[:self.folded]}
+        return self
+
+    def rows(self) -> dict[tuple[int, ...], torch.Tensor]:
+        """The exchange's gradient rows: the shares each one carries -> the row."""
+        out = {tuple(self.own[:self.folded]): self.acc} if self.folded else {}
+        return out | {(s,): row for s, row in sorted(self.orphans.items())}
 
 
 @torch.no_grad()

@@ -211,17 +211,19 @@ def _mac(key: bytes, row: torch.Tensor) -> bytes:
 
 
 class ShareRow(NamedTuple):
-    """A share's row in the exchange's table of headers: the share, its step and epoch, and its header;
+    """A share's row in the exchange's table of headers: the share, its step and epoch, the gradient row
+    of its sender that carries it (alone, or folded with the rest of its owner's shares), and its header;
     float64 columns, then their HMAC keyed by the job secret (a forged row ends the exchange)."""
     share: int
     step: int
     epoch: int
+    row: int
     header: ShareHeader
 
-    WIDTH = 3 + len(ShareHeader._fields) + MAC_COLUMNS  # (a class constant, not a field)
+    WIDTH = 4 + len(ShareHeader._fields) + MAC_COLUMNS  # (a class constant, not a field)
 
     def pack(self, key: bytes) -> torch.Tensor:
-        row = torch.tensor([self.share, self.step, self.epoch, *self.header], dtype=torch.float64)
+        row = torch.tensor([self.share, self.step, self.epoch, self.row, *self.header], dtype=torch.float64)
         return torch.cat([row, torch.frombuffer(bytearray(_mac(key, row)), dtype=torch.float64)])
 
     @classmethod
@@ -232,8 +234,8 @@ class ShareRow(NamedTuple):
             return None
         if not hmac.compare_digest(t[-MAC_COLUMNS:].contiguous().numpy().tobytes(), _mac(key, row)):
             raise WireError("a row without the job's MAC")
-        share, step, epoch, *header = row.tolist()
-        return cls(int(share), int(step), int(epoch), ShareHeader(*header))
+        share, step, epoch, grad_row, *header = row.tolist()
+        return cls(int(share), int(step), int(epoch), int(grad_row), ShareHeader(*header))
 
 
 class Vote(NamedTuple):

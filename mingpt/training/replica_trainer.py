@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from mingpt.replicas import MembershipChanged, Replicas, flat_grads
+from mingpt.replicas import MembershipChanged, Replicas, Rows
 from mingpt.replicas.standby import release
 from mingpt.training.metrics import peak_flops
 from mingpt.training.state import Role, StepStats
@@ -39,7 +39,7 @@ class ReplicaTrainer(Trainer):
         super().__init__(**parts)
         self.replicas, self.resume, self.joined = replicas, resume, joined
         self.run_over = RunFinished(self.snapshotter.store, self.cfg.max_steps)  # (while this group was away)
-        self._redo = None  # (step, shares' gradients) computed when that step's epoch broke
+        self._redo = None  # (step, Rows: the shares' gradients) computed when that step's epoch broke
         self.role = self.epoch_role()
         self.policy.agreed = lambda: replicas.flags  # as each step's exchange agreed them: no collective of its own
 
@@ -76,24 +76,26 @@ class ReplicaTrainer(Trainer):
 
     def compute(self, step: int, micro_batches: list, global_tokens: int) -> tuple[torch.Tensor, list]:
         """This member's shares of the step, exchanged (`Replicas.reduce`); their summed token loss, and the
-        split. Shares done when an epoch broke are kept for the step's redo (the same weights and samples,
-        the same gradients)."""
+        split. Its own shares are folded into one accumulator as they are trained, a lost owner's dealt
+        to it kept a row each (`Rows`). Shares done when an epoch broke are kept for the step's redo
+        (the same weights and samples, the same gradients): the accumulator's own shares, and the rows
+        of those still dealt to this member."""
         r = self.replicas
         # the split of a world of one rank per share, whichever groups are alive (sharded groups: every
         # share cut into a part per data rank of the group)
         split = self.data.sampler.split(micro_batches, r.shares_total * r.parts)
         mine = r.shares()
-        rows = {s: row for s, row in self._redo[1].items() if s in mine} if self._redo and self._redo[0] == step else {}
-        if rows:
+        rows = self._redo[1].keep(mine) if self._redo and self._redo[0] == step else Rows(r.own())
+        if len(rows):
             log.info("step %d trained again: %d of this group's shares done before the fault kept", step, len(rows))
         started = time.monotonic()
         try:
-            for share in mine:
+            for share in mine:  # (in share order: its own shares are folded in that order)
                 if share not in rows:
                     part = split[share * r.parts + r.part]
                     # the shares' gradients are summed by the exchange: the backward averages over a share's parts
                     loss = self.forward_backward(step, part, micro_batches, global_tokens, r.parts)
-                    rows[share] = (flat_grads(self.parallel.gpt), loss, part)
+                    rows.add(share, self.parallel.gpt, loss, part)
                     if r.membership.decides_alone:  # a member lost: on to the redo now, not after the other
                         r.check()  # shares (whole groups: the group's processes decide together, in the exchange)
             self.ledger.switch("step_compute")

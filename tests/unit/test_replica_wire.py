@@ -531,7 +531,7 @@ def test_an_exchange_header_without_the_jobs_mac_is_refused():
         r.epoch = Epoch(3, [Member(0, "a", 5, True), Member(1, "b", 5, True)], g)
         r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
         try:
-            out[g] = r.exchange(5, {s: torch.ones(8) for s in r.shares()}, {s: HEADER for s in r.shares()})
+            out[g] = r.exchange(5, {(s,): torch.ones(8) for s in r.shares()}, {s: HEADER for s in r.shares()})
         except MembershipChanged as e:
             out[g] = e
 
@@ -551,7 +551,7 @@ def test_a_share_header_crosses_the_exchange_by_name():
     r.epoch = Epoch(1, [Member(0, "a", 5, True)], 0)
     r.epoch.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
     sent = {s: ShareHeader(0.0, 1.0, 0.0, 2.5 * s, 4.0, 10.0 + s, 0.0, 0.01 * s) for s in range(4)}
-    _, every = r.exchange(3, {s: torch.ones(5) for s in range(4)}, sent)
+    _, every = r.exchange(3, {(s,): torch.ones(5) for s in range(4)}, sent)
     got = every
     assert got == [sent[s] for s in range(4)] and got[2].loss == 5.0 and got[3].ids == 13.0
 
@@ -581,7 +581,7 @@ def test_a_member_that_completes_the_last_exchange_and_leaves_does_not_drop_the_
             LeavingBeacon.gone.set()
             time.sleep(0.01)
         try:
-            out[g] = r.exchange(9, {s: torch.ones(4) for s in r.shares()}, {s: HEADER for s in r.shares()})
+            out[g] = r.exchange(9, {(s,): torch.ones(4) for s in r.shares()}, {s: HEADER for s in r.shares()})
         except MembershipChanged as e:
             out[g] = e
 

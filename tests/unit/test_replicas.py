@@ -1,6 +1,7 @@
 """mingpt.replicas: who trains which share, the exchange's order, the beacon's door, the config."""
 
 import datetime
+import math
 import secrets
 import signal
 import subprocess
@@ -10,13 +11,15 @@ import threading
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import free_port, free_port_runs
 
 from mingpt.config.schema import ConfigError, ReplicasConfig
-from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas, default_min_groups
+from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas, Rows, default_min_groups
+from mingpt.replicas.members import EveryProcess, WholeGroup
 from mingpt.replicas.wire import EpochNews, Join, ShareHeader, Wait, parse
 from mingpt.runtime.distributed import DistInfo
 
@@ -192,7 +195,7 @@ def test_the_exchange_sums_the_shares_in_share_order(one_member):
     torch.manual_seed(0)
     rows = {s: torch.randn(1000) * 10 ** s for s in range(3)}  # magnitudes where the order shows
     heads = {s: header(s, 7.0) for s in range(3)}
-    total, every = one_member.exchange(4, {2: rows[2], 0: rows[0], 1: rows[1]}, heads)
+    total, every = one_member.exchange(4, {(2,): rows[2], (0,): rows[0], (1,): rows[1]}, heads)
     expected = rows[0].clone()
     expected += rows[1]
     expected += rows[2]
@@ -200,23 +203,41 @@ def test_the_exchange_sums_the_shares_in_share_order(one_member):
     assert every == [header(0, 7.0), header(1, 7.0), header(2, 7.0)]
 
 
+def tree(rows, k):
+    """The step's sum as the exchange makes it: each owner's k shares folded in share order (its
+    subtree), then the subtrees folded in owner order."""
+    total = None
+    for owner in range(len(rows) // k):
+        subtree = rows[owner * k].clone()
+        for s in range(owner * k + 1, owner * k + k):
+            subtree += rows[s]
+        total = subtree if total is None else total.add_(subtree)
+    return total
+
+
+def flat(rows):
+    """The sum in share order, one share after another."""
+    total = rows[0].clone()
+    for s in range(1, len(rows)):
+        total += rows[s]
+    return total
+
+
 @pytest.mark.parametrize("groups", [[0, 1, 2], [0, 2]])
-def test_members_sum_every_share_in_share_order_whoever_trained_it(groups):
-    """3 groups of 2 shares over a real gloo process group (one thread per member), all alive or group
-    1 lost (its shares on the others): every member ends with the same sum, bit for bit the sum in
-    share order, also for a row length the members' slices do not divide."""
+def test_members_sum_every_share_by_the_tree_whoever_trained_it(groups):
+    """3 groups of 2 shares over a real gloo process group (one thread per member), every share sent
+    as a row of its own, all alive or group 1 lost (its shares on the others): every member ends with
+    the same sum, bit for bit the tree's, also for a row length the members' slices do not divide."""
     torch.manual_seed(2)
     rows = {s: torch.randn(1001) * 10 ** (s % 4) for s in range(6)}  # magnitudes where the order shows
-    expected = rows[0].clone()
-    for s in range(1, 6):
-        expected += rows[s]
+    expected = tree(rows, 2)
     store, results = dist.HashStore(), {}
 
     def member(g):
         r = Replicas(StubBeacon(g), members=3, min_groups=1, timeout_s=5, per_group=2)
         r.epoch = epoch_of(groups, g)
         r.epoch.pg = dist.ProcessGroupGloo(store, r.epoch.rank, len(groups), datetime.timedelta(seconds=10))
-        results[g] = r.exchange(7, {s: rows[s] for s in r.shares()}, {s: header(g) for s in r.shares()})
+        results[g] = r.exchange(7, {(s,): rows[s] for s in r.shares()}, {s: header(g) for s in r.shares()})
 
     threads = [threading.Thread(target=member, args=(g,)) for g in groups]
     for t in threads:
@@ -229,10 +250,131 @@ def test_members_sum_every_share_in_share_order_whoever_trained_it(groups):
         assert [h.group for h in every] == [float(s // 2) if s // 2 in groups else float(groups[s % 2]) for s in range(6)]
 
 
+class Grads(torch.nn.Module):
+    """A model whose backward left `w.grad`: what `Rows` copies from a trained share."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+
+
+class Counted:
+    """A real gloo process group, with the gradient rows this member sends in the all-to-all counted."""
+
+    def __init__(self, pg):
+        self.pg, self.rows_sent = pg, []
+
+    def size(self):
+        return self.pg.size()
+
+    def allgather(self, *args):
+        return self.pg.allgather(*args)
+
+    def alltoall_base(self, out, send, *args):
+        self.rows_sent.append(send.shape[0] // self.pg.size())
+        return self.pg.alltoall_base(out, send, *args)
+
+
+def exchange_of(alive, k, rows):
+    """Four owners of k shares, those `alive` in threads over a real gloo process group: each trains
+    its shares into `Rows` (its own folded into one accumulator, a lost owner's dealt to it a row each)
+    and exchanges them. Per member: (the sum, the shares it trained, the gradient rows it held, those
+    it sent)."""
+    store, out = dist.HashStore(), {}
+
+    def member(g):
+        r = Replicas(StubBeacon(g), members=4, min_groups=1, timeout_s=5, per_group=k)
+        r.epoch = epoch_of(alive, g)
+        pg = Counted(dist.ProcessGroupGloo(store, r.epoch.rank, len(alive), datetime.timedelta(seconds=10)))
+        r.epoch.pg, model, held = pg, Grads(rows[0].numel()), Rows(r.own())
+        for s in r.shares():
+            model.w.grad = rows[s].clone()  # share s's backward
+            held.add(s, model, torch.tensor(float(s)), [np.arange(s, s + 2)])
+        total, _ = r.exchange(3, held.rows(), {s: header(g) for s in r.shares()})
+        out[g] = (total, r.shares(), len(held.rows()), pg.rows_sent)
+
+    threads = [threading.Thread(target=member, args=(g,)) for g in alive]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(out) == alive
+    return out
+
+
+@pytest.mark.parametrize("k", [3, 4])
+@pytest.mark.parametrize("lost", [0, 2])
+def test_a_lost_owners_shares_trained_by_the_others_sum_bitwise_as_if_it_were_alive(lost, k):
+    """The exchange's fixed tree: each owner's k shares folded in share order (a live owner folds its own
+    as it trains them and sends that one row), then the owners in owner order. With owner `lost` away,
+    its shares go to the others a row each, and the member summing a slice of the columns folds them
+    as the owner would have: every member ends with bitwise the sum of the fault-free step. Each member
+    sends 1 + orphans gradient rows (padded to the most any member holds), not one per share."""
+    torch.manual_seed(5)
+    rows = {s: torch.randn(1001) * 10.0 ** (3 * (s % 3)) for s in range(4 * k)}  # magnitudes where the order shows
+    expected = tree(rows, k)
+    assert not torch.equal(expected, flat(rows))  # (the rows make the order of the adds visible)
+    whole = exchange_of([0, 1, 2, 3], k, rows)
+    survivors = [g for g in range(4) if g != lost]
+    away = exchange_of(survivors, k, rows)
+    most = math.ceil(k / 3)  # the lost owner's k shares dealt out over the 3 survivors
+    for total, shares, held, sent in whole.values():
+        assert torch.equal(total, expected) and (len(shares), held, sent) == (k, 1, [1])
+    for total, shares, held, sent in away.values():
+        orphans = len(shares) - k
+        assert torch.equal(total, expected)
+        assert orphans <= most and held == 1 + orphans and sent == [1 + most]
+
+
+@pytest.mark.parametrize(("groups", "k"), [(2, 1), (3, 2), (4, 3), (5, 4), (6, 4), (9, 4), (64, 4)])
+def test_by_default_an_owner_has_a_share_per_other_group_up_to_four(groups, k):
+    """k = min(groups - 1, 4): a member's backward passes and gradient rows stop growing past 5 groups
+    (a lost owner's shares go to 4 survivors); a group of two processes each k, or k for the group whose
+    processes split the model."""
+    assert EveryProcess.shares_each(0, 1, groups) == k
+    assert EveryProcess.shares_each(0, 2, groups) == k  # 2k shares per group, k each process
+    assert WholeGroup.shares_each(0, 2, groups) == k
+    with pytest.raises(ReplicaError, match=f"multiple of 2 \\(or 0, for {2 * k}\\)"):
+        EveryProcess.shares_each(2 * k + 1, 2, groups)
+
+
 def test_an_exchange_without_every_share_is_refused(one_member):
-    rows = {0: torch.ones(4), 2: torch.ones(4)}
+    rows = {(0,): torch.ones(4), (2,): torch.ones(4)}
     with pytest.raises(MembershipChanged, match="lacks shares"):
         one_member.exchange(0, rows, {0: header(0), 2: header(0)})
+
+
+@pytest.mark.parametrize("carried", [
+    [(0, 1, 2), (3, 4), (5,)],  # a row with part of owner 1's shares: not a subtree of the sum
+    [(0, 1, 2, 3), (4,), (5,)],  # a row with shares of two owners
+    [(0, 1, 2), (3, 4, 5)],  # (the two subtrees: summed)
+])
+def test_a_gradient_row_carries_one_share_or_all_of_one_owners(carried):
+    r = Replicas(StubBeacon(0), members=2, min_groups=1, timeout_s=5, per_group=3)
+    r.epoch = epoch_of([0], 0)
+    r.epoch.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
+    rows = {shares: torch.full((4,), float(len(shares))) for shares in carried}
+    heads = {s: header(0) for s in range(6)}
+    if len(carried) == 2:
+        assert torch.equal(r.exchange(0, rows, heads)[0], torch.full((4,), 6.0))
+        return
+    with pytest.raises(MembershipChanged, match=r"does not add up \(a row carries shares"):
+        r.exchange(0, rows, heads)
+
+
+def test_a_redo_keeps_the_own_shares_folded_and_the_orphan_rows_still_dealt():
+    """After an epoch broke mid-step, the step's redo (the same weights and samples) keeps what still
+    holds: the accumulator's own shares (a prefix, in share order) and the rows of the lost owners'
+    shares still dealt to this member; a share dealt elsewhere now is not kept."""
+    model, held = Grads(3), Rows(range(4, 8))
+    for s in (1, 4, 5, 9):  # orphans 1 and 9 dealt to it, its own 4 and 5 done
+        model.w.grad = torch.full((3,), float(s))
+        held.add(s, model, torch.tensor(0.0), [])
+    with pytest.raises(ValueError, match="share 7 out of order"):
+        held.add(7, model, torch.tensor(0.0), [])
+    held.keep([1, 4, 5, 6, 7])  # the next epoch: share 9 goes to another member
+    assert sorted(held.meta) == [1, 4, 5] and 9 not in held
+    assert {k: v.tolist() for k, v in held.rows().items()} == {(4, 5): [9.0] * 3, (1,): [1.0] * 3}
 
 
 def serve(beacons):
