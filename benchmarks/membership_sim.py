@@ -52,12 +52,14 @@ class SimBeacon(Beacon):
 
 
 def layout(members: int, lose: int, per_process: int) -> list[range]:
-    """The members of each process: the `lose` first (the coordinator among them) in the first, the
-    rest split evenly, `per_process` at most each."""
-    rest = members - lose
+    """The members of each process: the `lose` first (the coordinator and its successor among them) in
+    the first; the two after them, the coordinator and successor once those are lost, in one of their
+    own (as each member is a process of its own in a job: theirs hear every member, and must not share
+    a process with a hundred others); the rest split evenly, `per_process` at most each."""
+    rest = members - lose - 2
     procs = -(-rest // per_process)
-    cuts = [lose + rest * i // procs for i in range(procs + 1)]
-    return [range(0, lose), *(range(a, b) for a, b in zip(cuts, cuts[1:]))]
+    cuts = [lose + 2 + rest * i // procs for i in range(procs + 1)]
+    return [range(0, lose), range(lose, lose + 2), *(range(a, b) for a, b in zip(cuts, cuts[1:]))]
 
 
 def quorum(members: int, lose: int) -> int:

@@ -120,9 +120,12 @@ class Beacon:
 
     def alive(self) -> dict[int, str]:
         """{member: incarnation} of every member heard from within lost_after_s, this one included."""
-        now = time.monotonic()
         with self._lock:
-            out = {m: s["inc"] for m, s in self._seen.items() if not s["eof"] and now - s["t"] < self.lost_after_s}
+            return self._alive()
+
+    def _alive(self) -> dict[int, str]:
+        now = time.monotonic()
+        out = {m: s["inc"] for m, s in self._seen.items() if not s["eof"] and now - s["t"] < self.lost_after_s}
         out[self.member] = self.incarnation
         return out
 
@@ -296,7 +299,8 @@ class Beacon:
                     reply = self._replies.pop(rid, None)
                     if reply is None and self._invited is not None:  # (the coordinator and the others wait for it)
                         reply, self._invited = self._invited, None
-                if isinstance(reply, Wait):
+                if isinstance(reply, Wait):  # (the coordinator is not whole, or it is not the coordinator)
+                    self.links.hurry(range(coordinator))
                     return None
                 if reply is not None:
                     members = list(reply.members)
@@ -436,6 +440,10 @@ class Beacon:
                 self.max_epoch = max(self.max_epoch, msg.epoch)
             elif isinstance(msg, (EpochNews, Wait)):
                 return self._reply(msg)
+            elif isinstance(msg, Join) and min(self._alive()) != self.member:
+                # not the coordinator (a lower member is back, or the asker has not heard of it): said at
+                # once, and the asker looks for a lower member now
+                news = Wait(msg.id)
             elif isinstance(msg, Join):
                 news = self._announced
                 if news and (member, inc) in [(m.number, m.incarnation) for m in news.members]:
@@ -445,7 +453,7 @@ class Beacon:
                     self._requests[member] = (msg, inc, channel)
             else:
                 return f"a {type(msg).__name__} sent to a beacon"
-        if news:  # it missed the answer to an earlier request
+        if news:  # (or it missed the answer to an earlier request)
             with contextlib.suppress(OSError):
                 channel.send(replace(news, id=msg.id))
 

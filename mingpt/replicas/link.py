@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import random
 import selectors
 import socket
 import threading
@@ -116,6 +117,7 @@ class Links:
         self._senders: dict[int, Channel] = {}  # channels out, by member
         self._dialing: set[int] = set()  # members a thread is dialling now
         self._retry: dict[int, float] = {}  # member -> when a failed dial may be tried again
+        self._failures: Counter = Counter()  # member -> failed dials in a row (the wait grows with them)
         self._wake = threading.Event()  # the ticker looks again now (a member dialled in, a channel ended)
         self._stop = threading.Event()
         self._told_size = False  # a peer of another size of job was named once (it dials again and again)
@@ -318,9 +320,13 @@ class Links:
             with self._lock:  # this connection is now the member's: an older one's end says nothing of it
                 self._inbound[member] = channel
                 self._retry.pop(member, None)  # it is up: a dial to it (where this member wants one) goes now
+                self._failures.pop(member, None)
             self._wake.set()
-            channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member))
-            channel.send(self.heartbeat())
+            try:
+                channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member))
+                channel.send(self.heartbeat())
+            except OSError:  # closed meanwhile (this member is closing)
+                return
             self.on_up(member)
             channel.run()
         finally:
@@ -394,6 +400,13 @@ class Links:
             early = self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
 
+    def hurry(self, members) -> None:
+        """Dial `members` now, not after their failed dials' wait (one of them may be back)."""
+        with self._lock:
+            for m in members:
+                self._retry.pop(m, None)
+        self._wake.set()
+
     def wake(self) -> None:
         """Heartbeats out now (the owner's news: the others hear it within a message, not a heartbeat later)."""
         self._wake.set()
@@ -422,7 +435,8 @@ class Links:
             with self._lock:
                 self._senders[member] = channel
                 self._dialing.discard(member)
-            channel.send(self.heartbeat())
+            with contextlib.suppress(OSError):  # (closed meanwhile: run ends at once)
+                channel.send(self.heartbeat())
             self.on_up(member)
             channel.run()
         except (OSError, WireError):
@@ -434,8 +448,14 @@ class Links:
                     del self._senders[member]
                     if not channel.bye:  # (we said goodbye: it is not lost)
                         self.on_lost(member, hello.inc)
-                if channel is None:  # not reached: not dialled again before a heartbeat or two
-                    self._retry[member] = time.monotonic() + 2 * self.heartbeat_s
+                if channel is None:  # not reached: dialled again after 2 heartbeats, twice that after another
+                    # failure, up to lost_after_s, each spread by chance: a job of hundreds starting at once
+                    # does not dial its coordinator (16 handshakes at once, the rest closed) in lockstep
+                    self._failures[member] += 1
+                    wait = min(self.lost_after_s, 2 * self.heartbeat_s * 2 ** min(self._failures[member] - 1, 8))
+                    self._retry[member] = time.monotonic() + wait * random.uniform(0.5, 1.5)
+                else:
+                    self._failures.pop(member, None)
             if channel is not None:
                 channel.close()
                 self._wake.set()  # its place among the lowest members up goes to the next one now
