@@ -3,7 +3,7 @@ no model, no training, no epoch process group), spread over a few processes on l
 on its own port with the job's one secret, each forming epochs in a thread of its own.
 
     python -m benchmarks membership-sim [--members 256 1024] [--per-process 128] [--lose 10]
-        [--deadline-s 120] [--window-s 3] [--max-threads 4096] [--keep DIR]
+        [--heartbeat-s 0.1] [--lost-after-s 1.0] [--deadline-s 120] [--window-s 3] [--max-threads 4096] [--keep DIR]
 
 For each number of members N: the time from the start until every member holds an epoch of all N
 (`first_formation_s`); each member's beacon traffic over --window-s then (`beacon_msgs_per_s`,
@@ -41,7 +41,7 @@ from mingpt.replicas.beacon import Beacon
 from mingpt.runtime.trust import job_secret
 
 POLL_S = 0.05  # how often a member holding an epoch asks whether it must form again
-HEARTBEAT_S, LOST_AFTER_S, TIMEOUT_S = 0.1, 1.0, 30.0  # replicas' defaults
+TIMEOUT_S = 30.0  # replicas.timeout_s's default
 
 
 class SimBeacon(Beacon):
@@ -84,7 +84,8 @@ def child(args) -> None:
     beacons = []
     for m in range(args.first, args.first + args.count):
         try:
-            beacons.append(SimBeacon(addresses, m, secret, HEARTBEAT_S, LOST_AFTER_S, quorum_wait_s=args.deadline_s))
+            beacons.append(SimBeacon(addresses, m, secret, args.heartbeat_s, args.lost_after_s,
+                                     quorum_wait_s=args.deadline_s))
         except (RuntimeError, OSError) as e:  # (a thread or a descriptor refused)
             return say(event="error", why=f"member {m} could not start its beacon ({e})")
         if threading.active_count() > args.max_threads:
@@ -142,7 +143,8 @@ class Sim:
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "benchmarks.membership_sim", "--child", "--first", str(r.start), "--count", str(len(r)),
              "--members", str(members), "--port", str(port), "--quorum", str(quorum(members, args.lose)),
-             "--deadline-s", str(args.deadline_s), "--max-threads", str(args.max_threads)],
+             "--deadline-s", str(args.deadline_s), "--max-threads", str(args.max_threads),
+             "--heartbeat-s", str(args.heartbeat_s), "--lost-after-s", str(args.lost_after_s)],
             cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             stderr=open(logs / f"members{members}-process{i}.log", "w"), preexec_fn=die_with_bench)
             for i, r in enumerate(self.parts)]
@@ -206,7 +208,8 @@ class Sim:
 def setting(args, members: int, logs: Path) -> dict:
     sim = Sim(args, members, logs)
     lose = range(args.lose)
-    out = {"members": members, "processes": [len(r) for r in sim.parts], "quorum": quorum(members, args.lose)}
+    out = {"members": members, "processes": [len(r) for r in sim.parts], "quorum": quorum(members, args.lose),
+           "heartbeat_s": args.heartbeat_s, "lost_after_s": args.lost_after_s}
     try:
         ready = []
         deadline = time.time() + args.deadline_s
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--window-s", type=float, default=3, help="the steady window the traffic is measured over")
     ap.add_argument("--max-threads", type=int, default=4096, help="threads per process at most: past it, the setting "
                                                                   "stops (this machine's other users go on)")
+    ap.add_argument("--heartbeat-s", type=float, default=0.1, help="replicas.heartbeat_s (its default: 0.1)")
+    ap.add_argument("--lost-after-s", type=float, default=1.0, help="replicas.lost_after_s (its default: 1.0)")
     ap.add_argument("--keep", help="keep each process's log here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for name in ("--first", "--count", "--port", "--quorum"):

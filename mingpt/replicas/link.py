@@ -393,10 +393,10 @@ class Links:
                     channel.close_after_flush()
             beat = self.heartbeat()
             if not early or beat != last:  # woken early with nothing new to say: the usual beat will do
-                last, due = beat, time.monotonic() + self.heartbeat_s
+                last, due, line = beat, time.monotonic() + self.heartbeat_s, encode(beat)  # (encoded once for all)
                 for channel in channels:
                     with contextlib.suppress(OSError):
-                        channel.send(beat)
+                        channel.send(line)
             early = self._wake.wait(max(0.0, due - time.monotonic()))
             self._wake.clear()
 
