@@ -292,9 +292,15 @@ class Beacon:
         with self._lock:
             self._pending.add(rid)
         try:
-            self.links.send(coordinator, Join(rid, step, live, self.max_epoch))
+            request = Join(rid, step, live, self.max_epoch)
+            self.links.send(coordinator, request)
             deadline = time.monotonic() + 5 * self.lost_after_s + 6  # a request the coordinator passed over
+            again = time.monotonic() + self.lost_after_s
             while min(self.alive()) == coordinator and time.monotonic() < deadline:
+                if time.monotonic() > again:  # asked again now and then: a request lost with its channel (the
+                    again = time.monotonic() + self.lost_after_s  # coordinator takes the newest) is not waited for
+                    with contextlib.suppress(OSError):
+                        self.links.send(coordinator, request)
                 with self._lock:
                     reply = self._replies.pop(rid, None)
                     if reply is None and self._invited is not None:  # (the coordinator and the others wait for it)

@@ -168,11 +168,12 @@ class Links:
         return f"group {member}" if self.procs == 1 else f"group {member // self.procs} process {member % self.procs}"
 
     def send(self, member: int, msg) -> None:
-        """`msg` to `member` over this member's channel to it; OSError if there is none."""
-        channel = self._senders.get(member) or self._inbound.get(member)
-        if channel is None:
-            raise OSError("not connected")
-        channel.send(msg)
+        """`msg` to `member` over a channel to it (this member's, else the member's); OSError if there is none.
+        A channel being closed (a goodbye) is no channel: what is sent on it after its last flush is lost."""
+        for channel in (self._senders.get(member), self._inbound.get(member)):
+            if channel is not None and not channel.bye:
+                return channel.send(msg)
+        raise OSError("not connected")
 
     def _listen(self) -> socket.socket:
         """A listener on this member's address only (nothing listens wider than it must). A port held

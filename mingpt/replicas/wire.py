@@ -327,7 +327,7 @@ class Channel:
 
     def send(self, msg) -> None:
         """`msg`, a record (or a line already encoded), sent by the channel's thread."""
-        if self.closed.is_set():
+        if self.closed.is_set() or self._closing:
             raise OSError("the connection is closed")
         data = msg if isinstance(msg, bytes) else encode(msg)
         with self._lock:

@@ -863,3 +863,28 @@ def test_an_epoch_ended_between_steps_frees_its_process_groups_sockets():
     finally:
         for r in groups:
             r.close()
+
+
+def test_a_join_request_lost_on_its_way_is_sent_again_not_waited_for():
+    """A request sent on a channel its peer was closing (a probe it said goodbye to) is lost: the asker
+    waited for its answer for 5 x lost_after_s + 6 s while the coordinator waited for its request (10 s
+    lost at the start of the 4-group bench). The request goes again every lost_after_s, and the epoch
+    forms within the coordinator's wait, not after it."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    a, b = Beacon(peers, 0, SECRET, 0.05, 0.5), Beacon(peers, 1, SECRET, 0.05, 0.5)
+    heard, lost = a.links.on_message, []
+
+    def lossy(member, inc, msg, channel):
+        if isinstance(msg, Join) and not lost:
+            lost.append(msg)
+            return None
+        return heard(member, inc, msg, channel)
+    a.links.on_message = lossy
+    try:
+        t0 = time.monotonic()
+        epochs = form_all([a, b], min_groups=2)
+        assert lost and [epochs[m].numbers() for m in (0, 1)] == [[0, 1], [0, 1]]
+        assert time.monotonic() - t0 < 5 * a.lost_after_s + 5  # within the coordinator's wait for it
+    finally:
+        a.close()
+        b.close()
