@@ -107,7 +107,15 @@ class Beacon:
         """Whether `member` was heard from and is lost now (its connection broke, or it went silent)."""
         with self._lock:
             s = self._seen.get(member)
-            return s is not None and (s["eof"] or time.monotonic() - s["t"] >= self.lost_after_s)
+            return s is not None and (s["eof"] or time.monotonic() - s["t"] >= self._patience(s))
+
+    def _patience(self, seen: dict) -> float:
+        """How long a member may be silent before it is lost: lost_after_s, or where its heartbeats have
+        been coming late (a starved process, on a loaded node; or this one, slow to read them) twice
+        their longest recent gap, up to 4 x lost_after_s. Slow is not lost: a member whose heartbeats
+        come every second on 1/16 of a core was lost at every pause, and each new epoch starved it more.
+        A killed one is known at once (its connections close); a frozen one within the same patience."""
+        return min(4 * self.lost_after_s, max(self.lost_after_s, 2 * seen.get("slack", 0.0)))
 
     def siblings(self, member: int) -> range:
         """The members of `member`'s group (itself included)."""
@@ -125,7 +133,7 @@ class Beacon:
 
     def _alive(self) -> dict[int, str]:
         now = time.monotonic()
-        out = {m: s["inc"] for m, s in self._seen.items() if not s["eof"] and now - s["t"] < self.lost_after_s}
+        out = {m: s["inc"] for m, s in self._seen.items() if not s["eof"] and now - s["t"] < self._patience(s)}
         out[self.member] = self.incarnation
         return out
 
@@ -171,7 +179,7 @@ class Beacon:
             return "it restarted: a new process in its place"
         if seen["eof"]:
             return "its connection closed"
-        return f"not heard from in {self.lost_after_s:g} s"
+        return f"not heard from in {round(self._patience(seen), 1):g} s"
 
     def unfinished(self, epoch: Epoch) -> list[int]:
         """Members still training in `epoch`: not finished, not gone to form another, not lost. Its
@@ -436,11 +444,14 @@ class Beacon:
         news = None
         with self._lock:
             if isinstance(msg, Heartbeat):
-                was = self._seen.get(member)
-                self._seen[member] = {**asdict(msg), "inc": inc, "t": time.monotonic(), "eof": False}
-                if (was is None or was["eof"] or was["inc"] != inc or was["state"] != msg.state
+                was, now = self._seen.get(member), time.monotonic()
+                same = was is not None and not was["eof"] and was["inc"] == inc
+                # the longest recent gap between its heartbeats, fading by a tenth at each (`_patience`)
+                slack = max(now - was["t"], 0.9 * was.get("slack", 0.0)) if same else 0.0
+                self._seen[member] = {**asdict(msg), "inc": inc, "t": now, "eof": False, "slack": slack}
+                if (not same or was["state"] != msg.state
                         or (was["epoch"], was["ended"], was["done"]) != (msg.epoch, msg.ended, msg.done)
-                        or self._seen[member]["t"] - was["t"] >= self.lost_after_s):
+                        or now - was["t"] >= self._patience(was)):
                     self._news.set()
                     self.links.wake()  # (a coordinator's verdict may change: the members hear it now)
                 self.max_epoch = max(self.max_epoch, msg.epoch)

@@ -20,7 +20,7 @@ from conftest import free_port, free_port_runs
 from mingpt.config.schema import ConfigError, ReplicasConfig
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas, Rows, default_min_groups
 from mingpt.replicas.members import EveryProcess, WholeGroup
-from mingpt.replicas.wire import EpochNews, Join, ShareHeader, Wait, parse
+from mingpt.replicas.wire import EpochNews, Heartbeat, Join, ShareHeader, Wait, parse
 from mingpt.runtime.distributed import DistInfo
 
 SECRET = b"unit-test-secret-0123456789abcdef0123"
@@ -888,3 +888,26 @@ def test_a_join_request_lost_on_its_way_is_sent_again_not_waited_for():
     finally:
         a.close()
         b.close()
+
+
+def test_a_member_whose_heartbeats_come_late_is_given_longer_before_it_counts_as_lost():
+    """Member 1's heartbeats come 0.8 s apart (a starved process: 32 groups on 2 cores), member 2's every
+    0.05 s; lost_after_s is 1 s. After 1.3 s of silence member 2 is lost, member 1 is not (twice its
+    longest recent gap: 1.6 s); after 1.8 s it is. At 32 groups a member was lost at every pause of a
+    starved one, and each new epoch starved them more: no step in 4 minutes."""
+    a = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 0, SECRET, 0.05, 1.0)
+    beat = Heartbeat("training", 4, 9, -1)
+    try:
+        for i in range(3):
+            a._heard(1, "one", beat, Outbox())
+            if i < 2:
+                for _ in range(16):
+                    a._heard(2, "two", beat, Outbox())
+                    time.sleep(0.05)
+        silent = time.monotonic()
+        time.sleep(1.3 - (time.monotonic() - silent))
+        assert a.was_lost(2) and not a.was_lost(1) and set(a.alive()) == {0, 1}
+        time.sleep(max(0.0, 1.8 - (time.monotonic() - silent)))
+        assert a.was_lost(1)
+    finally:
+        a.close()
