@@ -689,3 +689,30 @@ def test_a_recorded_heal_does_not_verify_in_another_epoch_from_another_source_or
     }[replayed_in]
     out, _ = run_heal(epoch, members, replay=got[0])
     assert isinstance(out[receiver], MembershipChanged) and "does not match its digest" in str(out[receiver])
+
+
+def test_with_nothing_new_a_member_beats_every_quarter_of_lost_after_s():
+    """heartbeat_s 0.05 and lost_after_s 1: with nothing to say a member beats about every 0.25 s, not
+    every 0.05 s (a coordinator hears every member: at 32 groups that is its whole CPU on a loaded node);
+    what changes goes when the owner wakes the links."""
+    addresses = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
+    state = {"beat": Heartbeat("training", 1, 5, -1)}
+    heard = []
+    links = [Links(addresses, me, f"inc{me}", SECRET, 0.05, 1.0, 1, heartbeat=lambda: state["beat"],
+                   on_message=lambda member, inc, msg, channel, me=me: heard.append((me, msg, time.monotonic())),
+                   on_up=lambda m: None, on_lost=lambda m, inc: None) for me in (0, 1)]
+    for link in links:
+        link.start()
+    try:
+        assert wait_for(lambda: len(heard) >= 2)
+        time.sleep(0.3)
+        start = len([h for h in heard if h[0] == 1])
+        time.sleep(2.0)
+        beats = len([h for h in heard if h[0] == 1]) - start  # member 1 heard on its two channels with 0
+        assert beats <= 2 * (2.0 / 0.25 + 2), beats  # (every 0.05 s: 80)
+        state["beat"] = Heartbeat("forming", 1, 5, 2)
+        links[0].wake()  # (the owner's news)
+        assert wait_for(lambda: any(h[0] == 1 and h[1] == state["beat"] for h in heard), 5.0)
+    finally:
+        for link in links:
+            link.close()
