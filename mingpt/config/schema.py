@@ -326,9 +326,11 @@ class ReplicasConfig:
     """Groups that must be alive to train; 0: a majority of them (two sides of a cut network never
     both train)."""
     heartbeat_s: float = 0.1
-    """Seconds between heartbeats to every other group."""
+    """Seconds between heartbeats at least (a member's to the coordinator and its successor, theirs
+    back): what changed goes at once; with nothing new, a beat every lost_after_s / 4 if longer."""
     lost_after_s: float = 1.0
-    """A group silent this long is lost (a killed process is noticed at once: its connection breaks)."""
+    """A group silent this long is lost (a killed process is noticed at once: its connection breaks;
+    one whose heartbeats come late is given up to 4 x as long)."""
     timeout_s: float = 30.0
     """How long forming an epoch's process group, or one collective, may take at most."""
     quorum_wait_s: float = 600.0
