@@ -109,13 +109,13 @@ class Beacon:
             s = self._seen.get(member)
             return s is not None and (s["eof"] or time.monotonic() - s["t"] >= self._patience(s))
 
-    def _patience(self, seen: dict) -> float:
+    def _patience(self, seen: dict, at_least: float = 0.0) -> float:
         """How long a member may be silent before it is lost: lost_after_s, or where its heartbeats have
         been coming late (a starved process, on a loaded node; or this one, slow to read them) twice
         their longest recent gap, up to 4 x lost_after_s. Slow is not lost: a member whose heartbeats
         come every second on 1/16 of a core was lost at every pause, and each new epoch starved it more.
         A killed one is known at once (its connections close); a frozen one within the same patience."""
-        return min(4 * self.lost_after_s, max(self.lost_after_s, 2 * seen.get("slack", 0.0)))
+        return max(at_least, min(4 * self.lost_after_s, max(self.lost_after_s, 2 * seen.get("slack", 0.0))))
 
     def siblings(self, member: int) -> range:
         """The members of `member`'s group (itself included)."""
@@ -126,21 +126,24 @@ class Beacon:
         """Members whose group lost a process: they leave with it (its torchrun restarts them all)."""
         return {m for m in range(self.members) if any(self.was_lost(s) for s in self.siblings(m))}
 
-    def alive(self) -> dict[int, str]:
-        """{member: incarnation} of every member heard from within lost_after_s, this one included."""
+    def alive(self, at_least: float = 0.0) -> dict[int, str]:
+        """{member: incarnation} of every member heard from within its patience (lost_after_s, or longer:
+        `_patience`; `at_least` this), this one included."""
         with self._lock:
-            return self._alive()
+            return self._alive(at_least)
 
-    def _alive(self) -> dict[int, str]:
+    def _alive(self, at_least: float = 0.0) -> dict[int, str]:
         now = time.monotonic()
-        out = {m: s["inc"] for m, s in self._seen.items() if not s["eof"] and now - s["t"] < self._patience(s)}
+        out = {m: s["inc"] for m, s in self._seen.items()
+               if not s["eof"] and now - s["t"] < self._patience(s, at_least)}
         out[self.member] = self.incarnation
         return out
 
-    def lost(self, epoch: Epoch) -> MembershipChanged | None:
+    def lost(self, epoch: Epoch, at_least: float = 0.0) -> MembershipChanged | None:
         """Why `epoch` cannot go on (a member lost or gone to form another), or None. Its coordinator judges
-        every member; another member the ones it hears itself, then takes the coordinator's verdict."""
-        alive = self.alive()
+        every member; another member the ones it hears itself, then takes the coordinator's verdict.
+        `at_least`: a silent member is lost only after this long (while the epoch's group is made)."""
+        alive = self.alive(at_least)
         coordinator = epoch.members[0].number
         with self._lock:
             seen = {m.number: dict(self._seen[m.number]) for m in epoch.members if m.number in self._seen}
@@ -153,7 +156,8 @@ class Beacon:
             last_heard = (seen[m.number]["t"] if direct is not None else float("inf")) if m.number in seen else 0.0
             unheard = last_heard < epoch.since and time.monotonic() - epoch.since < self.lost_after_s
             if alive.get(m.number) != m.incarnation and not unheard:
-                return MembershipChanged(f"{self.name(m.number)} lost ({self._how_lost(seen.get(m.number), m.incarnation)})")
+                how = self._how_lost(seen.get(m.number), m.incarnation, at_least)
+                return MembershipChanged(f"{self.name(m.number)} lost ({how})")
         for m in others:
             s = seen.get(m.number, {})
             if s.get("state") == "finished" and s.get("epoch") == epoch.number:
@@ -171,7 +175,7 @@ class Beacon:
         """The members of `epoch` this one hears itself: its coordinator and successor, its own group's processes."""
         return {m.number for m in epoch.members[:2]} | set(self.siblings(self.member))
 
-    def _how_lost(self, seen: dict | None, incarnation: str) -> str:
+    def _how_lost(self, seen: dict | None, incarnation: str, at_least: float = 0.0) -> str:
         """How a member of an epoch was lost, from its last heartbeat as this beacon saw it (`seen`)."""
         if seen is None:
             return f"never heard from in {self.lost_after_s:g} s"
@@ -179,7 +183,7 @@ class Beacon:
             return "it restarted: a new process in its place"
         if seen["eof"]:
             return "its connection closed"
-        return f"not heard from in {round(self._patience(seen), 1):g} s"
+        return f"not heard from in {round(self._patience(seen, at_least), 1):g} s"
 
     def unfinished(self, epoch: Epoch) -> list[int]:
         """Members still training in `epoch`: not finished, not gone to form another, not lost. Its
@@ -428,8 +432,8 @@ class Beacon:
         thread = threading.Thread(target=make, daemon=True)
         thread.start()
         started = time.monotonic()
-        while thread.is_alive():
-            if (lost := self.lost(epoch)) is not None:
+        while thread.is_alive():  # (making it is most of a loaded node's work: its beats may be late)
+            if (lost := self.lost(epoch, at_least=4 * self.lost_after_s)) is not None:
                 raise lost
             thread.join(0.005)
         if "error" in out:
