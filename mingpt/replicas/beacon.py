@@ -450,8 +450,9 @@ class Beacon:
             if isinstance(msg, Heartbeat):
                 was, now = self._seen.get(member), time.monotonic()
                 same = was is not None and not was["eof"] and was["inc"] == inc
-                # the longest recent gap between its heartbeats, fading by a tenth at each (`_patience`)
-                slack = max(now - was["t"], 0.9 * was.get("slack", 0.0)) if same else 0.0
+                # the longest recent gap between its heartbeats, fading by 1% at each (`_patience`): a member
+                # starved once is likely starved again (its node is loaded) for a minute or so
+                slack = max(now - was["t"], 0.99 * was.get("slack", 0.0)) if same else 0.0
                 self._seen[member] = {**asdict(msg), "inc": inc, "t": now, "eof": False, "slack": slack}
                 if (not same or was["state"] != msg.state
                         or (was["epoch"], was["ended"], was["done"]) != (msg.epoch, msg.ended, msg.done)
