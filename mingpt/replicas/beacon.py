@@ -220,7 +220,7 @@ class Beacon:
         """This member's heartbeat; the coordinator of an epoch adds its verdict on it, for the members
         that do not hear every other: why it cannot go on, whether every member finished."""
         status, last = self.status, self.last
-        groups = len({m // self.procs for m in self.alive()})
+        groups = self._groups_alive()
         if last is None or last.members[0].number != self.member or status.epoch != last.number:
             return replace(status, groups=groups)
         ended = self.lost(last) if status.state in ("training", "finished") else None
@@ -231,9 +231,10 @@ class Beacon:
     def _pins(self) -> set[int]:
         """The members this one keeps a channel to beside the lowest ones up: its group's processes, and
         while it trains in an epoch, the epoch's coordinator and successor (whose verdict it takes)."""
-        last, state = self.last, self.status.state
-        epoch = {m.number for m in last.members[:2]} if last is not None and state in ("training", "finished") else set()
-        return (set(self.siblings(self.member)) | epoch) - {self.member}
+        last = self.last
+        if last is not None and self.status.state in ("training", "finished"):
+            return self._direct(last) - {self.member}
+        return set(self.siblings(self.member)) - {self.member}
 
     # --- forming an epoch -------------------------------------------------------------------------
     def form(self, step: int, live: bool, min_groups: int, timeout_s: float,
@@ -292,9 +293,12 @@ class Beacon:
                 waited = time.monotonic()
             self._news.wait(self.heartbeat_s)
 
+    def _groups_alive(self) -> int:
+        return len({m // self.procs for m in self.alive()})
+
     def _groups_heard(self, coordinator: int) -> int:
         """Groups alive, as this member hears them, or as the coordinator says (it hears every member)."""
-        heard = len({m // self.procs for m in self.alive()})
+        heard = self._groups_alive()
         with self._lock:
             told = self._seen.get(coordinator, {}).get("groups", 0) if coordinator != self.member else 0
         return max(heard, told)
