@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import queue
 import resource
@@ -72,6 +73,7 @@ def child(args) -> None:
     """Members args.first to args.first + args.count - 1: their beacons, then, on "go" from stdin, each
     forming epochs in its thread (a JSON line per epoch it holds); "report": each member's channels and
     what it sent; "quit": close."""
+    logging.basicConfig(format="%(asctime)s.%(msecs)03d %(message)s", datefmt="%H:%M:%S")  # (its log: --keep)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a socket per channel
     said = threading.Lock()

@@ -318,16 +318,17 @@ class Links:
             channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a message",
                                                                lambda msg: self._take_in(member, inc, msg, channel)),
                               sent=self.sent)
+            try:  # the hello first, before the ticker knows the channel: a heartbeat ahead of it fails the dial
+                channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member))
+            except OSError:  # closed meanwhile (this member is closing)
+                return
             with self._lock:  # this connection is now the member's: an older one's end says nothing of it
                 self._inbound[member] = channel
                 self._retry.pop(member, None)  # it is up: a dial to it (where this member wants one) goes now
                 self._failures.pop(member, None)
             self._wake.set()
-            try:
-                channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member))
+            with contextlib.suppress(OSError):  # (closed meanwhile: run ends at once)
                 channel.send(self.heartbeat())
-            except OSError:  # closed meanwhile (this member is closing)
-                return
             self.on_up(member)
             channel.run()
         finally:

@@ -716,3 +716,29 @@ def test_with_nothing_new_a_member_beats_every_quarter_of_lost_after_s():
     finally:
         for link in links:
             link.close()
+
+
+def test_a_server_says_its_hello_before_any_heartbeat_on_a_new_channel(monkeypatch):
+    """The ticker beats on every channel it knows the moment a member dials in; a heartbeat queued ahead
+    of the server's hello failed the dial ("a server that is not group 2"), seen dozens of times with
+    128 members. Here the hello's send is slow (a thread switched out): the hello still comes first."""
+    from mingpt.replicas import wire
+
+    send = wire.Channel.send
+
+    def slow_hello(self, msg):
+        if isinstance(msg, Hello):
+            time.sleep(0.3)  # the ticker, woken meanwhile, beats on the channels it knows
+        return send(self, msg)
+
+    monkeypatch.setattr(wire.Channel, "send", slow_hello)
+    addresses = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
+    links = Links(addresses, 0, "inc0", SECRET, 0.01, 0.2, 1, heartbeat=partial(Heartbeat, "training", 0, 1, -1),
+                  on_message=lambda *a: None, on_up=lambda m: None, on_lost=lambda m, inc: None)
+    links.start()
+    try:
+        tls, hello = peer(addresses[0][1], 1, 2)
+        tls.close()
+        assert isinstance(hello, Hello) and hello.member == 0 and hello.to == 1, hello
+    finally:
+        links.close()
