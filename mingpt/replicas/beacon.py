@@ -289,8 +289,10 @@ class Beacon:
                     self._invited = None
                 return epoch
             if time.monotonic() - waited > 10:
-                log.warning("replica %s waits for a quorum of %d groups (alive: %s)", self.name(self.member), min_groups,
-                            sorted({g // self.procs for g in self.alive()}))
+                # (the coordinator names the groups it hears; another member hears a few, and counts the coordinator's)
+                heard = (f"alive: {sorted({g // self.procs for g in self.alive()})}" if coordinator == self.member else
+                         f"{self._groups_heard(coordinator)} alive, as {self.name(coordinator)} hears them")
+                log.warning("replica %s waits for a quorum of %d groups (%s)", self.name(self.member), min_groups, heard)
                 waited = time.monotonic()
             self._await_news(seen, self.heartbeat_s)
 
