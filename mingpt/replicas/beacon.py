@@ -93,6 +93,7 @@ class Beacon:
         # news of a member (heard from anew, or a channel to it up): a member forming an epoch looks again
         self._news = threading.Condition()
         self._news_n = 0  # news told so far: a waiter waits for more than it saw (`_await_news`)
+        self._quiet: tuple = (None, -1, 0.0)  # `lost` said None for (epoch, news) and will until then
         self.links = Links([host_port(a) for a in addresses], member, self.incarnation, secret, heartbeat_s,
                            lost_after_s, procs, heartbeat=self._beat, on_message=self._heard,
                            on_up=lambda _: self._tell(), on_lost=self._hung_up, pins=self._pins)
@@ -143,7 +144,25 @@ class Beacon:
     def lost(self, epoch: Epoch, at_least: float = 0.0) -> MembershipChanged | None:
         """Why `epoch` cannot go on (a member lost or gone to form another), or None. Its coordinator judges
         every member; another member the ones it hears itself, then takes the coordinator's verdict.
-        `at_least`: a silent member is lost only after this long (while the epoch's group is made)."""
+        `at_least`: a silent member is lost only after this long (while the epoch's group is made).
+
+        Asked every millisecond during a collective: a None stands until a member's news or until the
+        first of them could fall silent (the coordinator looked at every member each time: at 32 groups,
+        60 us a look, its whole sixteenth of a core)."""
+        key, news, now = (epoch.number, epoch.since, at_least), self._news_n, time.monotonic()
+        if self._quiet[:2] == (key, news) and now < self._quiet[2]:
+            return None
+        verdict = self._judge(epoch, at_least)
+        if verdict is None:
+            with self._lock:
+                until = [s["t"] + self._patience(s, at_least) for m in epoch.members
+                         if (s := self._seen.get(m.number)) is not None and not s["eof"]]
+            if now < epoch.since + self.lost_after_s:  # (one not heard from yet is vouched for until then)
+                until.append(epoch.since + self.lost_after_s)
+            self._quiet = (key, news, min(until, default=now))
+        return verdict
+
+    def _judge(self, epoch: Epoch, at_least: float) -> MembershipChanged | None:
         alive = self.alive(at_least)
         coordinator = epoch.members[0].number
         with self._lock:

@@ -934,3 +934,33 @@ def test_a_member_silent_while_the_epochs_group_is_made_is_waited_for(caplog):
     finally:
         a.close()
         b.close()
+
+
+def test_with_nothing_new_the_coordinator_judges_its_epoch_once_and_a_silence_or_a_change_still_ends_it():
+    """A member asks `lost` every millisecond during a collective; the coordinator's answer looks at every
+    member (at 32 groups, its whole sixteenth of a core). With nothing new it is judged once; a member's
+    news is judged at once, and a member gone silent is lost after its patience, news or not."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    for lost_after_s in (30.0, 0.3):
+        b = Beacon(peers, 0, SECRET, 0.05, lost_after_s)
+        try:
+            epoch = Epoch(2, [Member(0, b.incarnation, 5, True), Member(1, "inc1", 5, True),
+                              Member(2, "inc2", 5, True)], 0)
+            for m in (1, 2):
+                b._heard(m, f"inc{m}", Heartbeat("training", 2, 5, 2), None)
+            judged = []
+            judge = b._judge
+            b._judge = lambda *a: judged.append(a) or judge(*a)
+            if lost_after_s == 30.0:
+                assert [b.lost(epoch) for _ in range(200)] == [None] * 200 and len(judged) == 1
+                b._heard(2, "inc2", Heartbeat("forming", 2, 5, 2, why="a member joins"), None)
+                assert str(b.lost(epoch)) == "group 2 left epoch 2 (a member joins)" and len(judged) == 2
+            else:
+                assert b.lost(epoch) is None
+                deadline = time.monotonic() + 10
+                while (verdict := b.lost(epoch)) is None and time.monotonic() < deadline:
+                    b._heard(2, "inc2", Heartbeat("training", 2, 5, 2), None)  # group 2 beats on, group 1 is silent
+                    time.sleep(0.05)
+                assert str(verdict).startswith("group 1 lost (not heard from in"), verdict
+        finally:
+            b.close()
