@@ -8,7 +8,7 @@ on its own port with the job's one secret, each forming epochs in a thread of it
 For each number of members N: the time from the start until every member holds an epoch of all N
 (`first_formation_s`); each member's beacon traffic over --window-s then (`beacon_msgs_per_s`,
 `beacon_bytes_per_s`: Links.sent), its channels (`Links.channels()`), and the threads per process
-and per member; then --lose members (0, the coordinator, to lose - 1: one process, SIGKILLed) and
+and per member; then --lose members (0, the coordinator, to lose - 1: their processes SIGKILLed at once) and
 the time from the kill until every survivor holds an epoch without them (`reformation_s`, the aim
 being 2 s; `reformed_world`: its members). Members' figures: median, max and the member holding the
 max. A survivor leaves its epoch when `beacon.lost(epoch)` says why (or another member waits to
@@ -53,14 +53,16 @@ class SimBeacon(Beacon):
 
 
 def layout(members: int, lose: int, per_process: int) -> list[range]:
-    """The members of each process: the `lose` first (the coordinator and its successor among them) in
-    the first; the two after them, the coordinator and successor once those are lost, in one of their
-    own (as each member is a process of its own in a job: theirs hear every member, and must not share
-    a process with a hundred others); the rest split evenly, `per_process` at most each."""
+    """The members of each process: the `lose` first (to be SIGKILLed together) in the first processes:
+    the coordinator in one of its own, its successor in another, the rest of them in a third; the two
+    after them, the coordinator and successor once those are lost, in one of their own (as each member
+    is a process of its own in a job: these hear every member, and must not share a process, and its
+    handshakes, with a hundred others); the rest split evenly, `per_process` at most each."""
     rest = members - lose - 2
     procs = -(-rest // per_process)
     cuts = [lose + 2 + rest * i // procs for i in range(procs + 1)]
-    return [range(0, lose), range(lose, lose + 2), *(range(a, b) for a, b in zip(cuts, cuts[1:]))]
+    lost = [r for r in (range(0, 1), range(1, min(2, lose)), range(2, lose)) if r]
+    return [*lost, range(lose, lose + 2), *(range(a, b) for a, b in zip(cuts, cuts[1:]))]
 
 
 def quorum(members: int, lose: int) -> int:
@@ -151,7 +153,8 @@ class Sim:
             stderr=open(logs / f"members{members}-process{i}.log", "w"), preexec_fn=die_with_bench)
             for i, r in enumerate(self.parts)]
         self.said: queue.Queue = queue.Queue()
-        self.killed = False  # the first process (the lost members) SIGKILLed: its end is expected
+        self.lost = sum(1 for r in self.parts if r.start < args.lose)  # the processes of the lost members
+        self.killed = False  # those SIGKILLed: their end is expected
         for i, p in enumerate(self.procs):
             threading.Thread(target=self._read, args=(i, p), daemon=True).start()
 
@@ -180,7 +183,7 @@ class Sim:
                 i, msg = self.said.get(timeout=0.1)
                 if msg["event"] == "error":
                     raise RuntimeError(f"{why}: {msg['why']}")
-                if msg["event"] == "exit" and (i > 0 or not self.killed):
+                if msg["event"] == "exit" and (i >= self.lost or not self.killed):
                     raise RuntimeError(f"{why}: process {i} exited (code {self.procs[i].wait()})")
                 on_event(i, msg)
 
@@ -252,7 +255,8 @@ def setting(args, members: int, logs: Path) -> dict:
             if msg["event"] == "epoch" and msg["t"] > kill and msg["lowest"] >= len(lose):
                 again.setdefault(msg["member"], (msg["t"], msg["world"]))
         kill = time.time()
-        os.kill(sim.procs[0].pid, signal.SIGKILL)
+        for p in sim.procs[:sim.lost]:
+            os.kill(p.pid, signal.SIGKILL)
         sim.killed = True
         survivors = members - len(lose)
         try:

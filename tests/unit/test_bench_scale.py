@@ -92,10 +92,11 @@ def test_stat_names_the_member_with_the_max():
     assert stat({}) is None
 
 
-def test_the_sim_puts_the_lost_members_in_one_process_and_splits_the_rest():
-    assert layout(1024, 10, 128) == [range(0, 10), range(10, 12),
+def test_the_sim_gives_the_coordinator_and_its_successors_processes_of_their_own_and_splits_the_rest():
+    assert layout(1024, 10, 128) == [range(0, 1), range(1, 2), range(2, 10), range(10, 12),
                                      *(range(12 + 1012 * i // 8, 12 + 1012 * (i + 1) // 8) for i in range(8))]
-    assert [len(r) for r in layout(32, 10, 128)] == [10, 2, 20]
+    assert [len(r) for r in layout(32, 10, 128)] == [1, 1, 8, 2, 20]
+    assert layout(16, 1, 128) == [range(0, 1), range(1, 3), range(3, 16)]
     assert quorum(1024, 10) == 513 and quorum(16, 10) == 6  # a majority, or the survivors where they are fewer
 
 
