@@ -4,8 +4,7 @@ On one box the groups of a job share its cores: a restarting group's interpreter
 survivors, which on a cluster run on other nodes. A cgroup per group with a CPU quota of
 cores / groups (cgroup v1's `cpu.cfs_quota_us`, or v2's `cpu.max`) keeps each group, its restarts
 included (a child stays in its parent's cgroup), within its own share. A quota is a cap, not a
-reservation: other users of the machine still compete for the cores. Shares under a quarter core
-are enforced over 10 to 16 ms, not the kernel's 100 ms (`period_us`).
+reservation: other users of the machine still compete for the cores.
 
     with CpuShares(3) as shares:          # 3 groups, os.cpu_count() cores between them
         Popen(cmd, preexec_fn=shares.enter(g))
@@ -23,13 +22,11 @@ does nothing.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from pathlib import Path
 
-PERIOD_US = 100_000  # the kernel's default period
-SHORT_PERIOD_US = 10_000  # for shares under a quarter core (`period_us`)
+PERIOD_US = 100_000
 ROOTS = (("v1", Path("/sys/fs/cgroup/cpu")), ("v2", Path("/sys/fs/cgroup")))
 
 
@@ -47,15 +44,6 @@ def _find() -> tuple[str, Path] | str:
             continue
         return version, root
     return why
-
-
-def period_us(cores: float) -> int:
-    """The period a share of `cores` is enforced over. A group that spent its quota sleeps until the
-    period ends: at a sixteenth of a core (32 groups on 2 cores) up to 94 ms of each 100, a wait that
-    every collective among the groups pays again at each of its phases, where a node of its own would
-    only be slower. Under a quarter core, the period is 10 ms, or the shortest whose quota is the
-    kernel's least (1 ms): the same share, in shorter sleeps."""
-    return PERIOD_US if cores >= 0.25 else max(SHORT_PERIOD_US, math.ceil(1000 / cores))
 
 
 class CpuShares:
@@ -79,13 +67,12 @@ class CpuShares:
             for g, cores in [*((g, self.each) for g in range(groups)), *([("beside", beside)] if beside else [])]:
                 d = self.top / f"group{g}"
                 d.mkdir()
-                period = period_us(cores)
-                quota = max(1000, round(period * cores))
+                quota = max(1000, round(PERIOD_US * cores))
                 if version == "v1":
-                    (d / "cpu.cfs_period_us").write_text(str(period))
+                    (d / "cpu.cfs_period_us").write_text(str(PERIOD_US))
                     (d / "cpu.cfs_quota_us").write_text(str(quota))
                 else:
-                    (d / "cpu.max").write_text(f"{quota} {period}")
+                    (d / "cpu.max").write_text(f"{quota} {PERIOD_US}")
                 self.dirs.append(d)
         except OSError as e:
             self.close()
@@ -97,8 +84,6 @@ class CpuShares:
                           f"{self.each:.2f} of {self.cores} cores" if groups > 1 else
                           f"cgroup {version} cpu: the job (torchrun, processes, restarts) capped at "
                           f"{self.each:.2f} of {self.cores} cores, all the groups' cores")
-        if period_us(self.each) != PERIOD_US:
-            self.isolation += f" (enforced over {period_us(self.each) // 1000} ms periods)"
         if beside:
             self.isolation += f"; {beside:.2f} cores beside them for the spares (a node's idle cores)"
 
