@@ -179,7 +179,9 @@ def test_a_warm_spare_per_node_runs_the_groups_command_twice_and_ends_with_it(fa
     command, args = node_command(fake_slurm, tmp_path, MINGPT_SPARES="1")
     env = {**slurm_env(fake_slurm, tmp_path, ["n1"]), "SLURM_NODEID": "1", "MINGPT_SPARES": "1",
            "FAKE_EXIT": str(fail)}
-    ran = subprocess.run(["bash", "-c", command, *args], env=env, capture_output=True, text=True, timeout=30)
+    quick = {"FAKE_TICKS": "2"}  # where nothing is sent to the stand-ins, they need not last 5 s
+    ran = subprocess.run(["bash", "-c", command, *args], env={**env, **quick}, capture_output=True, text=True,
+                         timeout=30)
     calls = (tmp_path / "torchrun.calls").read_text().splitlines()
     assert len(calls) == 2 and len({c.split(" ", 1)[1] for c in calls}) == 1 and "replicas.group=1" in calls[0]
     assert ran.returncode == fail
@@ -193,7 +195,8 @@ def test_a_warm_spare_per_node_runs_the_groups_command_twice_and_ends_with_it(fa
     assert node.wait(timeout=20) == 75
     assert sum(line.endswith(" TERM") for line in (tmp_path / "torchrun.calls").read_text().splitlines()) == 2
     one, args = node_command(fake_slurm, tmp_path)
-    assert subprocess.run(["bash", "-c", one, *args], env={**env, "MINGPT_SPARES": "0"}, timeout=30).returncode == fail
+    assert subprocess.run(["bash", "-c", one, *args], env={**env, **quick, "MINGPT_SPARES": "0"},
+                          timeout=30).returncode == fail
     assert len((tmp_path / "torchrun.calls").read_text().splitlines()) == 5  # the two spares' runs, then one
 
 

@@ -193,7 +193,7 @@ def plan_units(files: list[str], settings: Settings) -> list[Unit]:
 def char_tokenizer(units: list[Unit], settings: Settings, workers: int, eot: bool) -> CharTokenizer:
     """A character vocabulary from every character of the inputs (a first pass over them)."""
     jobs = [(u, settings) for u in units]
-    with _pool(workers, None) as pool:
+    with _pool(min(workers, len(jobs)), None) as pool:  # no process started for one unit
         parts = pool.map(_unit_chars, jobs) if pool else list(map(_unit_chars, jobs))
     return CharTokenizer("".join(sorted(set("".join(parts)))), eot=eot)
 

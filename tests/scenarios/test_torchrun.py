@@ -173,7 +173,7 @@ def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_r
 
     def launch(launch_id: str, **kw):  # the launch id mingpt-torchrun derives from a new job secret
         cmd = [*torchrun_cmd_c10d(), "mingpt/main.py", *TINY, f"data.path={corpus_file}", "snapshot.every_steps=5",
-               f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.max_steps=400",
+               f"data.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}", "trainer.max_steps=200",
                "trainer.log_every=1", "snapshot.resume=never"]
         log = tmp_path / f"{launch_id}.log"  # a file: a pipe read only at the end can fill and stop the job
         with open(log, "w") as fh:
@@ -184,7 +184,7 @@ def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_r
     first, log = launch("launch-1")
     # the SIGKILL lands once a snapshot has committed (steps are a few ms and the commit is in the
     # background: a kill at step 6 once came before step 5's commit, and the restart began anew) and
-    # while the first attempt trains (400 steps: at 40 it had once finished)
+    # while the first attempt trains (200 steps: at 40 it had once finished)
     while not any(r.get("kind") == "snapshot" and r.get("status") == "committed"
                   for r in records(run_dir / "metrics.jsonl")):
         assert first.poll() is None, log.read_text()[-3000:]
@@ -197,7 +197,7 @@ def test_a_second_launch_with_the_same_rendezvous_id_is_refused_and_a_torchrun_r
     resumes = [r for r in records(run_dir / "metrics.jsonl") if r["kind"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["step"] >= 5, out[-3000:]
     before = snapshots(run_dir)
-    assert max(before) == 400 and len(set(before.values())) == 1
+    assert max(before) == 200 and len(set(before.values())) == 1
     second, log = launch("launch-2")
     second.wait(timeout=300)
     out = log.read_text()
@@ -248,7 +248,7 @@ def test_a_restart_under_the_readmes_launcher_is_one_line_and_never_called_a_pre
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "mingpt.cli.launch", "--standalone", "--nproc_per_node=2", "--max-restarts=1",
            "mingpt/main.py", *TINY, *common(corpus_file, tmp_path), f"trainer.run_dir={run_dir}",
-           "trainer.max_steps=300", "snapshot.every_steps=5"]
+           "trainer.max_steps=150", "snapshot.every_steps=5"]
     log = tmp_path / "job.log"
     with open(log, "w") as fh:
         job = subprocess.Popen(cmd, cwd=REPO, env={**torchrun_env(), "PYTHONUNBUFFERED": "1"}, stdout=fh,

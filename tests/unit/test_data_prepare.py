@@ -37,6 +37,20 @@ def test_parallel_prepare_writes_the_bytes_of_one_process(inputs, tmp_path):
     assert data.tokens.read(int(ends[-2]), int(ends[-1])).tolist() == tok.encode(last) + [tok.eot_id]
 
 
+def test_a_char_preparation_of_one_unit_starts_no_process(tmp_path, monkeypatch):
+    """A small corpus is one unit: its vocabulary pass and its encoding run in this process (a spawned
+    pool cost every small run seconds of start-up, to read one file)."""
+    import mingpt.data.prepare as prepare_module
+
+    def no_pool(*args):
+        raise AssertionError("a process pool was started for one unit")
+
+    monkeypatch.setattr(prepare_module.multiprocessing, "get_context", no_pool)
+    (tmp_path / "a.txt").write_text("\n".join(texts(50)) + "\n")
+    m = prepare([str(tmp_path / "a.txt")], str(tmp_path / "ds"), SMALL, kind="char", workers=2)
+    assert m["tokens"] > 0 and m["tokenizer"]["kind"] == "char", m["tokenizer"]
+
+
 def test_a_prepare_killed_midway_continues_to_the_same_result(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -398,7 +398,8 @@ def test_a_read_error_that_may_pass_fails_the_load_without_marking_the_snapshot(
     assert resume(store) == 2
 
 
-def test_unreachable_bucket_is_one_clear_error_without_credentials(s3):
+def test_unreachable_bucket_is_one_clear_error_without_credentials(s3, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # the message, not botocore's 10 s of retries
     message = "bucket no-such-bucket of s3://no-such-bucket/x does not exist or is not reachable"
     with pytest.raises(SnapshotError, match=message) as e:
         open_store("s3://no-such-bucket/x", None)
