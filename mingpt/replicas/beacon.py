@@ -309,9 +309,9 @@ class Beacon:
                 return epoch
             if time.monotonic() - waited > 10:
                 # (the coordinator names the groups it hears; another member hears a few, and counts the coordinator's)
-                heard = (f"alive: {sorted({g // self.procs for g in self.alive()})}" if coordinator == self.member else
-                         f"{self._groups_heard(coordinator)} alive, as {self.name(coordinator)} hears them")
-                log.warning("replica %s waits for a quorum of %d groups (%s)", self.name(self.member), min_groups, heard)
+                said = (f"alive: {sorted({g // self.procs for g in self.alive()})}" if coordinator == self.member else
+                        f"{self._groups_heard(coordinator)} alive, as {self.name(coordinator)} hears them")
+                log.warning("replica %s waits for a quorum of %d groups (%s)", self.name(self.member), min_groups, said)
                 waited = time.monotonic()
             self._await_news(seen, self.heartbeat_s)
 
