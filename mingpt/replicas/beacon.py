@@ -476,9 +476,15 @@ class Beacon:
         thread = threading.Thread(target=make, daemon=True)
         thread.start()
         started = time.monotonic()
+        coordinates = epoch.members[0].number == self.member
         while thread.is_alive():  # (making it is most of a loaded node's work: its beats may be late)
             if (lost := self.lost(epoch, at_least=4 * self.lost_after_s)) is not None:
                 raise lost
+            if coordinates and (lower := min(self.alive())) < self.member:
+                # a lower member is back (a spare took a killed coordinator's place): it coordinates, and
+                # may form an epoch of the same number with the members this one waits for, which then
+                # look as if in this one (it waited 10 s for one it had asked, here)
+                raise MembershipChanged(f"{self.name(lower)} is up again: it coordinates")
             thread.join(0.005)
         if "error" in out:
             raise MembershipChanged(str(out["error"]).splitlines()[0][:200])

@@ -964,3 +964,40 @@ def test_with_nothing_new_the_coordinator_judges_its_epoch_once_and_a_silence_or
                 assert str(verdict).startswith("group 1 lost (not heard from in"), verdict
         finally:
             b.close()
+
+
+def test_a_coordinator_making_its_epoch_gives_it_up_when_a_lower_member_is_back():
+    """Group 0 is SIGKILLed; its spare is back within 0.3 s. Group 1 coordinated meanwhile, announced
+    epoch 1 of [1, 2] and made its process group; group 2 had given up on it for group 0, and trains in
+    group 0's epoch 1, the same number: to group 1 it looked as if in its own, which it waited for, while
+    group 0 waited 10 s for group 1's request (the survivors bench's 10 s stall). Group 1 gives its epoch
+    up as soon as it hears group 0."""
+    from mingpt.runtime.trust import bound_store
+
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    b1, b2 = Beacon(peers, 1, SECRET, 0.05, 1.0), Beacon(peers, 2, SECRET, 0.05, 1.0)
+    b0 = None
+    try:
+        assert wait_for(lambda: 2 in b1.alive(), 10)
+        b2.set_status(state="training", epoch=1)  # in group 0's epoch 1
+        store = bound_store("127.0.0.1", 0, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+        epoch = Epoch(1, [Member(1, b1.incarnation, 5, True), Member(2, b2.incarnation, 5, True)], 0,
+                      ("127.0.0.1", store.port), store)
+        out = {}
+
+        def make():
+            try:
+                b1._make_group(epoch, 30.0)
+            except MembershipChanged as e:
+                out["why"] = str(e)
+        thread = threading.Thread(target=make, daemon=True)
+        thread.start()
+        time.sleep(0.5)
+        assert thread.is_alive()  # group 2 is alive and seems to be in it: waited for
+        b0 = Beacon(peers, 0, SECRET, 0.05, 1.0)
+        thread.join(10)
+        assert out.get("why") == "group 0 is up again: it coordinates", out
+    finally:
+        for b in (b0, b1, b2):
+            if b is not None:
+                b.close()
