@@ -222,8 +222,10 @@ def test_under_plain_torchrun_the_mingpt_rendezvous_names_each_workers_agent(tmp
     agent's pid too (the rendezvous handler runs in the agent), so one whose agent died while its
     interpreter started exits at once, also under a subreaper (mingpt/runtime/orphan.py)."""
     script = tmp_path / "worker.py"
-    script.write_text("import os; print('agent', os.environ.get('MINGPT_AGENT_PID'), os.getppid(), "
-                      "os.environ['TORCHELASTIC_RUN_ID'], flush=True)\n")
+    # one write each: the two workers share the agent's stdout, unbuffered (PYTHONUNBUFFERED), and
+    # print's pieces interleaved ("agentagent  1:plain-run1:plain-run ...": 1 run in 3 failed)
+    script.write_text("import os; os.write(1, ' '.join(['agent', str(os.environ.get('MINGPT_AGENT_PID')), "
+                      "str(os.getppid()), os.environ['TORCHELASTIC_RUN_ID']]).encode() + b'\\n')\n")
     env = torchrun_env(MINGPT_JOB_SECRET=secrets.token_hex(32))
     env.pop("MINGPT_AGENT_PID", None)
     agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
