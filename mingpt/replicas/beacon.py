@@ -44,7 +44,7 @@ class Epoch:
     shard_pg: object = None  # sharded groups: the process group of the members holding this one's shard
     since: float = field(default_factory=time.monotonic)  # when this member learned of it
     setup_s: float = 0.0  # how long making its process groups took here
-    abandoned: bool = False  # a collective of it was left unfinished here (a member was lost meanwhile)
+    abandoned: object = None  # a collective of it left unfinished here (a member was lost meanwhile): its work
 
     @property
     def world(self) -> int:

@@ -73,9 +73,9 @@ class Replicas:
         self.per_group = per_group
         self.shares_total = (members // self.membership.unit) * per_group
         self.epoch: Epoch | None = None
-        # An epoch whose collective a lost member left unfinished keeps its process group until the
-        # process exits: freeing it would wait in its destructor (joining gloo's threads) until that
-        # collective times out. Any other is freed with its sockets when the next epoch forms.
+        # An epoch whose collective a lost member left unfinished keeps its process group until that
+        # collective ends (at the group's timeout at the latest): freeing it sooner would wait in its
+        # destructor (joining gloo's threads). Any other is freed with its sockets when the next epoch forms.
         self._retired: list[Epoch] = []
         self.live = False  # trained in an epoch: this state is the job's
         self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
@@ -156,7 +156,8 @@ class Replicas:
     def form(self, step: int, should_stop: Callable[[], bool], why: str = "") -> Epoch | None:
         """The next epoch (None: `should_stop`); `why` the last one ended (its root cause: MembershipChanged.cause)."""
         t0 = time.monotonic()
-        if self.epoch is not None and self.epoch.abandoned:
+        self._retired = [e for e in self._retired if not e.abandoned.is_completed()]
+        if self.epoch is not None and self.epoch.abandoned is not None:
             self._retired.append(self.epoch)
         # (a process of this group lost meanwhile: ReplicaExit, out of the wait)
         self.epoch = self.beacon.form(step, self.live, self.min_groups, self.timeout_s,
@@ -207,7 +208,7 @@ class Replicas:
                     while not work.is_completed() and time.monotonic() < deadline:
                         time.sleep(0.0005)
                     if not work.is_completed():
-                        self.epoch.abandoned = True
+                        self.epoch.abandoned = work
                         raise
             time.sleep(0.0002)
         try:
