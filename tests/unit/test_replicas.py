@@ -833,6 +833,16 @@ def test_a_member_slow_to_take_an_epoch_is_waited_for_not_dropped(caplog):
             b.close()
 
 
+def form_together(groups, step):
+    """Every member's Replicas forms the next epoch at `step`, at once: one epoch for all."""
+    threads = [threading.Thread(target=r.form, args=(step, lambda: False)) for r in groups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len({r.epoch.number for r in groups if r.epoch is not None}) == 1
+
+
 def test_an_epoch_ended_between_steps_frees_its_process_groups_sockets():
     """Every epoch makes a process group (a connection to each other member). One that ended between
     two steps (a group joined) is freed when the next forms; they were all kept to the end of the
@@ -845,19 +855,11 @@ def test_an_epoch_ended_between_steps_frees_its_process_groups_sockets():
     def descriptors() -> int:
         return len(os.listdir("/proc/self/fd"))
 
-    def form_all_again(step):
-        threads = [threading.Thread(target=r.form, args=(step, lambda: False)) for r in groups]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert len({r.epoch.number for r in groups if r.epoch is not None}) == 1
-
     try:
-        form_all_again(0)
+        form_together(groups, 0)
         counts = []
         for step in range(1, 6):
-            form_all_again(step)
+            form_together(groups, step)
             counts.append(descriptors())
         assert counts[-1] <= counts[0], counts  # (kept: 31 more descriptors each time, here)
     finally:
@@ -1014,16 +1016,8 @@ def test_an_epoch_left_inside_a_collective_frees_its_process_group_once_the_coll
     peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     groups = [Replicas(Beacon(peers, m, SECRET, 0.05, 1.0), members=3, min_groups=2, timeout_s=2) for m in range(3)]
 
-    def form_all_again(step):
-        threads = [threading.Thread(target=r.form, args=(step, lambda: False)) for r in groups]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-        assert len({r.epoch.number for r in groups if r.epoch is not None}) == 1
-
     try:
-        form_all_again(0)
+        form_together(groups, 0)
         left = []
 
         def in_collective(r):  # members 0 and 1 all-reduce; member 2 never does, and leaves the epoch
@@ -1040,9 +1034,9 @@ def test_an_epoch_left_inside_a_collective_frees_its_process_group_once_the_coll
             t.join(10)
         assert sorted(left) == [0, 1]
         kept = [weakref.ref(r.epoch.pg) for r in groups[:2]]  # the left epoch's process groups
-        form_all_again(1)
+        form_together(groups, 1)
         time.sleep(3)  # the left collective times out (timeout_s 2): its work ends
-        form_all_again(2)
+        form_together(groups, 2)
         gc.collect()
         assert [ref() for ref in kept] == [None, None]  # freed, and their sockets with them
     finally:
