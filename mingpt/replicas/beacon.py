@@ -18,8 +18,9 @@ from dataclasses import asdict, dataclass, field, replace
 import torch.distributed as dist
 
 from mingpt.replicas.link import Links, ReplicaError, host_port
+from mingpt.replicas.ring import Ring
 from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, Member, Wait, encode
-from mingpt.runtime.trust import bound_store, derive
+from mingpt.runtime.trust import bound_store
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +41,12 @@ class Epoch:
     rank: int
     address: tuple[str, int] | None = None  # where its store listens (the coordinator hosts it)
     store: dist.TCPStore | None = None  # once its group is made: kept alive with the group
-    pg: object = None  # the epoch's gloo process group
-    shard_pg: object = None  # sharded groups: the process group of the members holding this one's shard
+    pg: Ring | None = None  # the epoch's members, linked round a ring (ring.py)
+    shard_pg: Ring | None = None  # sharded groups: the ring of the members holding this one's shard
     since: float = field(default_factory=time.monotonic)  # when this member learned of it
     setup_s: float = 0.0  # how long making its process groups took here
     abandoned: object = None  # a collective of it left unfinished here (a member was lost meanwhile): its work
+    exchanged: bool = False  # a step's exchange completed in it here
 
     @property
     def world(self) -> int:
@@ -155,19 +157,32 @@ class Beacon:
         verdict = self._judge(epoch, at_least)
         if verdict is None:
             with self._lock:
-                until = [s["t"] + self._patience(s, at_least) for m in epoch.members
+                until = [s["t"] + self._patience(s, self._taking(epoch, s, at_least)) for m in epoch.members
                          if (s := self._seen.get(m.number)) is not None and not s["eof"]]
             if now < epoch.since + self.lost_after_s:  # (one not heard from yet is vouched for until then)
                 until.append(epoch.since + self.lost_after_s)
             self._quiet = (key, news, min(until, default=now))
         return verdict
 
+    def _taking(self, epoch: Epoch, seen: dict, at_least: float) -> float:
+        """`at_least` for a member of `epoch` (`seen`: its last heartbeat): until it is heard training
+        in it, as long a silence as any (4 x lost_after_s). Taking an epoch is a loaded node's busiest
+        moment (its first exchange connects it to its neighbours; at 32 groups on 2 cores a member fell
+        silent for seconds): slow is not lost, and dropping it would only start another epoch to be slow in."""
+        taken = seen.get("epoch") == epoch.number and seen.get("state") in ("training", "finished")
+        return at_least if taken else max(at_least, 4 * self.lost_after_s)
+
     def _judge(self, epoch: Epoch, at_least: float) -> MembershipChanged | None:
-        alive = self.alive(at_least)
+        alive, taking = self.alive(at_least), self.alive(max(at_least, 4 * self.lost_after_s))
         coordinator = epoch.members[0].number
         with self._lock:
             seen = {m.number: dict(self._seen[m.number]) for m in epoch.members if m.number in self._seen}
         direct = None if coordinator == self.member else self._direct(epoch)
+        if direct is None and not epoch.exchanged and (lower := min(alive)) < self.member:
+            # a lower member is back (a spare took a killed coordinator's place) before this epoch's first
+            # exchange: it coordinates, and may form an epoch of the same number with the members this one
+            # waits for, which then look as if in this one (it waited 10 s for one it had asked, here)
+            return MembershipChanged(f"{self.name(lower)} is up again: it coordinates")
         others = [m for m in epoch.members if m.number != self.member and (direct is None or m.number in direct)]
         for m in others:  # a lost member first: it is the cause, the others leaving only follow it
             # one not heard from yet (this member just started: a spare that took its place; or, not the
@@ -175,8 +190,9 @@ class Beacon:
             # coordinator that asked it in, until it has been silent as long as a lost one
             last_heard = (seen[m.number]["t"] if direct is not None else float("inf")) if m.number in seen else 0.0
             unheard = last_heard < epoch.since and time.monotonic() - epoch.since < self.lost_after_s
-            if alive.get(m.number) != m.incarnation and not unheard:
-                how = self._how_lost(seen.get(m.number), m.incarnation, at_least)
+            floor = self._taking(epoch, seen.get(m.number, {}), at_least)
+            if (taking if floor > at_least else alive).get(m.number) != m.incarnation and not unheard:
+                how = self._how_lost(seen.get(m.number), m.incarnation, floor)
                 return MembershipChanged(f"{self.name(m.number)} lost ({how})")
         for m in others:
             s = seen.get(m.number, {})
@@ -463,28 +479,24 @@ class Beacon:
         def make():
             try:
                 store = out["store"] = epoch.store or dist.TCPStore(*epoch.address, is_master=False, timeout=timeout)
-                prefixed = dist.PrefixStore(derive(self.secret, f"replicas-epoch-{epoch.number}"), store)
-                out["pg"] = dist.ProcessGroupGloo(prefixed, epoch.rank, epoch.world, timeout)
+                ring = out["pg"] = Ring(store, self.secret, f"replicas-epoch-{epoch.number}", epoch.rank, epoch.world,
+                                        timeout)
+                ring.connect(ring.neighbours())
                 if self.sharded:
                     holders = [m.number for m in epoch.holders(self.member, self.procs)]
                     shard = f"replicas-epoch-{epoch.number}-shard-{self.member % self.procs}"
-                    prefixed = dist.PrefixStore(derive(self.secret, shard), store)
-                    out["shard_pg"] = dist.ProcessGroupGloo(prefixed, holders.index(self.member), len(holders), timeout)
+                    ring = out["shard_pg"] = Ring(store, self.secret, shard, holders.index(self.member), len(holders),
+                                                  timeout)
+                    ring.connect(ring.neighbours())
             except Exception as e:  # noqa: BLE001 - reported to the waiting thread
                 out["error"] = e
 
         thread = threading.Thread(target=make, daemon=True)
         thread.start()
         started = time.monotonic()
-        coordinates = epoch.members[0].number == self.member
         while thread.is_alive():  # (making it is most of a loaded node's work: its beats may be late)
             if (lost := self.lost(epoch, at_least=4 * self.lost_after_s)) is not None:
                 raise lost
-            if coordinates and (lower := min(self.alive())) < self.member:
-                # a lower member is back (a spare took a killed coordinator's place): it coordinates, and
-                # may form an epoch of the same number with the members this one waits for, which then
-                # look as if in this one (it waited 10 s for one it had asked, here)
-                raise MembershipChanged(f"{self.name(lower)} is up again: it coordinates")
             thread.join(0.005)
         if "error" in out:
             raise MembershipChanged(str(out["error"]).splitlines()[0][:200])

@@ -8,12 +8,12 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import torch.distributed as dist
 
 from mingpt.replicas.beacon import Beacon, Epoch, MembershipChanged
 from mingpt.replicas.link import ReplicaError, member_addresses
@@ -45,6 +45,19 @@ class Healed:
     members: list[int]
 
 
+def ring_gather(ring, me: int, world: int, t: torch.Tensor, tag: int) -> torch.Tensor:
+    """Every member's `t`, in rank order, passed round the ring (each member talks to its two
+    neighbours only): world - 1 rounds of one `t` each."""
+    ring.connect(ring.neighbours())
+    out = torch.empty(world, *t.shape, dtype=t.dtype)
+    out[me] = t
+    for i in range(world - 1):
+        sent = ring.send(out[(me - i) % world], (me + 1) % world, tag + i)
+        ring.recv(out[(me - i - 1) % world], (me - 1) % world, tag + i).wait()
+        sent.wait()
+    return out
+
+
 def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:
     """A process of a replica group as the rest of the program sees it: a process of its own, on its
     GPU (it trains with the group's other processes over the replicas' exchange, as a member like any
@@ -58,10 +71,38 @@ def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:
     return replace(info, rank=0, local_rank=0, world_size=1, local_world_size=1, node=0)
 
 
+class _InThread:
+    """A function run in a thread of its own, waited for as a collective is (`Replicas.wait`): gloo's
+    point-to-point work says it is completed only once waited for, so the thread waits on it."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self.out: dict = {}
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn) -> None:
+        try:
+            self.out["value"] = fn()
+        except Exception as e:  # noqa: BLE001 - raised again to the waiting thread
+            self.out["error"] = e
+
+    def is_completed(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self) -> object:
+        if "error" in self.out:
+            raise self.out["error"]
+        return self.out["value"]
+
+
 class Replicas:
     """This process's side of a replica-group job, as the Trainer uses it: which shares of the step it
     trains, the exchange of the shares' gradients, forming the next epoch, and healing. Every process of
     every group is a member (group g's process i is member g * procs + i)."""
+
+    CHUNK = 1 << 22  # elements of the running sum passed on at a time (16 MB in fp32)
+    # the point-to-point tags of the exchange (by chunk, round or share) and the healing
+    _TAG_SUM, _TAG_TOTAL, _TAG_SHARE, _TAG_HEADERS, _TAG_HEAL = 0, 1 << 28, 1 << 29, 3 << 28, 1 << 30
 
     def __init__(self, beacon: Beacon, members: int, min_groups: int, timeout_s: float, per_group: int = 1,
                  tp: int = 1):
@@ -191,7 +232,7 @@ class Replicas:
             raise ReplicaExit(f"{self.beacon.name(lost[0])} was lost: its torchrun restarts the group's processes, "
                               "which rejoin and heal from a live group", code=1)
 
-    def wait(self, work) -> None:
+    def wait(self, work) -> object:
         """Wait for a collective of the epoch, giving up when a member is lost (a silent peer would
         otherwise hold it until the process group's timeout). The beacon is asked every millisecond at
         most (the coordinator's answer looks at every member)."""
@@ -212,7 +253,7 @@ class Replicas:
                         raise
             time.sleep(0.0002)
         try:
-            work.wait()
+            return work.wait()
         except RuntimeError as e:
             # a killed member's gloo connection and its beacon's close together: the beacon names the member
             # and how it was lost, given a moment to read the close; else gloo's first line (which names its
@@ -231,23 +272,17 @@ class Replicas:
 
         The sum is a fixed tree: each owner's subtree, the fold of its k shares in share order, then
         the fold of the subtrees in owner order. A live owner sends its subtree as one row; a lost
-        owner's shares arrive one row each, and are folded here as the owner would have. As a
-        reduce-scatter then an all-gather, with the order kept: each member receives every row's
-        values of its own slice of the columns (an all-to-all), sums them by the tree (elementwise
-        adds: the same on a slice as on the whole row), and the summed slices are gathered by all.
-        Each member sends 1 + orphans rows (padded to the most any member holds)."""
-        epoch, (pg, _, _) = self.epoch, self.membership.partners(self.epoch)
+        owner's shares arrive one row each, and are folded as the owner would have. The headers are
+        gathered by all (a ring); the sum runs along a chain of the members (`_chain`)."""
+        epoch, (pg, _, me) = self.epoch, self.membership.partners(self.epoch)
         world, k = pg.size(), self.per_group
         per = math.ceil(self.shares_total / world)  # headers per member: the most shares one holds
-        n = next(iter(rows.values())).numel()
-        cols = max(1, math.ceil(n / world))  # each member's slice of the columns, the last one padded
         table = torch.full((per, ShareRow.WIDTH), -1.0, dtype=torch.float64)  # -1: no share in that row
         key = distributed.derive(self.beacon.secret, "replicas-exchange").encode()
         held = sorted((share, i) for i, shares in enumerate(rows) for share in shares)
         for j, (share, i) in enumerate(held):  # each share's header names the gradient row that carries it
             table[j] = ShareRow(share, step, epoch.number, i, headers[share]).pack(key)
-        everyone = torch.empty(world * per, ShareRow.WIDTH, dtype=torch.float64)
-        self.wait(pg.allgather([list(everyone.chunk(world))], [table]))
+        everyone = self.wait(_InThread(lambda: ring_gather(pg, me, world, table, self._TAG_HEADERS))).view(-1, ShareRow.WIDTH)
         carried: dict[tuple[int, int], list[int]] = {}  # (sender, its gradient row) -> the shares in it
         every: dict[int, ShareHeader] = {}
         for i, t in enumerate(everyone):
@@ -264,37 +299,100 @@ class Replicas:
             every[row.share] = row.header
         if sorted(every) != list(range(self.shares_total)):
             raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(every)}")
-        each = 1 + max(r for _, r in carried)  # gradient rows per member (the most any sends)
-        subtree: dict[int, int] = {}  # owner -> the received row of its whole subtree
-        single: dict[int, int] = {}  # share -> its received row (a lost owner's)
+        subtree: dict[int, tuple[int, int]] = {}  # owner -> (its sender, the row) of its whole subtree
+        single: dict[int, tuple[int, int]] = {}  # share -> (its sender, the row): a lost owner's
         for (sender, r), shares in carried.items():
             owner = shares[0] // k
-            if len(shares) == 1:
-                single[shares[0]] = sender * each + r
-            elif sorted(shares) == list(range(owner * k, owner * k + k)):
-                subtree[owner] = sender * each + r
+            if sorted(shares) == list(range(owner * k, owner * k + k)):
+                subtree[owner] = (sender, r)
+            elif len(shares) == 1:
+                single[shares[0]] = (sender, r)
             else:
                 raise MembershipChanged(f"the exchange of step {step} does not add up (a row carries shares {sorted(shares)})")
-        send = torch.zeros(world, each, cols)  # [to member, row, that member's slice of the columns]
-        whole = n // cols  # the members whose slice is whole; the next one's is cut
-        for r, row in enumerate(rows.values()):
-            send[:whole, r] = row[:whole * cols].view(whole, cols)
-            if whole < world:
-                send[whole, r, :n - whole * cols] = row[whole * cols:]
-        got = torch.empty(world * each, cols)  # [from member x row] of this one's slice
-        self.wait(pg.alltoall_base(got, send.view(world * each, cols), [each] * world, [each] * world))
-        mine = None
-        for owner in range(self.shares_total // k):  # owner order, whoever trained which share
-            if owner in subtree:
-                part = got[subtree[owner]]
-            else:  # a lost owner's: its shares folded in share order, as it would have
-                part = got[single[owner * k]].clone()
-                for share in range(owner * k + 1, owner * k + k):
-                    part += got[single[share]]
-            mine = part.clone() if mine is None else mine.add_(part)
-        total = torch.empty(world, cols)
-        self.wait(pg.allgather([list(total.unbind(0))], [mine]))
-        return total.view(-1)[:n], [every[s] for s in range(self.shares_total)]
+        total = self.wait(_InThread(lambda: self._chain(pg, me, world, list(rows.values()), subtree, single, k)))
+        epoch.exchanged = True
+        return total, [every[s] for s in range(self.shares_total)]
+
+    def _chain(self, pg, me: int, world: int, mine: list[torch.Tensor], subtree: dict, single: dict,
+               k: int) -> torch.Tensor:
+        """The fold of every owner's subtree in owner order, passed along a chain of the members: each
+        adds the subtrees it places (its own, then those of the lost owners after it, whose shares it
+        receives and folds in share order as the owner would have) to the running sum it receives and
+        passes it on, a chunk at a time; the last one's sum goes round the ring to the others. Each
+        member talks to its two neighbours in rank order, and to a lost owner's trainers when it
+        places its subtree: gloo connects only those (lazily), and each member sends and receives the
+        gradient about twice whatever the number of members."""
+        place: dict[int, int] = {}  # owner -> the member that adds its subtree to the running sum
+        for o in sorted({*subtree, *(s // k for s in single)}):  # a lost owner's: the one placing the owner before
+            place[o] = subtree[o][0] if o in subtree else place.get(o - 1, single[o * k][0])
+        segments: list[tuple[int, list[int]]] = []  # (member, the owners it adds), in owner order
+        for o, p in place.items():
+            if segments and segments[-1][0] == p:
+                segments[-1][1].append(o)
+            else:
+                segments.append((p, [o]))
+        talks = set(pg.neighbours())  # the pairs this member needs, made first (in the order all make them)
+        for i, (p, _) in enumerate(segments):
+            if p == me:
+                talks |= {segments[j][0] for j in (i - 1, i + 1) if 0 <= j < len(segments)}
+        for share, (sender, _) in single.items():
+            talks |= {place[share // k]} if sender == me else {sender} if place[share // k] == me else set()
+        pg.connect(talks - {me})
+        n, dtype = mine[0].numel(), mine[0].dtype
+        pending: list = []  # sends in flight
+        gathered: dict[int, torch.Tensor] = {}  # the shares of the lost owners this member places
+        recvs = []
+        for share, (sender, r) in sorted(single.items()):
+            to = place[share // k]
+            if to == me:
+                gathered[share] = mine[r] if sender == me else torch.empty(n, dtype=dtype)
+                if sender != me:
+                    recvs.append(pg.recv(gathered[share], sender, self._TAG_SHARE + share))
+            elif sender == me:
+                pending.append(pg.send(mine[r], to, self._TAG_SHARE + share))
+        for work in recvs:
+            work.wait()
+        parts: dict[int, list[torch.Tensor]] = {}  # this member's segments -> what it adds, in owner order
+        for i, (p, owners) in enumerate(segments):
+            if p != me:
+                continue
+            parts[i] = []
+            for o in owners:
+                if o in subtree:
+                    parts[i].append(mine[subtree[o][1]])
+                else:  # a lost owner's: its shares folded in share order, as it would have
+                    part = gathered[o * k].clone()
+                    for share in range(o * k + 1, o * k + k):
+                        part += gathered[share]
+                    parts[i].append(part)
+        total = torch.empty(n, dtype=dtype)
+        chunks = list(range(0, n, self.CHUNK))
+        for c, lo in enumerate(chunks):  # the running sum, a chunk at a time
+            part = total[lo:lo + self.CHUNK]
+            for i, adds in parts.items():
+                tag = self._TAG_SUM + c * len(segments) + i
+                if i == 0:
+                    part.copy_(adds[0][lo:lo + self.CHUNK])
+                else:
+                    pg.recv(part, segments[i - 1][0], tag).wait()
+                for add in adds[1:] if i == 0 else adds:
+                    part += add[lo:lo + self.CHUNK]
+                if i + 1 < len(segments):
+                    pending.append(pg.send(part, segments[i + 1][0], tag + 1))
+        for work in pending:
+            work.wait()
+        pending.clear()
+        last = segments[-1][0]  # the sum, round the ring from the last member of the chain
+        at = (me - last) % world
+        for c, lo in enumerate(chunks):
+            part = total[lo:lo + self.CHUNK]
+            if at > 0:
+                pg.recv(part, (me - 1) % world, self._TAG_TOTAL + c).wait()
+            if at + 1 < world:
+                pending.append(pg.send(part, (me + 1) % world, self._TAG_TOTAL + c))
+        for work in pending:
+            work.wait()
+        return total
 
     def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> Healed:
         """Bring every member to the newest state among them: the first member holding it broadcasts
@@ -317,13 +415,13 @@ class Replicas:
                                                                members[i].number) for i in behind}
         blob = json.dumps(meta).encode() if me == source else b""
         size = torch.tensor([len(blob)], dtype=torch.int64)
-        self._broadcast(pg, size, source)
+        self._broadcast(pg, me, size, source)
         if not 0 <= int(size) <= MAX_STATE_JSON:
             raise MembershipChanged(f"the state from {self.beacon.name(best.number)} announced {int(size)} bytes of JSON")
         blob_t = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if me == source
                   else torch.empty(int(size), dtype=torch.uint8))
-        self._broadcast(pg, blob_t, source)
-        received = self._broadcast_slots(pg, slots, source, me == source)
+        self._broadcast(pg, me, blob_t, source)
+        received = self._broadcast_slots(pg, me, slots, source)
         if me == source or me not in behind:  # up to date: what it received is what it holds
             self.live = True
             return healed
@@ -342,11 +440,12 @@ class Replicas:
         self.live = True
         return healed
 
-    def _broadcast_slots(self, pg, slots: list, source: int, sends: bool) -> list:
+    def _broadcast_slots(self, pg, me: int, slots: list, source: int) -> list:
         """The slots' tensors from `source` (`sends`: this member is it), on the host (the exchange's gloo
         group; a GPU's tensors are copied to and from it), packed into buffers: one collective per buffer,
         not per tensor (a collective's latency times a few hundred tensors). A receiver's are views into
         the buffers; the sender's list is empty."""
+        sends = me == source
         received: list = [None] * len(slots) if not sends else []
         for size, packed in buckets([slot.local for slot in slots]):
             buf = torch.empty(size, dtype=torch.uint8)
@@ -357,13 +456,20 @@ class Replicas:
                     part.copy_(byte_view(t.detach().contiguous()))
                 else:
                     received[i] = part.view(t.dtype).view(t.shape)
-            self._broadcast(pg, buf, source)
+            self._broadcast(pg, me, buf, source)
         return received
 
-    def _broadcast(self, pg, t: torch.Tensor, source: int) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = source, 0
-        self.wait(pg.broadcast([t], opts))
+    def _broadcast(self, pg, me: int, t: torch.Tensor, source: int) -> None:
+        """`t` from rank `source` to every member, passed on round the ring (each member receives it once
+        and sends it on once: the same bytes for each whatever the number of members)."""
+        def chain():
+            pg.connect(pg.neighbours())
+            at, world = (me - source) % pg.size(), pg.size()
+            if at > 0:
+                pg.recv(t, (me - 1) % world, self._TAG_HEAL).wait()
+            if at + 1 < world:
+                pg.send(t, (me + 1) % world, self._TAG_HEAL).wait()
+        self.wait(_InThread(chain))
 
     def reduce(self, model: torch.nn.Module, rows: Rows, step: int, preempted: bool, timed: bool,
                compute_s: float = 0.0) -> float:

@@ -24,6 +24,7 @@ from conftest import free_port
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas
 from mingpt.replicas.group import Healed
 from mingpt.replicas.link import Links
+from mingpt.replicas.ring import Ring
 from mingpt.replicas.wire import (
     MAX_LINE,
     PROTOCOL,
@@ -455,7 +456,7 @@ def test_a_heal_that_does_not_match_its_digest_is_transient_and_loads_nothing():
     def member(g, secret):
         r = Replicas(HealBeacon(g, secret), members=2, min_groups=1, timeout_s=10)
         r.epoch = Epoch(6, members, g)
-        r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(store, SECRET, "epoch", g, 2, datetime.timedelta(seconds=10))
         slots = [Slot("w", torch.full((4,), float(g + 1)))]
         loaded = []
         try:
@@ -486,10 +487,10 @@ def test_a_heal_sends_hundreds_of_tensors_of_any_dtype_in_a_few_collectives_bit_
     calls, lock = Counter(), threading.Lock()
     broadcast = Replicas._broadcast
 
-    def counted(self, pg, t, source):
+    def counted(self, pg, me, t, source):
         with lock:
             calls[self.beacon.member] += 1
-        broadcast(self, pg, t, source)
+        broadcast(self, pg, me, t, source)
 
     monkeypatch.setattr(Replicas, "_broadcast", counted)
     gen = torch.Generator().manual_seed(0)
@@ -502,7 +503,7 @@ def test_a_heal_sends_hundreds_of_tensors_of_any_dtype_in_a_few_collectives_bit_
     def member(g):
         r = Replicas(HealBeacon(g, SECRET), members=3, min_groups=1, timeout_s=10)
         r.epoch = Epoch(6, members, g)
-        r.epoch.pg = dist.ProcessGroupGloo(store, g, 3, datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(store, SECRET, "epoch", g, 3, datetime.timedelta(seconds=10))
         slots = [Slot(f"t{i}", t.clone() if g == 0 else torch.zeros_like(t)) for i, t in enumerate(sent)]
         out[g] = (r.heal(slots, lambda: {"step": 75}, lambda meta: None), slots)
 
@@ -529,7 +530,7 @@ def test_an_exchange_header_without_the_jobs_mac_is_refused():
     def member(g, secret):
         r = Replicas(HealBeacon(g, secret), members=2, min_groups=1, timeout_s=10)
         r.epoch = Epoch(3, [Member(0, "a", 5, True), Member(1, "b", 5, True)], g)
-        r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(store, SECRET, "epoch", g, 2, datetime.timedelta(seconds=10))
         try:
             out[g] = r.exchange(5, {(s,): torch.ones(8) for s in r.shares()}, {s: HEADER for s in r.shares()})
         except MembershipChanged as e:
@@ -549,7 +550,7 @@ def test_a_share_header_crosses_the_exchange_by_name():
     not eight positions read back as h[0]..h[7]."""
     r = Replicas(HealBeacon(0, SECRET), members=2, min_groups=1, timeout_s=10, per_group=2)
     r.epoch = Epoch(1, [Member(0, "a", 5, True)], 0)
-    r.epoch.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
+    r.epoch.pg = Ring(dist.HashStore(), SECRET, "epoch", 0, 1, datetime.timedelta(seconds=10))
     sent = {s: ShareHeader(0.0, 1.0, 0.0, 2.5 * s, 4.0, 10.0 + s, 0.0, 0.01 * s) for s in range(4)}
     _, every = r.exchange(3, {(s,): torch.ones(5) for s in range(4)}, sent)
     got = every
@@ -575,7 +576,7 @@ def test_a_member_that_completes_the_last_exchange_and_leaves_does_not_drop_the_
     def member(g):
         r = Replicas(LeavingBeacon(g, SECRET), members=2, min_groups=1, timeout_s=10)
         r.epoch = Epoch(3, [Member(0, "a", 5, True), Member(1, "b", 5, True)], g)
-        r.epoch.pg = dist.ProcessGroupGloo(store, g, 2, datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(store, SECRET, "epoch", g, 2, datetime.timedelta(seconds=10))
         if g == 1:  # it is seen leaving while its part of the collective is still on its way
             time.sleep(0.2)
             LeavingBeacon.gone.set()
@@ -642,13 +643,13 @@ def run_heal(epoch, members, replay=None):
     def member(g):
         r = Replicas(HealBeacon(members[g].number, SECRET), members=len(members), min_groups=1, timeout_s=10)
         r.epoch = Epoch(epoch, members, g)
-        r.epoch.pg = dist.ProcessGroupGloo(store, g, len(members), datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(store, SECRET, "epoch", g, len(members), datetime.timedelta(seconds=10))
         slots = [Slot("w", torch.full((4,), 7.0 if g == source else 0.0))]
         try:
             if replay is not None and g == source:  # a recording sent as this epoch's heal, on the heal's wire
-                r._broadcast(r.epoch.pg, torch.tensor([replay.numel()], dtype=torch.int64), g)
-                r._broadcast(r.epoch.pg, replay.clone(), g)
-                r._broadcast_slots(r.epoch.pg, slots, g, True)
+                r._broadcast(r.epoch.pg, g, torch.tensor([replay.numel()], dtype=torch.int64), g)
+                r._broadcast(r.epoch.pg, g, replay.clone(), g)
+                r._broadcast_slots(r.epoch.pg, g, slots, g)
                 out[g] = "replayed"
             else:
                 out[g] = r.heal(slots, lambda: {"step": 75}, lambda meta: None)

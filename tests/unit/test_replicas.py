@@ -1,7 +1,9 @@
 """mingpt.replicas: who trains which share, the exchange's order, the beacon's door, the config."""
 
+import contextlib
 import datetime
 import math
+import os
 import secrets
 import signal
 import subprocess
@@ -20,6 +22,7 @@ from conftest import free_port, free_port_runs
 from mingpt.config.schema import ConfigError, ReplicasConfig
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas, Rows, default_min_groups
 from mingpt.replicas.members import EveryProcess, WholeGroup
+from mingpt.replicas.ring import Ring
 from mingpt.replicas.wire import EpochNews, Heartbeat, Join, ShareHeader, Wait, parse
 from mingpt.runtime.distributed import DistInfo
 
@@ -187,7 +190,7 @@ def one_member():
     store = dist.HashStore()
     r = Replicas(StubBeacon(0), members=3, min_groups=1, timeout_s=5)
     r.epoch = epoch_of([0], 0)
-    r.epoch.pg = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=5))
+    r.epoch.pg = Ring(store, SECRET, "epoch", 0, 1, datetime.timedelta(seconds=5))
     return r
 
 
@@ -236,7 +239,7 @@ def test_members_sum_every_share_by_the_tree_whoever_trained_it(groups):
     def member(g):
         r = Replicas(StubBeacon(g), members=3, min_groups=1, timeout_s=5, per_group=2)
         r.epoch = epoch_of(groups, g)
-        r.epoch.pg = dist.ProcessGroupGloo(store, r.epoch.rank, len(groups), datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(store, SECRET, "epoch", r.epoch.rank, len(groups), datetime.timedelta(seconds=10))
         results[g] = r.exchange(7, {(s,): rows[s] for s in r.shares()}, {s: header(g) for s in r.shares()})
 
     threads = [threading.Thread(target=member, args=(g,)) for g in groups]
@@ -259,39 +262,48 @@ class Grads(torch.nn.Module):
 
 
 class Counted:
-    """A real gloo process group, with the gradient rows this member sends in the all-to-all counted."""
+    """A real gloo process group, with what this member sends and receives counted: the ranks it talks
+    to, and the gradient's elements it sends."""
 
     def __init__(self, pg):
-        self.pg, self.rows_sent = pg, []
+        self.pg, self.peers, self.sent = pg, set(), 0
 
     def size(self):
         return self.pg.size()
 
-    def allgather(self, *args):
-        return self.pg.allgather(*args)
+    def neighbours(self):
+        return self.pg.neighbours()
 
-    def alltoall_base(self, out, send, *args):
-        self.rows_sent.append(send.shape[0] // self.pg.size())
-        return self.pg.alltoall_base(out, send, *args)
+    def connect(self, peers):
+        self.pg.connect(peers)
+
+    def send(self, t, to, tag):
+        self.peers.add(to)
+        self.sent += t.numel() if t.dtype == torch.float32 else 0  # (the headers: float64)
+        return self.pg.send(t, to, tag)
+
+    def recv(self, t, source, tag):
+        self.peers.add(source)
+        return self.pg.recv(t, source, tag)
 
 
 def exchange_of(alive, k, rows):
     """Four owners of k shares, those `alive` in threads over a real gloo process group: each trains
     its shares into `Rows` (its own folded into one accumulator, a lost owner's dealt to it a row each)
     and exchanges them. Per member: (the sum, the shares it trained, the gradient rows it held, those
-    it sent)."""
+    it sent, the ranks it talked to)."""
     store, out = dist.HashStore(), {}
 
     def member(g):
         r = Replicas(StubBeacon(g), members=4, min_groups=1, timeout_s=5, per_group=k)
         r.epoch = epoch_of(alive, g)
-        pg = Counted(dist.ProcessGroupGloo(store, r.epoch.rank, len(alive), datetime.timedelta(seconds=10)))
+        pg = Counted(Ring(store, SECRET, "epoch", r.epoch.rank, len(alive), datetime.timedelta(seconds=10)))
         r.epoch.pg, model, held = pg, Grads(rows[0].numel()), Rows(r.own())
         for s in r.shares():
             model.w.grad = rows[s].clone()  # share s's backward
             held.add(s, model, torch.tensor(float(s)), [np.arange(s, s + 2)])
         total, _ = r.exchange(3, held.rows(), {s: header(g) for s in r.shares()})
-        out[g] = (total, r.shares(), len(held.rows()), pg.rows_sent)
+        out[g] = (total, r.shares(), len(held.rows()), pg.sent, pg.peers)
 
     threads = [threading.Thread(target=member, args=(g,)) for g in alive]
     for t in threads:
@@ -302,14 +314,56 @@ def exchange_of(alive, k, rows):
     return out
 
 
+def sockets() -> int:
+    """This process's open sockets."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+    return count
+
+
+def test_an_epochs_members_connect_to_their_two_neighbours_only():
+    """The epoch's links of 8 members (threads of this process, over a store without sockets): a gloo
+    group of all members connected every pair, 8 x 7 sockets and seconds at 32 groups on a loaded
+    node, at every epoch. Now each member makes a group of two with each neighbour (a listener and a
+    connection each: 4 sockets a member), and an exchange, which passes the sum round the ring, adds
+    none."""
+    store, world, before, made, out = dist.HashStore(), 8, sockets(), threading.Barrier(8), {}
+    counts = {}
+
+    def member(g):
+        r = Replicas(StubBeacon(g), members=world, min_groups=1, timeout_s=10)
+        r.epoch = epoch_of(list(range(world)), g)
+        r.epoch.pg = Ring(store, SECRET, "epoch", g, world, datetime.timedelta(seconds=10))
+        r.epoch.pg.connect(r.epoch.pg.neighbours())  # as the beacon makes it
+        if made.wait() == 0:
+            counts["made"] = sockets() - before
+        made.wait()
+        out[g], _ = r.exchange(1, {(g,): torch.full((5,), float(g))}, {g: header(g)})
+        if made.wait() == 0:
+            counts["exchanged"] = sockets() - before
+        made.wait()
+
+    threads = [threading.Thread(target=member, args=(g,)) for g in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert all(torch.equal(out[g], torch.full((5,), 28.0)) for g in range(world))
+    assert counts == {"made": 4 * world, "exchanged": 4 * world}
+
+
 @pytest.mark.parametrize("k", [3, 4])
 @pytest.mark.parametrize("lost", [0, 2])
 def test_a_lost_owners_shares_trained_by_the_others_sum_bitwise_as_if_it_were_alive(lost, k):
     """The exchange's fixed tree: each owner's k shares folded in share order (a live owner folds its own
     as it trains them and sends that one row), then the owners in owner order. With owner `lost` away,
     its shares go to the others a row each, and the member summing a slice of the columns folds them
-    as the owner would have: every member ends with bitwise the sum of the fault-free step. Each member
-    sends 1 + orphans gradient rows (padded to the most any member holds), not one per share."""
+    as the owner would have: every member ends with bitwise the sum of the fault-free step. The sum
+    runs along the members in rank order and back round the ring: each member talks to its two
+    neighbours (and a lost owner's trainers to the member placing its subtree, its neighbour before)
+    and sends the gradient twice at most, and once more for each of a lost owner's shares it trained."""
     torch.manual_seed(5)
     rows = {s: torch.randn(1001) * 10.0 ** (3 * (s % 3)) for s in range(4 * k)}  # magnitudes where the order shows
     expected = tree(rows, k)
@@ -317,13 +371,15 @@ def test_a_lost_owners_shares_trained_by_the_others_sum_bitwise_as_if_it_were_al
     whole = exchange_of([0, 1, 2, 3], k, rows)
     survivors = [g for g in range(4) if g != lost]
     away = exchange_of(survivors, k, rows)
-    most = math.ceil(k / 3)  # the lost owner's k shares dealt out over the 3 survivors
-    for total, shares, held, sent in whole.values():
-        assert torch.equal(total, expected) and (len(shares), held, sent) == (k, 1, [1])
-    for total, shares, held, sent in away.values():
+    most, n = math.ceil(k / 3), rows[0].numel()  # the lost owner's k shares dealt out over the 3 survivors
+    for g, (total, shares, held, sent, peers) in whole.items():
+        assert torch.equal(total, expected) and (len(shares), held) == (k, 1)
+        assert sent <= 2 * n and peers == {(g - 1) % 4, (g + 1) % 4}
+    for rank, (total, shares, held, sent, peers) in enumerate(away[g] for g in survivors):
         orphans = len(shares) - k
         assert torch.equal(total, expected)
-        assert orphans <= most and held == 1 + orphans and sent == [1 + most]
+        assert orphans <= most and held == 1 + orphans and sent <= (2 + orphans) * n
+        assert peers <= {(rank - 1) % 3, (rank + 1) % 3}
 
 
 @pytest.mark.parametrize(("groups", "k"), [(2, 1), (3, 2), (4, 3), (5, 4), (6, 4), (9, 4), (64, 4)])
@@ -352,7 +408,7 @@ def test_an_exchange_without_every_share_is_refused(one_member):
 def test_a_gradient_row_carries_one_share_or_all_of_one_owners(carried):
     r = Replicas(StubBeacon(0), members=2, min_groups=1, timeout_s=5, per_group=3)
     r.epoch = epoch_of([0], 0)
-    r.epoch.pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=5))
+    r.epoch.pg = Ring(dist.HashStore(), SECRET, "epoch", 0, 1, datetime.timedelta(seconds=5))
     rows = {shares: torch.full((4,), float(len(shares))) for shares in carried}
     heads = {s: header(0) for s in range(6)}
     if len(carried) == 2:
@@ -968,37 +1024,27 @@ def test_with_nothing_new_the_coordinator_judges_its_epoch_once_and_a_silence_or
             b.close()
 
 
-def test_a_coordinator_making_its_epoch_gives_it_up_when_a_lower_member_is_back():
-    """Group 0 is SIGKILLed; its spare is back within 0.3 s. Group 1 coordinated meanwhile, announced
-    epoch 1 of [1, 2] and made its process group; group 2 had given up on it for group 0, and trains in
-    group 0's epoch 1, the same number: to group 1 it looked as if in its own, which it waited for, while
-    group 0 waited 10 s for group 1's request (the survivors bench's 10 s stall). Group 1 gives its epoch
-    up as soon as it hears group 0."""
-    from mingpt.runtime.trust import bound_store
-
+def test_a_coordinator_gives_its_epoch_up_before_its_first_exchange_when_a_lower_member_is_back():
+    """Group 0 is SIGKILLed; its spare is back within 0.3 s. Group 1 coordinated meanwhile and announced
+    epoch 1 of [1, 2]; group 2 had given up on it for group 0, and trains in group 0's epoch 1, the same
+    number: to group 1 it looks as if in its own, which it waited for in its first exchange, while group
+    0 waited 10 s for group 1's request (the survivors bench's 10 s stall). Group 1 gives its epoch up
+    as soon as it hears group 0; once an exchange completed in it, a returning member joins at the next
+    step instead (the step in flight is kept)."""
     peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     b1, b2 = Beacon(peers, 1, SECRET, 0.05, 1.0), Beacon(peers, 2, SECRET, 0.05, 1.0)
     b0 = None
     try:
         assert wait_for(lambda: 2 in b1.alive(), 10)
         b2.set_status(state="training", epoch=1)  # in group 0's epoch 1
-        store = bound_store("127.0.0.1", 0, True, datetime.timedelta(seconds=30), wait_for_workers=False)
-        epoch = Epoch(1, [Member(1, b1.incarnation, 5, True), Member(2, b2.incarnation, 5, True)], 0,
-                      ("127.0.0.1", store.port), store)
-        out = {}
-
-        def make():
-            try:
-                b1._make_group(epoch, 30.0)
-            except MembershipChanged as e:
-                out["why"] = str(e)
-        thread = threading.Thread(target=make, daemon=True)
-        thread.start()
-        time.sleep(0.5)
-        assert thread.is_alive()  # group 2 is alive and seems to be in it: waited for
+        epoch = Epoch(1, [Member(1, b1.incarnation, 5, True), Member(2, b2.incarnation, 5, True)], 0)
+        trained = Epoch(1, epoch.members, 0, exchanged=True)
+        b1.set_status(state="training", epoch=1)
+        assert wait_for(lambda: b1.lost(epoch) is None, 1) and b1.lost(trained) is None
         b0 = Beacon(peers, 0, SECRET, 0.05, 1.0)
-        thread.join(10)
-        assert out.get("why") == "group 0 is up again: it coordinates", out
+        assert wait_for(lambda: b1.lost(epoch) is not None, 10)
+        assert str(b1.lost(epoch)) == "group 0 is up again: it coordinates"
+        assert b1.lost(trained) is None
     finally:
         for b in (b0, b1, b2):
             if b is not None:
@@ -1020,9 +1066,9 @@ def test_an_epoch_left_inside_a_collective_frees_its_process_group_once_the_coll
         form_together(groups, 0)
         left = []
 
-        def in_collective(r):  # members 0 and 1 all-reduce; member 2 never does, and leaves the epoch
+        def in_collective(r):  # members 0 and 1 wait for member 2's broadcast; it never sends, and leaves the epoch
             try:
-                r.wait(r.epoch.pg.allreduce([torch.ones(4)]))
+                r._broadcast(r.epoch.pg, r.epoch.rank, torch.ones(4), 2)
             except MembershipChanged:
                 left.append(r.beacon.member)
         threads = [threading.Thread(target=in_collective, args=(r,)) for r in groups[:2]]
@@ -1035,7 +1081,8 @@ def test_an_epoch_left_inside_a_collective_frees_its_process_group_once_the_coll
         assert sorted(left) == [0, 1]
         kept = [weakref.ref(r.epoch.pg) for r in groups[:2]]  # the left epoch's process groups
         form_together(groups, 1)
-        time.sleep(3)  # the left collective times out (timeout_s 2): its work ends
+        # the left collective times out (timeout_s 2; gloo's connection to a peer that went may take longer)
+        assert wait_for(lambda: all(r._retired[0].abandoned.is_completed() for r in groups[:2]), 30)
         form_together(groups, 2)
         gc.collect()
         assert [ref() for ref in kept] == [None, None]  # freed, and their sockets with them

@@ -1,0 +1,57 @@
+"""The members of an epoch as a ring: a connection to each neighbour, and to another member only when
+a step needs it. The exchange and the healing talk point to point over these (group.py); a gloo group
+of all members connects every pair, which costs each member a socket per member and every epoch a
+set-up that grows with them (gloo's lazy connections hang now and then: pytorch/gloo#444)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from mingpt.runtime.trust import derive
+
+
+def devices() -> list:
+    """gloo's devices as its own default picks them: on the interfaces GLOO_SOCKET_IFNAME names, else
+    on the address this host's name resolves to."""
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
+    return [dist.ProcessGroupGloo.create_device(interface=n) for n in names] or [dist.ProcessGroupGloo.create_default_device()]
+
+
+class Ring:
+    """This member's links to the other members of an epoch (`world` of them, this one rank `rank`):
+    a gloo group of two for each pair that talks, made over the epoch's store under a name derived
+    from the job secret. Both ends of a pair make it together, so a member makes its pairs in one
+    order shared by all (by the pair's ranks): two members never wait for each other in turn."""
+
+    def __init__(self, store, secret: bytes, name: str, rank: int, world: int, timeout: datetime.timedelta):
+        self.store, self.secret, self.name, self.timeout = store, secret, name, timeout
+        self.rank, self.world = rank, world
+        self.pairs: dict[int, object] = {}  # the other rank -> the pair's gloo group
+
+    def size(self) -> int:
+        return self.world
+
+    def neighbours(self) -> list[int]:
+        """The ranks before and after this one round the ring."""
+        return sorted({(self.rank - 1) % self.world, (self.rank + 1) % self.world} - {self.rank})
+
+    def connect(self, peers) -> None:
+        """Make the pairs with `peers` not made yet, in the shared order."""
+        for peer in sorted(set(peers) - set(self.pairs) - {self.rank}, key=lambda p: (min(p, self.rank), max(p, self.rank))):
+            low, high = min(peer, self.rank), max(peer, self.rank)
+            prefixed = dist.PrefixStore(derive(self.secret, f"{self.name}-pair-{low}-{high}"), self.store)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices, opts._threads, opts._timeout = devices(), 1, self.timeout
+            self.pairs[peer] = dist.ProcessGroupGloo(prefixed, int(self.rank == high), 2, opts)
+
+    def send(self, t: torch.Tensor, peer: int, tag: int):
+        """Send `t` to rank `peer` (a pair made: `connect`): its work (wait on it)."""
+        return self.pairs[peer].send([t], int(peer > self.rank), tag)
+
+    def recv(self, t: torch.Tensor, peer: int, tag: int):
+        """Receive into `t` from rank `peer` (a pair made: `connect`): its work (wait on it)."""
+        return self.pairs[peer].recv([t], int(peer > self.rank), tag)
