@@ -44,7 +44,7 @@ SAMPLE_AT = 10  # the step at which each member's threads, sockets and memory ar
 BEACON = re.compile(r"replica beacon of group (\d+): (\d+) channels at the end; sent (\d+) messages \((\d+) bytes\) "
                     r"in ([\d.]+) s")
 EPOCH = re.compile(r"replica epoch (\d+): groups \[([\d, ]*)\] \(this is group (\d+), rank (\d+)\), formed in "
-                   r"([\d.]+) s \(its process group ([\d.]+) s\)")
+                   r"([\d.]+) s \(its links ([\d.]+) s\)")
 
 
 class NoFirstStep(RuntimeError):
@@ -63,7 +63,7 @@ def beacon_lines(text: str) -> dict[int, dict]:
 
 
 def epoch_lines(text: str) -> list[dict]:
-    """The `replica epoch N: groups [...] (this is group G, rank r), formed in X s (its process group Y s)` lines."""
+    """The `replica epoch N: groups [...] (this is group G, rank r), formed in X s (its links Y s)` lines."""
     return [{"number": int(m[1]), "groups": [int(g) for g in m[2].replace(" ", "").split(",") if g],
              "group": int(m[3]), "rank": int(m[4]), "formed_s": float(m[5]), "process_group_s": float(m[6])}
             for m in EPOCH.finditer(text)]

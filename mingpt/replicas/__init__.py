@@ -12,11 +12,11 @@ Who is alive is told by heartbeats of our own (`Beacon`): every group's process 
 own group's processes), with a heartbeat each way every `heartbeat_s`; the coordinator hears every
 member and tells each its verdict on their epoch. A peer is lost when its connection breaks (a
 killed process) or after `lost_after_s` of silence (a lost node, a cut network). The members of an
-*epoch* train together over a process group made for that epoch: when one is lost, the others drop
+*epoch* train together over links made for that epoch (a ring of the members: `Ring`): when one is lost, the others drop
 the step in flight (nothing is applied from a gradient exchange that did not complete), form the
 next epoch without it and train the step again. A group that (re)starts asks to join; the members
 let it in at the next step boundary, and it heals from a live member: the whole training state sent
-over the epoch's process group as tensors plus JSON (never a pickle), checked by a digest before its
+round the epoch's ring as tensors plus JSON (never a pickle), checked by a digest before its
 first step.
 
 A group of several processes is one unit: it leaves whole when one of its processes is lost, and
@@ -32,7 +32,7 @@ Every connection is mutual TLS 1.3 with a certificate derived from the job secre
 it, and each names itself inside the channel, so a relay cannot pass one member for another); every
 message is a typed record checked at the edge (mingpt/replicas/wire.py), nothing received is
 unpickled, and the coordinator takes who trained in the last epoch from its own record, not from a
-member's word. The exchange's and the healing's collectives run over gloo, whose connections are not
+member's word. The exchange's and the healing's transfers run over gloo, whose connections are not
 authenticated (see docs/replicas.md, Security).
 """
 

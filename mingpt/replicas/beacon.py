@@ -44,7 +44,7 @@ class Epoch:
     pg: Ring | None = None  # the epoch's members, linked round a ring (ring.py)
     shard_pg: Ring | None = None  # sharded groups: the ring of the members holding this one's shard
     since: float = field(default_factory=time.monotonic)  # when this member learned of it
-    setup_s: float = 0.0  # how long making its process groups took here
+    setup_s: float = 0.0  # how long making its links took here
     abandoned: object = None  # a collective of it left unfinished here (a member was lost meanwhile): its work
     exchanged: bool = False  # a step's exchange completed in it here
 

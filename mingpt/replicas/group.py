@@ -114,9 +114,9 @@ class Replicas:
         self.per_group = per_group
         self.shares_total = (members // self.membership.unit) * per_group
         self.epoch: Epoch | None = None
-        # An epoch whose collective a lost member left unfinished keeps its process group until that
-        # collective ends (at the group's timeout at the latest): freeing it sooner would wait in its
-        # destructor (joining gloo's threads). Any other is freed with its sockets when the next epoch forms.
+        # An epoch whose transfer a lost member left unfinished keeps its links until that transfer ends
+        # (at their timeout at the latest): freeing them sooner would wait in gloo's destructor (joining
+        # its threads). Any other is freed with its sockets when the next epoch forms.
         self._retired: list[Epoch] = []
         self.live = False  # trained in an epoch: this state is the job's
         self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
@@ -208,7 +208,7 @@ class Replicas:
             return None
         members = self.epoch.numbers() if self.procs == 1 else [f"{m // self.procs}.{m % self.procs}"
                                                                 for m in self.epoch.numbers()]
-        log.info("replica epoch %d: %s %s (this is %s, rank %d), formed in %.2f s (its process group %.2f s)",
+        log.info("replica epoch %d: %s %s (this is %s, rank %d), formed in %.2f s (its links %.2f s)",
                  self.epoch.number,
                  "groups" if self.procs == 1 else "group.process", members, self.me, self.epoch.rank,
                  time.monotonic() - t0, self.epoch.setup_s)

@@ -117,7 +117,7 @@ class Member:
 
 @dataclass(frozen=True)
 class EpochNews:
-    """The coordinator's answer: the epoch, its members in rank order, and the store its process group meets at."""
+    """The coordinator's answer: the epoch, its members in rank order, and the store where its links meet."""
     id: str
     number: int
     host: str

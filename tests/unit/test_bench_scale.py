@@ -9,19 +9,19 @@ from benchmarks.survivors_scale import beacon_lines, epoch_lines, epochs_of, sta
 
 # each group's console log, as a 4-group job whose group 0 (the coordinator) was SIGKILLed after step 31 writes it
 LOGS = "".join(f"15:45:19 vm:0 [rank 0/1] INFO mingpt.replicas: {line}\n" for line in [
-    "replica epoch 0: groups [0, 1, 2, 3] (this is group 0, rank 0), formed in 0.04 s (its process group 0.01 s)",
-    "replica epoch 2: groups [0, 1, 2, 3] (this is group 0, rank 0), formed in 0.19 s (its process group 0.01 s)",
+    "replica epoch 0: groups [0, 1, 2, 3] (this is group 0, rank 0), formed in 0.04 s (its links 0.01 s)",
+    "replica epoch 2: groups [0, 1, 2, 3] (this is group 0, rank 0), formed in 0.19 s (its links 0.01 s)",
     "replica beacon of group 0: 2 channels at the end; sent 627 messages (54186 bytes) in 21.5 s",
-    "replica epoch 0: groups [0, 1, 2, 3] (this is group 1, rank 1), formed in 0.50 s (its process group 0.00 s)",
+    "replica epoch 0: groups [0, 1, 2, 3] (this is group 1, rank 1), formed in 0.50 s (its links 0.00 s)",
     "replica epoch 0 ended at step 31: group 0 lost (its connection closed); the next epoch trains the step again",
-    "replica epoch 1: groups [1, 2, 3] (this is group 1, rank 0), formed in 0.05 s (its process group 0.05 s)",
-    "replica epoch 2: groups [0, 1, 2, 3] (this is group 1, rank 1), formed in 0.01 s (its process group 0.00 s)",
+    "replica epoch 1: groups [1, 2, 3] (this is group 1, rank 0), formed in 0.05 s (its links 0.05 s)",
+    "replica epoch 2: groups [0, 1, 2, 3] (this is group 1, rank 1), formed in 0.01 s (its links 0.00 s)",
     "replica beacon of group 1: 3 channels at the end; sent 900 messages (81900 bytes) in 30.0 s",
-    "replica epoch 0: groups [0, 1, 2, 3] (this is group 2, rank 2), formed in 0.51 s (its process group 0.01 s)",
-    "replica epoch 1: groups [1, 2, 3] (this is group 2, rank 1), formed in 0.01 s (its process group 0.00 s)",
+    "replica epoch 0: groups [0, 1, 2, 3] (this is group 2, rank 2), formed in 0.51 s (its links 0.01 s)",
+    "replica epoch 1: groups [1, 2, 3] (this is group 2, rank 1), formed in 0.01 s (its links 0.00 s)",
     "replica beacon of group 2: 6 channels at the end; sent 843 messages (81550 bytes) in 31.0 s",
-    "replica epoch 0: groups [0, 1, 2, 3] (this is group 3, rank 3), formed in 0.36 s (its process group 0.01 s)",
-    "replica epoch 1: groups [1, 2, 3] (this is group 3, rank 2), formed in 0.05 s (its process group 0.04 s)",
+    "replica epoch 0: groups [0, 1, 2, 3] (this is group 3, rank 3), formed in 0.36 s (its links 0.01 s)",
+    "replica epoch 1: groups [1, 2, 3] (this is group 3, rank 2), formed in 0.05 s (its links 0.04 s)",
     "replica beacon of group 3: 4 channels at the end; sent 841 messages (81402 bytes) in 30.9 s",
 ])
 
