@@ -331,7 +331,7 @@ class Replicas:
                 segments[-1][1].append(o)
             else:
                 segments.append((p, [o]))
-        talks = set(pg.neighbours())  # the pairs this member needs, made first (in the order all make them)
+        talks = set(pg.neighbours())  # the pairs this member needs, made first (their other ends make them too)
         for i, (p, _) in enumerate(segments):
             if p == me:
                 talks |= {segments[j][0] for j in (i - 1, i + 1) if 0 <= j < len(segments)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -24,8 +25,8 @@ def devices() -> list:
 class Ring:
     """This member's links to the other members of an epoch (`world` of them, this one rank `rank`):
     a gloo group of two for each pair that talks, made over the epoch's store under a name derived
-    from the job secret. Both ends of a pair make it together, so a member makes its pairs in one
-    order shared by all (by the pair's ranks): two members never wait for each other in turn."""
+    from the job secret. Both ends of a pair make it together; a member makes its pairs at once, so
+    that none waits for a member busy making another first."""
 
     def __init__(self, store, secret: bytes, name: str, rank: int, world: int, timeout: datetime.timedelta):
         self.store, self.secret, self.name, self.timeout = store, secret, name, timeout
@@ -40,13 +41,30 @@ class Ring:
         return sorted({(self.rank - 1) % self.world, (self.rank + 1) % self.world} - {self.rank})
 
     def connect(self, peers) -> None:
-        """Make the pairs with `peers` not made yet, in the shared order."""
-        for peer in sorted(set(peers) - set(self.pairs) - {self.rank}, key=lambda p: (min(p, self.rank), max(p, self.rank))):
+        """Make the pairs with `peers` not made yet, all at once (each waits for its other end, which
+        may be making its other pairs first)."""
+        made: dict[int, object] = {}
+
+        def make(peer: int) -> None:
             low, high = min(peer, self.rank), max(peer, self.rank)
             prefixed = dist.PrefixStore(derive(self.secret, f"{self.name}-pair-{low}-{high}"), self.store)
             opts = dist.ProcessGroupGloo._Options()
             opts._devices, opts._threads, opts._timeout = devices(), 1, self.timeout
-            self.pairs[peer] = dist.ProcessGroupGloo(prefixed, int(self.rank == high), 2, opts)
+            try:
+                made[peer] = dist.ProcessGroupGloo(prefixed, int(self.rank == high), 2, opts)
+            except Exception as e:  # noqa: BLE001 - raised again by the caller's thread
+                made[peer] = e
+
+        threads = [threading.Thread(target=make, args=(p,), daemon=True)
+                   for p in sorted(set(peers) - set(self.pairs) - {self.rank})]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for peer, pg in made.items():
+            if isinstance(pg, Exception):
+                raise pg
+            self.pairs[peer] = pg
 
     def send(self, t: torch.Tensor, peer: int, tag: int):
         """Send `t` to rank `peer` (a pair made: `connect`): its work (wait on it)."""

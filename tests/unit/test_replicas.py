@@ -900,9 +900,10 @@ def form_together(groups, step):
 
 
 def test_an_epoch_ended_between_steps_frees_its_process_groups_sockets():
-    """Every epoch makes a process group (a connection to each other member). One that ended between
+    """Every epoch makes its links (a gloo group of two with each neighbour). One that ended between
     two steps (a group joined) is freed when the next forms; they were all kept to the end of the
-    process: at 16 groups, 15 more sockets per member for every epoch of the run."""
+    process: at 16 groups, 15 more sockets per member for every epoch of the run. (A few descriptors
+    come and go meanwhile with the beacons' channels; kept links would be 12 more an epoch here.)"""
     import os
 
     peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
@@ -917,7 +918,7 @@ def test_an_epoch_ended_between_steps_frees_its_process_groups_sockets():
         for step in range(1, 6):
             form_together(groups, step)
             counts.append(descriptors())
-        assert counts[-1] <= counts[0], counts  # (kept: 31 more descriptors each time, here)
+        assert counts[-1] <= counts[0] + 8, counts
     finally:
         for r in groups:
             r.close()
