@@ -25,13 +25,15 @@ def devices() -> list:
 class Ring:
     """This member's links to the other members of an epoch (`world` of them, this one rank `rank`):
     a gloo group of two for each pair that talks, made over the epoch's store under a name derived
-    from the job secret. Both ends of a pair make it together; a member makes its pairs at once, so
-    that none waits for a member busy making another first."""
+    from the job secret, all on one gloo device (one listener, one event loop). Both ends of a pair
+    make it together; a member makes its pairs at once, so that none waits for a member busy making
+    another first."""
 
     def __init__(self, store, secret: bytes, name: str, rank: int, world: int, timeout: datetime.timedelta):
         self.store, self.secret, self.name, self.timeout = store, secret, name, timeout
         self.rank, self.world = rank, world
         self.pairs: dict[int, object] = {}  # the other rank -> the pair's gloo group
+        self.devices: list | None = None  # one listener and one event loop for all the pairs
 
     def size(self) -> int:
         return self.world
@@ -44,12 +46,13 @@ class Ring:
         """Make the pairs with `peers` not made yet, all at once (each waits for its other end, which
         may be making its other pairs first)."""
         made: dict[int, object] = {}
+        self.devices = self.devices or devices()
 
         def make(peer: int) -> None:
             low, high = min(peer, self.rank), max(peer, self.rank)
             prefixed = dist.PrefixStore(derive(self.secret, f"{self.name}-pair-{low}-{high}"), self.store)
             opts = dist.ProcessGroupGloo._Options()
-            opts._devices, opts._threads, opts._timeout = devices(), 1, self.timeout
+            opts._devices, opts._threads, opts._timeout = self.devices, 1, self.timeout
             try:
                 made[peer] = dist.ProcessGroupGloo(prefixed, int(self.rank == high), 2, opts)
             except Exception as e:  # noqa: BLE001 - raised again by the caller's thread
