@@ -12,7 +12,7 @@ Per member (median, max, and `max_member`: the group that holds the max; group 0
 member's beacon logs at its close (the last incarnation's, with --kill); `passes` (shares a member
 trained in a step: backward passes) and `grad_copies` (1 + the shares it trained that are not its
 own), from the step records' `shares`, for a fault-free step and, with --kill, the step after the
-kill. `first_epoch`: the first epoch's groups and its formation (`formed_s`, `process_group_s` over
+kill. `first_epoch`: the first epoch's groups and its formation (`formed_s`, `links_s` over
 its members, from their `replica epoch N: ...` lines; `first_whole_epoch` too where a group started
 too late for the first); with --kill, `epoch_after_kill`: the same for
 the survivors' epoch without the killed group, and `steps_lost_per_fault`, `fault_cost_s`,
@@ -65,7 +65,7 @@ def beacon_lines(text: str) -> dict[int, dict]:
 def epoch_lines(text: str) -> list[dict]:
     """The `replica epoch N: groups [...] (this is group G, rank r), formed in X s (its links Y s)` lines."""
     return [{"number": int(m[1]), "groups": [int(g) for g in m[2].replace(" ", "").split(",") if g],
-             "group": int(m[3]), "rank": int(m[4]), "formed_s": float(m[5]), "process_group_s": float(m[6])}
+             "group": int(m[3]), "rank": int(m[4]), "formed_s": float(m[5]), "links_s": float(m[6])}
             for m in EPOCH.finditer(text)]
 
 
@@ -94,7 +94,7 @@ def epoch_figures(lines: list[dict]) -> dict:
     """An epoch's groups and its formation over the members that logged it."""
     return {"number": lines[0]["number"], "groups": len(lines[0]["groups"]),
             "formed_s": stat({e["group"]: e["formed_s"] for e in lines}),
-            "process_group_s": stat({e["group"]: e["process_group_s"] for e in lines})}
+            "links_s": stat({e["group"]: e["links_s"] for e in lines})}
 
 
 def epochs_of(epochs: list[dict], killed: int | None, groups: int) -> dict:

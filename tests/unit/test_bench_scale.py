@@ -45,18 +45,18 @@ def test_each_groups_last_beacon_line_gives_its_channels_and_what_it_sent_a_seco
 def test_epoch_lines_give_their_groups_and_formation_times():
     lines = epoch_lines(LOGS)
     assert len(lines) == 9
-    assert lines[3] == {"number": 1, "groups": [1, 2, 3], "group": 1, "rank": 0, "formed_s": 0.05, "process_group_s": 0.05}
+    assert lines[3] == {"number": 1, "groups": [1, 2, 3], "group": 1, "rank": 0, "formed_s": 0.05, "links_s": 0.05}
 
 
 def test_the_first_epoch_and_the_survivors_epoch_after_the_kill():
     got = epochs_of(epoch_lines(LOGS), killed=0, groups=4)
     assert got["first_epoch"] == {"number": 0, "groups": 4,
                                   "formed_s": {"median": 0.43, "max": 0.51, "max_member": 2},
-                                  "process_group_s": {"median": 0.01, "max": 0.01, "max_member": 0}}
+                                  "links_s": {"median": 0.01, "max": 0.01, "max_member": 0}}
     after = got["epoch_after_kill"]
     assert after["number"] == 1 and after["groups"] == 3
     assert after["formed_s"] == {"median": 0.05, "max": 0.05, "max_member": 1}  # (the lowest on a tie)
-    assert after["process_group_s"] == {"median": 0.04, "max": 0.05, "max_member": 1}
+    assert after["links_s"] == {"median": 0.04, "max": 0.05, "max_member": 1}
     assert "epoch_after_kill" not in epochs_of(epoch_lines(LOGS), killed=None, groups=4)
     assert "first_whole_epoch" not in got
 
