@@ -1,9 +1,9 @@
 """Replica groups: data parallelism across groups that survive each other's loss.
 
 A job of R groups, each its own torchrun (or one process), trains one model. The global batch is
-always cut into R x k *shares* (the split a world of R x k ranks would make; k = R - 1 by default);
-each group trains its own k, and while a group is lost its shares are dealt out among the survivors
-(one to each, by default). A step's gradient is the sum of every share's gradient **in share
+always cut into R x k *shares* (the split a world of R x k ranks would make; k = min(R - 1, 4) by
+default); each group trains its own k, and while a group is lost its shares are dealt out among the
+survivors (one each at most, by default). A step's gradient is the sum of every share's gradient **in share
 order**, whoever computed them, so a run with faults ends with the same weights, bit for bit, as one
 without.
 
