@@ -34,11 +34,19 @@ def children(pid: int) -> list[int]:
         return []
 
 
+_GIVEN: set[int] = set()  # the ports free_port handed out in this process
+
+
 def free_port() -> int:
-    """A TCP port free on loopback now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free on loopback now, and not one this process was given before: the kernel may hand
+    out the same free port twice in a row, and two members given one port wait for each other's."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def free_port_runs(n: int, length: int = 1) -> list[int]:

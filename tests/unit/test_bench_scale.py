@@ -3,6 +3,7 @@
 
 import pytest
 
+from benchmarks import free_port
 from benchmarks.__main__ import main
 from benchmarks.membership_sim import layout, quorum
 from benchmarks.survivors_scale import beacon_lines, epoch_lines, epochs_of, stat, step_time, step_work, work_figures
@@ -108,3 +109,10 @@ def test_the_benches_go_by_their_dashed_names_and_a_bad_size_gets_one_line(argv,
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_the_port_picker_never_gives_one_port_twice():
+    """The tests' and benches' `free_port`: the kernel may hand out the same free port on two calls in a
+    row, and two beacons given one port waited for each other's without end (a CI run hung so)."""
+    ports = [free_port() for _ in range(3000)]
+    assert len(set(ports)) == len(ports)
