@@ -48,6 +48,15 @@ class ReplicaTrainer(Trainer):
         r = self.replicas
         return Role(leads=r.leads, saves=r.saves, name=f"replica {r.me} ({r.groups} groups)")
 
+    def train(self) -> bool:
+        """The Trainer's run; each other group's console says it ended too (the epoch's first member
+        says `finished: ...` for the job, and writes the snapshot)."""
+        finished = super().train()
+        if finished and not self.role.leads and self.info.is_rank0 and self.progress.step >= self.cfg.max_steps:
+            log.info("finished: step %d, with the other replica groups; the epoch's first member wrote the snapshot "
+                     "to %s (sample: mingpt-generate %s)", self.progress.step, self.snapshotter.store.url, self.cfg.run_dir)
+        return finished
+
     # --- the Trainer's seams -------------------------------------------------------------------------
     def begin(self) -> None:
         if not self.regroup("start"):

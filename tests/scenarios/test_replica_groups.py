@@ -204,6 +204,8 @@ def test_a_killed_group_costs_a_step_and_heals_from_a_peer(reference, tmp_path):
             survivor[-3000:]
         assert re.search(rf"replica group 0 joined at step {healed[-1]}, healed from group [12]", survivor), \
             survivor[-3000:]
+    for log in logs:  # every group's console says the run ended, not only the leader's
+        assert f"finished: step {STEPS}" in log.read_text(), log.read_text()[-3000:]
 
 
 def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
