@@ -320,8 +320,8 @@ class Replicas:
         receives and folds in share order as the owner would have) to the running sum it receives and
         passes it on, a chunk at a time; the last one's sum goes round the ring to the others. Each
         member talks to its two neighbours in rank order, and to a lost owner's trainers when it
-        places its subtree: gloo connects only those (lazily), and each member sends and receives the
-        gradient about twice whatever the number of members."""
+        places its subtree: only those pairs are made (`Ring.connect`), and each member sends and
+        receives the gradient about twice whatever the number of members."""
         place: dict[int, int] = {}  # owner -> the member that adds its subtree to the running sum
         for o in sorted({*subtree, *(s // k for s in single)}):  # a lost owner's: the one placing the owner before
             place[o] = subtree[o][0] if o in subtree else place.get(o - 1, single[o * k][0])
@@ -441,8 +441,8 @@ class Replicas:
         return healed
 
     def _broadcast_slots(self, pg, me: int, slots: list, source: int) -> list:
-        """The slots' tensors from `source` (`sends`: this member is it), on the host (the exchange's gloo
-        group; a GPU's tensors are copied to and from it), packed into buffers: one collective per buffer,
+        """The slots' tensors from rank `source` (this member `me`), on the host (over the epoch's ring; a
+        GPU's tensors are copied to and from it), packed into buffers: one broadcast per buffer,
         not per tensor (a collective's latency times a few hundred tensors). A receiver's are views into
         the buffers; the sender's list is empty."""
         sends = me == source
