@@ -22,6 +22,10 @@ while it still runs is a world that torchrun's rendezvous has left behind: a nod
 were missed formed a world of its own while the others went on (a split brain), and both would write
 into one store. It calls `on_superseded` (the trainer: stop, so that torchrun restarts its workers
 and its node rejoins the others). Replica groups share the lease (`shared`): no such check.
+
+Whichever started last keeps the store: a record older than its own (`since`) that it finds over its
+lease is the renewal of the holder it took over from, which read the lease just before the take-over
+and wrote just after; it writes its own again, and that holder finds it at its next look and stops.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class Lease:
             log.warning("snapshot store %s: taking over the lease of job %s on host %s (pid %s), %s",
                         self.store.url, held["launch_id"], held["host"], held["pid"],
                         "whose process is gone" if _gone(held) else "which it did not renew in time")
+        self.record["since"] = time.time()
         self._write()
         if not held or held.get("launch_id") != self.launch_id:
             time.sleep(SETTLE_S)
@@ -106,6 +111,9 @@ class Lease:
         superseded = held and not self.shared and held.get("token") != self.record["token"]
         if not (lost or superseded):
             return True
+        if held.get("since", float("inf")) < self.record["since"] and not self._stop.is_set():
+            self._write()  # the holder this one took over from wrote last: its renewal read the lease just
+            return True    # before this one's take-over and wrote just after; its next look finds this one's
         with self._told:  # the renewing thread and a commit may both find it: one says so
             if not self._stop.is_set():
                 self._stop.set()

@@ -102,6 +102,28 @@ def test_a_holder_whose_launch_took_the_lease_over_while_it_runs_is_told_and_a_s
     assert told_shared == []
 
 
+def test_the_world_that_took_the_lease_over_keeps_it_when_the_others_renewal_raced_the_take_over(store_url, caplog):
+    """The world left behind read the lease just before the other took it over, and wrote its renewal
+    just after. Before: the world that took over found the older one's record at its next look, took
+    itself for the one left behind and stopped, and the older one trained on (a CI run waited 120 s
+    for it to stop). Now the later one writes its own again and the older one stops."""
+    store = SnapshotStore(store_url)
+    told = {"behind": 0, "ahead": 0}
+    behind = Lease(store, "launch-a", 30, on_superseded=lambda: told.update(behind=told["behind"] + 1)).take()
+    ahead = Lease(store, "launch-a", 30, on_superseded=lambda: told.update(ahead=told["ahead"] + 1)).take()
+    behind._write()  # its renewal, which had read its own record before the take-over
+    with caplog.at_level(logging.ERROR):
+        assert ahead.check() is True
+        assert behind.check() is False
+        assert ahead.check() is True
+    assert told == {"behind": 1, "ahead": 0}
+    assert json.loads(store.files.get(f"{store.root}/{LEASE_FILE}"))["token"] == ahead.record["token"]
+    assert caplog.text.count("another world of this job (launch launch-a) took over") == 1
+    behind.release()
+    ahead.release()
+    assert not store.files.exists(f"{store.root}/{LEASE_FILE}")
+
+
 def test_another_launch_of_the_same_job_waits_the_old_lease_out_and_is_refused_if_it_is_renewed(store_url, caplog):
     """A SLURM requeue after a node loss (same secret, so same job; a new launch) waits out the dead
     attempt's lease instead of exiting 2; a second live launch with the same secret is refused."""
