@@ -58,6 +58,20 @@ def ring_gather(ring, me: int, world: int, t: torch.Tensor, tag: int) -> torch.T
     return out
 
 
+def ring_broadcast(ring, me: int, world: int, t: torch.Tensor, source: int, tag: int, chunk: int) -> None:
+    """`t` (flat) from rank `source` to every member, passed on round the ring a chunk at a time: each
+    member receives it once and sends it on once, and passes a chunk on while it receives the next."""
+    at, pending = (me - source) % world, []
+    for c, lo in enumerate(range(0, t.numel(), chunk)):
+        part = t[lo:lo + chunk]
+        if at > 0:
+            ring.recv(part, (me - 1) % world, tag + c).wait()
+        if at + 1 < world:
+            pending.append(ring.send(part, (me + 1) % world, tag + c))
+    for work in pending:
+        work.wait()
+
+
 def member_view(info: DistInfo, sharded: bool = False) -> DistInfo:
     """A process of a replica group as the rest of the program sees it: a process of its own, on its
     GPU (it trains with the group's other processes over the replicas' exchange, as a member like any
@@ -382,17 +396,8 @@ class Replicas:
         for work in pending:
             work.wait()
         pending.clear()
-        last = segments[-1][0]  # the sum, round the ring from the last member of the chain
-        at = (me - last) % world
-        for c, lo in enumerate(chunks):
-            part = total[lo:lo + self.CHUNK]
-            if at > 0:
-                pg.recv(part, (me - 1) % world, self._TAG_TOTAL + c).wait()
-            if at + 1 < world:
-                pending.append(pg.send(part, (me + 1) % world, self._TAG_TOTAL + c))
-        for work in pending:
-            work.wait()
-        return total
+        ring_broadcast(pg, me, world, total, segments[-1][0], self._TAG_TOTAL, self.CHUNK)  # the sum, from the
+        return total  # chain's last member
 
     def heal(self, slots: list, state: Callable[[], dict], load: Callable[[dict], None]) -> Healed:
         """Bring every member to the newest state among them: the first member holding it broadcasts
@@ -460,15 +465,10 @@ class Replicas:
         return received
 
     def _broadcast(self, pg, me: int, t: torch.Tensor, source: int) -> None:
-        """`t` from rank `source` to every member, passed on round the ring (each member receives it once
-        and sends it on once: the same bytes for each whatever the number of members)."""
+        """`t` from rank `source` to every member, round the epoch's ring (a member lost meanwhile: noticed)."""
         def chain():
             pg.connect(pg.neighbours())
-            at, world = (me - source) % pg.size(), pg.size()
-            if at > 0:
-                pg.recv(t, (me - 1) % world, self._TAG_HEAL).wait()
-            if at + 1 < world:
-                pg.send(t, (me + 1) % world, self._TAG_HEAL).wait()
+            ring_broadcast(pg, me, pg.size(), t, source, self._TAG_HEAL, self.CHUNK)
         self.wait(_InThread(chain))
 
     def reduce(self, model: torch.nn.Module, rows: Rows, step: int, preempted: bool, timed: bool,

@@ -480,10 +480,11 @@ def test_a_heal_sends_hundreds_of_tensors_of_any_dtype_in_a_few_collectives_bit_
     """The state goes in buffers of about HEAL_BUCKET_BYTES, one broadcast each (here cut to 64 KiB, so
     several), not one broadcast per tensor: a heal of a few hundred tensors took 0.2-0.45 s of every
     group's time, each collective's latency over again. What arrives is the sender's, bit for bit,
-    whatever its dtype and shape (0-dim, empty, bf16, int64)."""
+    whatever its dtype and shape (0-dim, empty, bf16, int64), and however the buffers are chunked."""
     import mingpt.replicas.group as group
 
     monkeypatch.setattr(group, "buckets", partial(group.buckets, limit=65536))
+    monkeypatch.setattr(Replicas, "CHUNK", 10000)  # and each passed on round the ring in chunks
     calls, lock = Counter(), threading.Lock()
     broadcast = Replicas._broadcast
 

@@ -228,11 +228,14 @@ def flat(rows):
     return total
 
 
+@pytest.mark.parametrize("chunk", [Replicas.CHUNK, 100])
 @pytest.mark.parametrize("groups", [[0, 1, 2], [0, 2]])
-def test_members_sum_every_share_by_the_tree_whoever_trained_it(groups):
+def test_members_sum_every_share_by_the_tree_whoever_trained_it(groups, chunk, monkeypatch):
     """3 groups of 2 shares over a real gloo process group (one thread per member), every share sent
     as a row of its own, all alive or group 1 lost (its shares on the others): every member ends with
-    the same sum, bit for bit the tree's, also for a row length the members' slices do not divide."""
+    the same sum, bit for bit the tree's, also for a row length the members' slices do not divide, and
+    with the sum passed on in chunks (`chunk` elements) that do not divide it either."""
+    monkeypatch.setattr(Replicas, "CHUNK", chunk)
     torch.manual_seed(2)
     rows = {s: torch.randn(1001) * 10 ** (s % 4) for s in range(6)}  # magnitudes where the order shows
     expected = tree(rows, 2)
