@@ -187,10 +187,14 @@ class Beacon:
         for m in others:  # a lost member first: it is the cause, the others leaving only follow it
             # one not heard from yet (this member just started: a spare that took its place; or, not the
             # coordinator, it dials it only now, as the epoch's successor) is vouched for by the
-            # coordinator that asked it in, until it has been silent as long as a lost one
+            # coordinator that asked it in, until it has been silent as long as a lost one. One heard only
+            # before the epoch (this member hears it only now: the new successor, which every member dials
+            # at once after a loss) is given from the epoch's start what a member taking an epoch is given
             last_heard = (seen[m.number]["t"] if direct is not None else float("inf")) if m.number in seen else 0.0
-            unheard = last_heard < epoch.since and time.monotonic() - epoch.since < self.lost_after_s
             floor = self._taking(epoch, seen.get(m.number, {}), at_least)
+            window = self._patience(seen[m.number], floor) if m.number in seen else self.lost_after_s
+            hung_up = seen.get(m.number, {}).get("eof_t", -1.0) >= epoch.since  # (gone since the epoch began)
+            unheard = last_heard < epoch.since and time.monotonic() - epoch.since < window and not hung_up
             if (taking if floor > at_least else alive).get(m.number) != m.incarnation and not unheard:
                 how = self._how_lost(seen.get(m.number), m.incarnation, floor)
                 return MembershipChanged(f"{self.name(m.number)} lost ({how})")
@@ -546,7 +550,7 @@ class Beacon:
         """Member `member`'s (incarnation `inc`) connection to this server ended: it is lost."""
         with self._lock:
             if self._seen.get(member, {}).get("inc") == inc:
-                self._seen[member]["eof"] = True
+                self._seen[member].update(eof=True, eof_t=time.monotonic())
         self._tell()
         self.links.wake()
 

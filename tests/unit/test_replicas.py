@@ -645,6 +645,29 @@ def test_a_member_not_heard_from_yet_is_not_lost_until_it_has_been_silent_as_lon
         a.close()
 
 
+def test_a_member_heard_only_before_the_epoch_is_given_a_taking_members_time_from_its_start():
+    """After the coordinator's loss every member dials the new successor at once: on a loaded node it
+    answers 29 of them in turn. A member that last heard it long before (a record from the start) took it
+    for lost one lost_after_s into the epoch, "not heard from in 4 s", and the epoch after the kill ended
+    at 32 groups for a member that was not lost. Now it gets 4 x lost_after_s from the epoch's start, as a
+    member taking an epoch does; one whose connection closed since the epoch began is lost at once."""
+    b = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 2, SECRET, 0.05, 1.0)
+    try:
+        now = time.monotonic()
+        epoch = Epoch(4, [Member(0, "zero", 9, True), Member(1, "one", 9, True), Member(2, b.incarnation, 9, True)], 2,
+                      since=now - 1.5)
+        with b._lock:
+            b._seen[0] = {"inc": "zero", "t": now, "eof": False, "epoch": 4, "state": "training", "ended": "", "done": False}
+            b._seen[1] = {"inc": "one", "t": now - 60, "eof": False, "epoch": 1, "state": "training"}  # heard at the start
+        assert b.lost(epoch) is None
+        assert str(b.lost(replace(epoch, since=now - 4.5))) == "group 1 lost (not heard from in 4 s)"
+        with b._lock:
+            b._seen[1].update(eof=True, eof_t=now - 1.0)  # its connection closed once the epoch began
+        assert str(b.lost(replace(epoch, since=now - 1.2))) == "group 1 lost (its connection closed)"
+    finally:
+        b.close()
+
+
 @pytest.mark.parametrize(("heard", "cause"), [
     ({"eof": True}, "its connection closed"),  # SIGKILLed: the kernel closed its connections
     ({"t": -61.0}, "not heard from in 60 s"),  # frozen, or cut off: silent for lost_after_s
