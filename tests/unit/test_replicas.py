@@ -1008,6 +1008,39 @@ def test_a_member_whose_heartbeats_come_late_is_given_longer_before_it_counts_as
         a.close()
 
 
+def test_a_member_late_once_is_given_longer_for_a_minute_whatever_its_heartbeat_rate(monkeypatch):
+    """The late gap is remembered for a time, not a number of heartbeats: it faded by 1% a heartbeat,
+    so a member heard 10 times a second forgot a 1.3 s stall in 10 s. At 32 groups the coordinator's
+    successor (it hears every member, on 1/16 of a core) was taken for lost at step 23, then again at
+    step 26, each time an epoch and a step. Now 10 s of regular heartbeats later it is still given
+    twice its stall; after 3 minutes of them it is back to lost_after_s. Here on a clock of the test's."""
+    import mingpt.replicas.beacon as beacon_module
+
+    clock = [time.monotonic()]
+    monkeypatch.setattr(beacon_module, "time", type("Clock", (), {"monotonic": staticmethod(lambda: clock[0]),
+                                                                    "sleep": staticmethod(time.sleep)}))
+    a = Beacon([f"127.0.0.1:{free_port()}" for _ in range(2)], 0, SECRET, 0.05, 1.0)
+    beat = Heartbeat("training", 4, 9, -1)
+
+    def beats(seconds, every=0.1):
+        for _ in range(round(seconds / every)):
+            clock[0] += every
+            a._heard(1, "one", beat, Outbox())
+    try:
+        beats(0.1)
+        clock[0] += 1.3  # one stall (lost_after_s is 1 s: the coordinator lost it then)
+        beats(10)
+        clock[0] += 1.5
+        assert not a.was_lost(1)  # twice what it stalled, a little faded: 2.3 s
+        clock[0] += 1.0
+        assert a.was_lost(1)
+        beats(180)
+        clock[0] += 1.1
+        assert a.was_lost(1)  # forgotten: lost_after_s again
+    finally:
+        a.close()
+
+
 def test_a_member_silent_while_the_epochs_group_is_made_is_waited_for(caplog):
     """Making the epoch's process group is most of a loaded node's work (32 groups on 2 cores): member 1
     sends no heartbeat for 2 s meanwhile (lost_after_s is 1 s). Silence is not loss there, up to 4 x
