@@ -189,12 +189,12 @@ class Beacon:
         for m in others:  # a lost member first: it is the cause, the others leaving only follow it
             # one not heard from yet (this member just started: a spare that took its place; or, not the
             # coordinator, it dials it only now, as the epoch's successor) is vouched for by the
-            # coordinator that asked it in, until it has been silent as long as a lost one. One heard only
-            # before the epoch (this member hears it only now: the new successor, which every member dials
-            # at once after a loss) is given from the epoch's start what a member taking an epoch is given
+            # coordinator that asked it in, until it has been silent as long as a member taking an epoch
+            # may be, from the epoch's start; so is one heard only before the epoch (this member hears it
+            # only now: the new successor, which every member dials at once after a loss, answers them in turn)
             last_heard = (seen[m.number]["t"] if direct is not None else float("inf")) if m.number in seen else 0.0
             floor = self._taking(epoch, seen.get(m.number, {}), at_least)
-            window = self._patience(seen[m.number], floor) if m.number in seen else self.lost_after_s
+            window = self._patience(seen.get(m.number, {}), floor)
             hung_up = seen.get(m.number, {}).get("eof_t", -1.0) >= epoch.since  # (gone since the epoch began)
             unheard = last_heard < epoch.since and time.monotonic() - epoch.since < window and not hung_up
             if (taking if floor > at_least else alive).get(m.number) != m.incarnation and not unheard:
@@ -220,7 +220,7 @@ class Beacon:
     def _how_lost(self, seen: dict | None, incarnation: str, at_least: float = 0.0) -> str:
         """How a member of an epoch was lost, from its last heartbeat as this beacon saw it (`seen`)."""
         if seen is None:
-            return f"never heard from in {self.lost_after_s:g} s"
+            return f"never heard from in {round(self._patience({}, at_least), 1):g} s"
         if seen["inc"] != incarnation and not seen["eof"]:
             return "it restarted: a new process in its place"
         if seen["eof"]:

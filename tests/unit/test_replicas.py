@@ -639,8 +639,10 @@ def test_a_member_not_heard_from_yet_is_not_lost_until_it_has_been_silent_as_lon
         with a._lock:
             a._seen[1] = {"inc": "one", "t": time.monotonic(), "eof": False, "epoch": 4, "state": "training"}
         assert a.lost(epoch) is None  # group 2 not heard from yet: vouched for by the coordinator
-        old = replace(epoch, since=time.monotonic() - a.lost_after_s)
-        assert str(a.lost(old)) == "group 2 lost (never heard from in 60 s)"  # silent as long as a lost member: lost
+        assert a.lost(replace(epoch, since=time.monotonic() - 1.5 * a.lost_after_s)) is None  # taking it: given longer
+        old = replace(epoch, since=time.monotonic() - 4 * a.lost_after_s)
+        assert str(a.lost(old)) == "group 2 lost (never heard from in 240 s)"  # silent as long as a member taking
+        # an epoch may be: lost
     finally:
         a.close()
 
@@ -658,6 +660,9 @@ def test_a_member_heard_only_before_the_epoch_is_given_a_taking_members_time_fro
                       since=now - 1.5)
         with b._lock:
             b._seen[0] = {"inc": "zero", "t": now, "eof": False, "epoch": 4, "state": "training", "ended": "", "done": False}
+        assert b.lost(epoch) is None  # group 1 never heard from yet (the run's 32-group check: "never heard from in 1 s")
+        assert str(b.lost(replace(epoch, since=now - 4.5))) == "group 1 lost (never heard from in 4 s)"
+        with b._lock:
             b._seen[1] = {"inc": "one", "t": now - 60, "eof": False, "epoch": 1, "state": "training"}  # heard at the start
         assert b.lost(epoch) is None
         assert str(b.lost(replace(epoch, since=now - 4.5))) == "group 1 lost (not heard from in 4 s)"
