@@ -47,6 +47,7 @@ class Epoch:
     shard_pg: Ring | None = None  # sharded groups: the ring of the members holding this one's shard
     since: float = field(default_factory=time.monotonic)  # when this member learned of it
     setup_s: float = 0.0  # how long making its links took here
+    last_request: tuple[int, float] | None = None  # its coordinator's: the member whose request came last, and when
     abandoned: object = None  # a collective of it left unfinished here (a member was lost meanwhile): its work
     exchanged: bool = False  # a step's exchange completed in it here
 
@@ -89,6 +90,7 @@ class Beacon:
         self._lock = threading.Lock()
         self._seen: dict[int, dict] = {}  # member -> its last heartbeat (with "inc", "t" and "eof")
         self._requests: dict[int, tuple[Join, str, Channel]] = {}  # join requests to the coordinator: (request, inc, channel)
+        self._asked_at: dict[int, float] = {}  # when each member's pending join request first came
         self._pending: set[str] = set()  # ids of our join requests not yet answered
         self._replies: dict[str, EpochNews | Wait] = {}  # their answers, by request id
         self._announced: EpochNews | None = None  # the epoch this coordinator announced, until its group is made
@@ -438,7 +440,9 @@ class Beacon:
         for request, _, conn in asked.values():
             with contextlib.suppress(OSError):  # it is lost: forming the group notices
                 conn.send(line.replace(b'"id": "0"', f'"id": "{request.id}"'.encode(), 1))
-        return Epoch(number, members, [m.number for m in members].index(self.member), (host, store.port), store)
+        last = max(asked, key=lambda m: self._asked_at.get(m, 0.0), default=None)
+        return Epoch(number, members, [m.number for m in members].index(self.member), (host, store.port), store,
+                     last_request=None if last is None else (last, self._asked_at.get(last, started)))
 
     def _tell(self) -> None:
         """News of a member (a request, a reply, a state, a member heard or lost): a forming member looks again."""
@@ -545,6 +549,8 @@ class Beacon:
                     self._requests.pop(member, None)
                 else:
                     news = None
+                    if member not in self._requests:  # (a request sent again does not make it later)
+                        self._asked_at[member] = time.monotonic()
                     self._requests[member] = (msg, inc, channel)
                     self._tell()
             else:

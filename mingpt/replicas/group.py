@@ -222,10 +222,12 @@ class Replicas:
             return None
         members = self.epoch.numbers() if self.procs == 1 else [f"{m // self.procs}.{m % self.procs}"
                                                                 for m in self.epoch.numbers()]
-        log.info("replica epoch %d: %s %s (this is %s, rank %d), formed in %.2f s (its links %.2f s)",
+        last = self.epoch.last_request  # (the coordinator's: whom the epoch waited for)
+        log.info("replica epoch %d: %s %s (this is %s, rank %d), formed in %.2f s (its links %.2f s%s)",
                  self.epoch.number,
                  "groups" if self.procs == 1 else "group.process", members, self.me, self.epoch.rank,
-                 time.monotonic() - t0, self.epoch.setup_s)
+                 time.monotonic() - t0, self.epoch.setup_s,
+                 f"; the last request, {self.beacon.name(last[0])}'s, came {max(0.0, last[1] - t0):.2f} s in" if last else "")
         return self.epoch
 
     def check(self) -> None:
