@@ -194,10 +194,11 @@ class Beacon:
             # coordinator that asked it in, until it has been silent as long as a member taking an epoch
             # may be, from the epoch's start; so is one heard only before the epoch (this member hears it
             # only now: the new successor, which every member dials at once after a loss, answers them in turn)
-            last_heard = (seen[m.number]["t"] if direct is not None else float("inf")) if m.number in seen else 0.0
-            floor = self._taking(epoch, seen.get(m.number, {}), at_least)
-            window = self._patience(seen.get(m.number, {}), floor)
-            hung_up = seen.get(m.number, {}).get("eof_t", -1.0) >= epoch.since  # (gone since the epoch began)
+            heard = seen.get(m.number, {})
+            last_heard = (heard["t"] if direct is not None else float("inf")) if heard else 0.0
+            floor = self._taking(epoch, heard, at_least)
+            window = self._patience(heard, floor)
+            hung_up = heard.get("eof_t", -1.0) >= epoch.since  # (gone since the epoch began)
             unheard = last_heard < epoch.since and time.monotonic() - epoch.since < window and not hung_up
             if (taking if floor > at_least else alive).get(m.number) != m.incarnation and not unheard:
                 how = self._how_lost(seen.get(m.number), m.incarnation, floor)

@@ -397,7 +397,6 @@ class Replicas:
                     pending.append(pg.send(part, segments[i + 1][0], tag + 1))
         for work in pending:
             work.wait()
-        pending.clear()
         ring_broadcast(pg, me, world, total, segments[-1][0], self._TAG_TOTAL, self.CHUNK)  # the sum, from the
         return total  # chain's last member
 
