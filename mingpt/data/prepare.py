@@ -310,6 +310,9 @@ def _commit(dest: DatasetDir, plan: dict, tokenizer: Tokenizer, settings: Settin
     if missing:
         raise DataError(f"{len(missing)} units of {dest.url} are not done (first: {missing[0]}); run the same "
                         "command again to finish them")
+    if dest.local:  # a worker killed mid-write left its temporary file (atomic_write_bytes): not the dataset's
+        for stray in [*Path(dest.root).glob("shards/.u*.bin.*"), *Path(dest.root).glob("work/.unit-*")]:
+            stray.unlink(missing_ok=True)
     ends, shards, base = [], [], 0
     for k, r in enumerate(records):
         local_ends = np.frombuffer(dest.read(f"work/{unit_name(k)}.ends"), dtype=np.int64)

@@ -67,6 +67,7 @@ def test_a_prepare_killed_midway_continues_to_the_same_result(tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     done_before = len(list((out / "work").glob("unit-*.json")))
+    (out / "shards" / ".u000099-000.bin.k1lled").write_bytes(b"half a shard")  # as a kill mid-write leaves it
     units = json.loads((out / "work" / "plan.json").read_text())["units"]
     assert proc.returncode == -signal.SIGKILL and 4 <= done_before < units and not (out / "manifest.json").exists()
     with pytest.raises(DataError, match="no manifest.json: its preparation was interrupted. Run the same "
