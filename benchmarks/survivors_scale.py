@@ -45,7 +45,7 @@ BEACON = re.compile(r"replica beacon of group (\d+): (\d+) channels at the end; 
                     r"in ([\d.]+) s")
 EPOCH = re.compile(r"replica epoch (\d+): groups \[([\d, ]*)\] \(this is group (\d+), rank (\d+)\), formed in "
                    r"([\d.]+) s \(its links ([\d.]+) s"
-                   r"(?:; the last request, group (\d+)(?: process \d+)?'s, came ([\d.]+) s in)?\)")
+                   r"(?:; the last request, group (\d+)(?: process \d+)?'s, came ([\d.]+) s in)?(; formed by its beacon)?")
 
 
 class NoFirstStep(RuntimeError):
@@ -68,7 +68,7 @@ def epoch_lines(text: str) -> list[dict]:
     (the coordinator's adds `; the last request, group H's, came Z s in`: `last_request` [H, Z])."""
     return [{"number": int(m[1]), "groups": [int(g) for g in m[2].replace(" ", "").split(",") if g],
              "group": int(m[3]), "rank": int(m[4]), "formed_s": float(m[5]), "links_s": float(m[6]),
-             "last_request": [int(m[7]), float(m[8])] if m[7] else None}
+             "last_request": [int(m[7]), float(m[8])] if m[7] else None, "ahead": bool(m[9])}
             for m in EPOCH.finditer(text)]
 
 
@@ -94,13 +94,15 @@ def stat(by_member: dict[int, float], digits: int = 3, who: str = "max_member") 
 
 
 def epoch_figures(lines: list[dict]) -> dict:
-    """An epoch's groups and its formation over the members that logged it, and when the last join
-    request came to its coordinator (from the start of the coordinator's forming)."""
+    """An epoch's groups and its formation over the members that logged it, when the last join request
+    came to its coordinator (from the start of the coordinator's forming), and whether the coordinator's
+    beacon formed it while its trainer finished a step (`formed_ahead`)."""
     last = next((e["last_request"] for e in lines if e["last_request"]), None)
     return {"number": lines[0]["number"], "groups": len(lines[0]["groups"]),
             "formed_s": stat({e["group"]: e["formed_s"] for e in lines}),
             "links_s": stat({e["group"]: e["links_s"] for e in lines}),
-            "last_request": None if last is None else {"group": last[0], "came_s": last[1]}}
+            "last_request": None if last is None else {"group": last[0], "came_s": last[1]},
+            "formed_ahead": any(e["ahead"] for e in lines)}
 
 
 def epochs_of(epochs: list[dict], killed: int | None, groups: int) -> dict:

@@ -227,7 +227,8 @@ class Replicas:
                  self.epoch.number,
                  "groups" if self.procs == 1 else "group.process", members, self.me, self.epoch.rank,
                  time.monotonic() - t0, self.epoch.setup_s,
-                 f"; the last request, {self.beacon.name(last[0])}'s, came {max(0.0, last[1] - t0):.2f} s in" if last else "")
+                 (f"; the last request, {self.beacon.name(last[0])}'s, came {last[1]:.2f} s in" if last else "")
+                 + ("; formed by its beacon while this member finished its step" if self.epoch.ahead else ""))
         return self.epoch
 
     def check(self) -> None:
@@ -327,6 +328,7 @@ class Replicas:
                 raise MembershipChanged(f"the exchange of step {step} does not add up (a row carries shares {sorted(shares)})")
         total = self.wait(_InThread(lambda: self._chain(pg, me, world, list(rows.values()), subtree, single, k)))
         epoch.exchanged = True
+        self._live_at(step + 1)  # (the step is applied; one dropped after all is formed anew: Beacon._take_ahead)
         return total, [every[s] for s in range(self.shares_total)]
 
     def _chain(self, pg, me: int, world: int, mine: list[torch.Tensor], subtree: dict, single: dict,
@@ -411,7 +413,7 @@ class Replicas:
                   if i != source and ((m.step, m.live) != (best.step, best.live) or (best.live and not m.live))]
         healed = Healed(best.number, self.membership.healed([members[i].number for i in behind]))
         if not behind:
-            self.live = True
+            self._live_at(best.step)
             return Healed(None, [])
         key = distributed.derive(self.beacon.secret, "replicas-heal").encode()  # a digest only the job can make
         meta = state() if me == source else {}
@@ -429,7 +431,7 @@ class Replicas:
         self._broadcast(pg, me, blob_t, source)
         received = self._broadcast_slots(pg, me, slots, source)
         if me == source or me not in behind:  # up to date: what it received is what it holds
-            self.live = True
+            self._live_at(best.step)
             return healed
         meta, tags = unpack_state(blob_t)
         tag = tags.get(str(members[me].number)) if isinstance(tags, dict) else None
@@ -443,8 +445,14 @@ class Replicas:
             for slot, t in zip(slots, received):
                 slot.local.copy_(t)
         load(meta)
-        self.live = True
+        self._live_at(best.step)
         return healed
+
+    def _live_at(self, step: int) -> None:
+        """This member holds the job's state at `step` (a coordinator's beacon forms the next epoch with it
+        while its trainer finishes a dropped step: Beacon._form_ahead)."""
+        self.live = True
+        self.beacon.held = (self.epoch.number, step)
 
     def _broadcast_slots(self, pg, me: int, slots: list, source: int) -> list:
         """The slots' tensors from rank `source` (this member `me`), on the host (over the epoch's ring; a

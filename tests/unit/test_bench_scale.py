@@ -16,7 +16,7 @@ LOGS = "".join(f"15:45:19 vm:0 [rank 0/1] INFO mingpt.replicas: {line}\n" for li
     "replica epoch 0: groups [0, 1, 2, 3] (this is group 1, rank 1), formed in 0.50 s (its links 0.00 s)",
     "replica epoch 0 ended at step 31: group 0 lost (its connection closed); the next epoch trains the step again",
     "replica epoch 1: groups [1, 2, 3] (this is group 1, rank 0), formed in 0.05 s (its links 0.05 s; the last "
-    "request, group 3's, came 0.01 s in)",
+    "request, group 3's, came 0.01 s in; formed by its beacon while this member finished its step)",
     "replica epoch 2: groups [0, 1, 2, 3] (this is group 1, rank 1), formed in 0.01 s (its links 0.00 s)",
     "replica beacon of group 1: 3 channels at the end; sent 900 messages (81900 bytes) in 30.0 s",
     "replica epoch 0: groups [0, 1, 2, 3] (this is group 2, rank 2), formed in 0.51 s (its links 0.01 s)",
@@ -48,20 +48,21 @@ def test_epoch_lines_give_their_groups_and_formation_times():
     lines = epoch_lines(LOGS)
     assert len(lines) == 9
     assert lines[3] == {"number": 1, "groups": [1, 2, 3], "group": 1, "rank": 0, "formed_s": 0.05, "links_s": 0.05,
-                        "last_request": [3, 0.01]}  # (the coordinator's line says whose request came last)
-    assert lines[4]["last_request"] is None
+                        "last_request": [3, 0.01], "ahead": True}  # (the coordinator's line says whose request
+    assert lines[4]["last_request"] is None and not lines[4]["ahead"]  # came last, and whether its beacon formed it)
 
 
 def test_the_first_epoch_and_the_survivors_epoch_after_the_kill():
     got = epochs_of(epoch_lines(LOGS), killed=0, groups=4)
     assert got["first_epoch"] == {"number": 0, "groups": 4,
                                   "formed_s": {"median": 0.43, "max": 0.51, "max_member": 2},
-                                  "links_s": {"median": 0.01, "max": 0.01, "max_member": 0}, "last_request": None}
+                                  "links_s": {"median": 0.01, "max": 0.01, "max_member": 0}, "last_request": None,
+                                  "formed_ahead": False}
     after = got["epoch_after_kill"]
     assert after["number"] == 1 and after["groups"] == 3
     assert after["formed_s"] == {"median": 0.05, "max": 0.05, "max_member": 1}  # (the lowest on a tie)
     assert after["links_s"] == {"median": 0.04, "max": 0.05, "max_member": 1}
-    assert after["last_request"] == {"group": 3, "came_s": 0.01}
+    assert after["last_request"] == {"group": 3, "came_s": 0.01} and after["formed_ahead"]
     assert "epoch_after_kill" not in epochs_of(epoch_lines(LOGS), killed=None, groups=4)
     assert "first_whole_epoch" not in got
 

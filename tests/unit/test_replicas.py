@@ -1193,3 +1193,81 @@ def test_an_epoch_left_inside_a_collective_frees_its_process_group_once_the_coll
     finally:
         for r in groups:
             r.close()
+
+
+def trained_in(beacons, epochs, step: int) -> None:
+    """Each beacon's member trains in its epoch and has exchanged up to `step` (as its Replicas says)."""
+    for b in beacons:
+        e = epochs[b.member]
+        b.last, b.held = e, (e.number, step)
+        b.set_status(state="training", epoch=e.number)
+
+
+def test_the_new_coordinators_beacon_forms_the_next_epoch_while_its_trainer_finishes_its_share(caplog):
+    """Group 0 (the coordinator) is SIGKILLed; group 2 asks at once, while group 1, the new coordinator,
+    still trains the share in flight (at 32 groups on 2 cores it hears every member, which makes it the
+    slowest: the others waited up to 2 s for it to finish and form). Its beacon forms the epoch without
+    its trainer: group 2 holds it, links made, before group 1's trainer asks; then the trainer takes it
+    at once, with the step its beacon was told."""
+    import logging
+
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    beacons = [Beacon(peers, m, SECRET, 0.05, 1.0) for m in range(3)]
+    try:
+        epochs = form_all(beacons, step=5, min_groups=2)
+        assert [epochs[m].numbers() for m in range(3)] == [[0, 1, 2]] * 3
+        trained_in(beacons, epochs, 6)  # step 5 exchanged: the step in flight is 6
+        b1, b2 = beacons[1], beacons[2]
+        beacons[0].close()
+        assert wait_for(lambda: b2.lost(epochs[2]) is not None, 2)
+        got: dict = {}
+        asked = threading.Thread(target=lambda: got.setdefault(2, b2.form(6, True, 2, 20.0, lambda: False)))
+        asked.start()
+        asked.join(15)  # group 1's trainer has not asked: it is still training
+        assert 2 in got and got[2].numbers() == [1, 2], "group 2 waited for group 1's trainer"
+        assert got[2].pg is not None  # its links are made, group 1's end of them too
+        with caplog.at_level(logging.WARNING, logger="mingpt.replicas.beacon"):
+            t0 = time.monotonic()
+            mine = b1.form(6, True, 2, 20.0, lambda: False)
+        assert time.monotonic() - t0 < 1.0 and mine.ahead and mine.number == got[2].number > 0
+        assert [(m.number, m.step, m.live) for m in mine.members] == [(1, 6, True), (2, 6, True)]
+        assert b1.lost(mine) is None and b2.lost(got[2]) is None
+        assert "did not form" not in caplog.text and "forms again" not in caplog.text
+    finally:
+        for b in beacons:
+            b.close()
+
+
+def test_an_epoch_formed_ahead_for_a_step_the_trainer_is_not_at_is_given_up_and_formed_anew(caplog):
+    """The beacon took its trainer to be at step 6; it asks at step 7 (it applied the step after all):
+    the epoch formed ahead is given up (the others leave it), and the next one counts it at step 7."""
+    import logging
+
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    beacons = [Beacon(peers, m, SECRET, 0.05, 1.0) for m in range(3)]
+    try:
+        epochs = form_all(beacons, step=5, min_groups=2)
+        trained_in(beacons, epochs, 6)
+        b1, b2 = beacons[1], beacons[2]
+        beacons[0].close()
+        assert wait_for(lambda: b2.lost(epochs[2]) is not None, 2)
+        out: dict = {}
+        asked = threading.Thread(target=lambda: out.setdefault("first", b2.form(6, True, 2, 20.0, lambda: False)))
+        asked.start()
+        asked.join(15)
+        first = out["first"]  # (formed by group 1's beacon: its trainer has not asked)
+
+        def member2():  # it leaves the epoch formed ahead once group 1 says it left it, and forms again
+            assert wait_for(lambda: b2.lost(first) is not None, 10)
+            out[2] = b2.form(6, True, 2, 20.0, lambda: False)
+        t = threading.Thread(target=member2)
+        t.start()
+        with caplog.at_level(logging.WARNING, logger="mingpt.replicas.beacon"):
+            out[1] = b1.form(7, True, 2, 20.0, lambda: False)
+        t.join(30)
+        assert f"epoch {first.number} was formed for this member at step 6, where it is at step 7" in caplog.text
+        assert out[1].number == out[2].number > first.number and not out[1].ahead
+        assert [(m.number, m.step) for m in out[1].members] == [(1, 7), (2, 6)]
+    finally:
+        for b in beacons:
+            b.close()
