@@ -26,8 +26,8 @@ class Ring:
     """This member's links to the other members of an epoch (`world` of them, this one rank `rank`):
     a gloo group of two for each pair that talks, made over the epoch's store under a name derived
     from the job secret, all on one gloo device (one listener, one event loop). Both ends of a pair
-    make it together; a member makes its pairs at once, each over its own connection to the store, so
-    that none waits for a member busy making another first."""
+    make it together; a member makes its pairs at once, so that none waits for a member busy making
+    another first."""
 
     def __init__(self, store, secret: bytes, name: str, rank: int, world: int, timeout: datetime.timedelta):
         self.store, self.secret, self.name, self.timeout = store, secret, name, timeout
@@ -50,10 +50,10 @@ class Ring:
 
         def make(peer: int) -> None:
             low, high = min(peer, self.rank), max(peer, self.rank)
+            prefixed = dist.PrefixStore(derive(self.secret, f"{self.name}-pair-{low}-{high}"), self.store)
+            opts = dist.ProcessGroupGloo._Options()
+            opts._devices, opts._threads, opts._timeout = self.devices, 1, self.timeout
             try:
-                prefixed = dist.PrefixStore(derive(self.secret, f"{self.name}-pair-{low}-{high}"), self._client())
-                opts = dist.ProcessGroupGloo._Options()
-                opts._devices, opts._threads, opts._timeout = self.devices, 1, self.timeout
                 made[peer] = dist.ProcessGroupGloo(prefixed, int(self.rank == high), 2, opts)
             except Exception as e:  # noqa: BLE001 - raised again by the caller's thread
                 made[peer] = e
@@ -68,15 +68,6 @@ class Ring:
             if isinstance(pg, Exception):
                 raise pg
             self.pairs[peer] = pg
-
-    def _client(self):
-        """A connection of its own to the epoch's store, for one pair: a TCPStore client answers one request
-        at a time, so a pair waiting there for a slow peer held up this member's other pair, and with it
-        its other neighbour's, round the ring (at 32 groups, the ten members after a busy new successor
-        took 1.1 s to link, where the others took 0.1 s)."""
-        if isinstance(self.store, dist.TCPStore):
-            return dist.TCPStore(self.store.host, self.store.port, is_master=False, timeout=self.timeout)
-        return self.store
 
     def send(self, t: torch.Tensor, peer: int, tag: int):
         """Send `t` to rank `peer` (a pair made: `connect`): its work (wait on it)."""
