@@ -647,28 +647,54 @@ def test_a_member_not_heard_from_yet_is_not_lost_until_it_has_been_silent_as_lon
         a.close()
 
 
-def test_a_member_heard_only_before_the_epoch_is_given_a_taking_members_time_from_its_start():
-    """After the coordinator's loss every member dials the new successor at once: on a loaded node it
-    answers 29 of them in turn. A member that last heard it long before (a record from the start) took it
-    for lost one lost_after_s into the epoch, "not heard from in 4 s", and the epoch after the kill ended
-    at 32 groups for a member that was not lost. Now it gets 4 x lost_after_s from the epoch's start, as a
-    member taking an epoch does; one whose connection closed since the epoch began is lost at once."""
+def test_a_coordinator_heard_only_before_the_epoch_is_given_a_taking_members_time_from_its_start():
+    """A loaded node answers the members that dial it in turn: a member that last heard its epoch's
+    coordinator long before (a record from the start), or never, took it for lost one lost_after_s into
+    the epoch ("not heard from in 4 s", "never heard from in 1 s"). Now it gets 4 x lost_after_s from the
+    epoch's start, as a member taking an epoch does; one whose connection closed since the epoch began is
+    lost at once."""
     b = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 2, SECRET, 0.05, 1.0)
     try:
         now = time.monotonic()
         epoch = Epoch(4, [Member(0, "zero", 9, True), Member(1, "one", 9, True), Member(2, b.incarnation, 9, True)], 2,
                       since=now - 1.5)
+        assert b.lost(epoch) is None  # the coordinator never heard from yet
+        assert str(b.lost(replace(epoch, since=now - 4.5))) == "group 0 lost (never heard from in 4 s)"
         with b._lock:
-            b._seen[0] = {"inc": "zero", "t": now, "eof": False, "epoch": 4, "state": "training", "ended": "", "done": False}
-        assert b.lost(epoch) is None  # group 1 never heard from yet (the run's 32-group check: "never heard from in 1 s")
-        assert str(b.lost(replace(epoch, since=now - 4.5))) == "group 1 lost (never heard from in 4 s)"
-        with b._lock:
-            b._seen[1] = {"inc": "one", "t": now - 60, "eof": False, "epoch": 1, "state": "training"}  # heard at the start
+            b._seen[0] = {"inc": "zero", "t": now - 60, "eof": False, "epoch": 1, "state": "training"}  # heard at the start
         assert b.lost(epoch) is None
-        assert str(b.lost(replace(epoch, since=now - 4.5))) == "group 1 lost (not heard from in 4 s)"
+        assert str(b.lost(replace(epoch, since=now - 4.5))) == "group 0 lost (not heard from in 4 s)"
         with b._lock:
-            b._seen[1].update(eof=True, eof_t=now - 1.0)  # its connection closed once the epoch began
-        assert str(b.lost(replace(epoch, since=now - 1.2))) == "group 1 lost (its connection closed)"
+            b._seen[0].update(eof=True, eof_t=now - 1.0)  # its connection closed once the epoch began
+        assert str(b.lost(replace(epoch, since=now - 1.2))) == "group 0 lost (its connection closed)"
+    finally:
+        b.close()
+
+
+def test_a_member_takes_the_coordinators_verdict_on_the_successor_not_its_own_clock():
+    """The successor hears every member: on a loaded node its heartbeats reach some of them late. At 32
+    groups one member of thirty, judging it by its own clock, ended the epoch ("group 23 left epoch 2
+    (group 1 lost (not heard from in 1.1 s))") where the coordinator heard it in time, twice in one run.
+    A member judges its coordinator itself, and the successor by the coordinator's verdict."""
+    b = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 2, SECRET, 0.05, 1.0)
+    try:
+        now = time.monotonic()
+        epoch = Epoch(4, [Member(0, "zero", 9, True), Member(1, "one", 9, True), Member(2, b.incarnation, 9, True)], 2,
+                      since=now - 30)
+        coordinator = {"inc": "zero", "t": now, "eof": False, "epoch": 4, "state": "training", "ended": "", "cause": ""}
+        with b._lock:
+            b._seen[0] = dict(coordinator)
+            b._seen[1] = {"inc": "one", "t": now - 1.5, "eof": False, "epoch": 4, "state": "training"}  # late here
+        assert b.lost(epoch) is None
+        with b._lock:  # the coordinator's verdict: it did not hear the successor in time either
+            b._seen[0] = {**coordinator, "ended": "group 1 lost (not heard from in 1 s)",
+                          "cause": "group 1 lost (not heard from in 1 s)"}
+            b._tell()
+        assert str(b.lost(epoch)) == "group 1 lost (not heard from in 1 s)"
+        with b._lock:  # the coordinator itself silent: judged here
+            b._seen[0] = {**coordinator, "t": now - 1.5}
+            b._tell()
+        assert str(b.lost(epoch)) == "group 0 lost (not heard from in 1 s)"
     finally:
         b.close()
 
