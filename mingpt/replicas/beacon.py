@@ -276,9 +276,9 @@ class Beacon:
     def _beat(self) -> Heartbeat:
         """This member's heartbeat; the coordinator of an epoch adds its verdict on it, for the members
         that do not hear every other: why it cannot go on, whether every member finished."""
-        status, last = self.status, self.last
-        groups = self._groups_alive()
-        self._form_ahead(status, last)
+        status, last, alive = self.status, self.last, self.alive()
+        groups = self._groups_alive(alive)
+        self._form_ahead(status, last, min(alive))
         if last is None or last.members[0].number != self.member or status.epoch != last.number:
             return replace(status, groups=groups)
         ended = self.lost(last) if status.state in ("training", "finished") else None
@@ -340,23 +340,9 @@ class Beacon:
             except OSError:
                 epoch = None
             if epoch is not None:
-                self.set_status(taking=epoch.number)
-                try:
-                    self._make_group(epoch, timeout_s)
-                except MembershipChanged as e:
-                    log.warning("epoch %d did not form (%s); trying again", epoch.number, e)
-                    # said in the heartbeats: the others may have made the epoch's group (its thread
-                    # here may still finish it) and must not wait in it for this member
-                    self.set_status(epoch=epoch.number, why=str(e)[:300])
-                    continue
-                finally:
-                    with self._lock:
-                        self._announced = None
-                self.set_status(state="training", epoch=epoch.number)
-                self.last = epoch
-                with self._lock:
-                    self._invited = None
-                return epoch
+                if self._take(epoch, timeout_s):
+                    return epoch
+                continue
             if time.monotonic() - waited > 10:
                 # (the coordinator names the groups it hears; another member hears a few, and counts the coordinator's)
                 said = (f"alive: {sorted({g // self.procs for g in self.alive()})}" if coordinator == self.member else
@@ -365,7 +351,27 @@ class Beacon:
                 waited = time.monotonic()
             self._await_news(seen, self.heartbeat_s)
 
-    def _form_ahead(self, status: Heartbeat, last: Epoch | None) -> None:
+    def _take(self, epoch: Epoch, timeout_s: float, **status) -> bool:
+        """Make `epoch`'s group and train in it (True); or, a member lost meanwhile, say in the heartbeats
+        that this member left it (False): the others may have made the epoch's group (its thread here may
+        still finish it) and must not wait in it for this member. `status`: more of this member's status."""
+        self.set_status(taking=epoch.number, **status)
+        try:
+            self._make_group(epoch, timeout_s)
+        except MembershipChanged as e:
+            log.warning("epoch %d did not form (%s); trying again", epoch.number, e)
+            self.set_status(state="forming", epoch=epoch.number, why=str(e)[:300])
+            return False
+        finally:
+            with self._lock:
+                self._announced = None
+        self.last = epoch  # (before the status: `_beat` judges `last` once the status names it)
+        self.set_status(state="training", epoch=epoch.number)
+        with self._lock:
+            self._invited = None
+        return True
+
+    def _form_ahead(self, status: Heartbeat, last: Epoch | None, lowest: int) -> None:
         """The lowest member alive forms the next epoch in a thread of its own as soon as its last one has
         ended, while its trainer finishes the share in flight (kept for the step's redo). The coordinator
         hears every member, which makes it the slowest: at 32 groups on 2 cores the others all asked
@@ -374,7 +380,7 @@ class Beacon:
         decide together in the exchange whether a step was dropped)."""
         if (self.procs > 1 or self._forming is None or last is None or status.state != "training"
                 or status.epoch != last.number or self.held is None or self.held[0] != last.number
-                or self._ahead is not None or min(self.alive()) != self.member):
+                or self._ahead is not None or lowest != self.member):
             return
         if (ended := self.lost(last)) is None:
             return
@@ -387,22 +393,15 @@ class Beacon:
 
     def _run_ahead(self, ahead: dict, why: str) -> None:
         min_groups, timeout_s = self._forming
-        epoch = None
         try:
             epoch = self._coordinate(ahead["step"], True, min_groups, timeout_s)
             if epoch is not None:
-                self.set_status(taking=epoch.number, why=why[:300])
-                self._make_group(epoch, timeout_s)
                 epoch.ahead = True
-                self.last, ahead["epoch"] = epoch, epoch
-                self.set_status(state="training", epoch=epoch.number, step=ahead["step"])
-        except (MembershipChanged, OSError) as e:
-            if epoch is not None:  # (as form() says it: the others must not wait in it for this member)
-                log.warning("epoch %d did not form (%s)", epoch.number, e)
-                self.set_status(state="forming", epoch=epoch.number, why=str(e)[:300])
+                if self._take(epoch, timeout_s, why=why[:300], step=ahead["step"]):
+                    ahead["epoch"] = epoch
+        except OSError:  # (as in form(): its trainer forms)
+            pass
         finally:
-            with self._lock:
-                self._announced = None
             ahead["done"].set()
 
     def _take_ahead(self, ahead: dict, step: int, live: bool, should_stop: Callable[[], bool]) -> Epoch | None:
@@ -419,8 +418,8 @@ class Beacon:
         self.set_status(state="forming", epoch=epoch.number, why=f"{self.name(self.member)} was not at step {ahead['step']}")
         return None
 
-    def _groups_alive(self) -> int:
-        return len({m // self.procs for m in self.alive()})
+    def _groups_alive(self, alive: dict[int, str] | None = None) -> int:
+        return len({m // self.procs for m in (self.alive() if alive is None else alive)})
 
     def _groups_heard(self, coordinator: int) -> int:
         """Groups alive, as this member hears them, or as the coordinator says (it hears every member)."""
