@@ -464,4 +464,7 @@ class Links:
                     self._failures.pop(member, None)
             if channel is not None:
                 channel.close()
-                self._wake.set()  # its place among the lowest members up goes to the next one now
+            # its place among the lowest members up goes to the next one now; a failed probe's, to a probe of
+            # the next member down the list (a probe a tick: after a rack of the lowest members was SIGKILLed,
+            # survivors took a second or more to dial the new coordinator, and some missed its first epoch)
+            self._wake.set()

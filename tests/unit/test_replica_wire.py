@@ -19,7 +19,7 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import free_port
+from conftest import free_port, free_port_runs
 
 from mingpt.replicas import Beacon, Epoch, Member, MembershipChanged, ReplicaError, Replicas
 from mingpt.replicas.group import Healed
@@ -744,3 +744,23 @@ def test_a_server_says_its_hello_before_any_heartbeat_on_a_new_channel(monkeypat
         assert isinstance(hello, Hello) and hello.member == 0 and hello.to == 1, hello
     finally:
         links.close()
+
+
+def test_past_a_rack_of_dead_lowest_members_a_member_dials_the_new_coordinator_at_once():
+    """Members 0 to 9 are gone (their ports refuse), 10 is up. A member probes four members below the two
+    lowest up at a time: a failed probe makes room for the next one at once, not at the next tick (here
+    every 10 s; at the default, a quarter of a second, survivors of a rack's SIGKILL reached the new
+    coordinator a second or more late, and missed its first epoch)."""
+    addresses = [("127.0.0.1", port) for port in free_port_runs(12, 1)]
+    quiet = {"heartbeat": partial(Heartbeat, "forming", -1, 0, -1), "on_message": lambda *a: None,
+             "on_up": lambda m: None, "on_lost": lambda m, inc: None}
+    coordinator = Links(addresses, 10, "inc10", SECRET, 10.0, 40.0, 1, **quiet)
+    member = Links(addresses, 11, "inc11", SECRET, 10.0, 40.0, 1, **quiet)
+    coordinator.start()
+    member.start()
+    try:
+        assert wait_for(lambda: 10 in member._senders, 5.0), (member._failures, member._dialing)
+        assert all(member._failures[m] >= 1 for m in range(10)), member._failures  # each dead one was probed
+    finally:
+        member.close()
+        coordinator.close()
