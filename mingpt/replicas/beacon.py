@@ -95,7 +95,8 @@ class Beacon:
         self._asked_at: dict[int, float] = {}  # when each member's pending join request first came
         self._pending: set[str] = set()  # ids of our join requests not yet answered
         self._replies: dict[str, EpochNews | Wait] = {}  # their answers, by request id
-        self._announced: EpochNews | None = None  # the epoch this coordinator announced, until its group is made
+        self._announced: EpochNews | None = None  # the epoch this coordinator announced, until it leaves it: a
+        # member of it whose answer was lost asks again, and is answered with it (`_heard`)
         self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
         self._invited: EpochNews | None = None  # an epoch that counts this member in, answering a request it gave up on
         # news of a member (heard from anew, or a channel to it up): a member forming an epoch looks again
@@ -360,11 +361,10 @@ class Beacon:
             self._make_group(epoch, timeout_s)
         except MembershipChanged as e:
             log.warning("epoch %d did not form (%s); trying again", epoch.number, e)
-            self.set_status(state="forming", epoch=epoch.number, why=str(e)[:300])
-            return False
-        finally:
             with self._lock:
                 self._announced = None
+            self.set_status(state="forming", epoch=epoch.number, why=str(e)[:300])
+            return False
         self.last = epoch  # (before the status: `_beat` judges `last` once the status names it)
         self.set_status(state="training", epoch=epoch.number)
         with self._lock:
@@ -450,6 +450,9 @@ class Beacon:
                 if isinstance(reply, Wait):  # (the coordinator is not whole, or it is not the coordinator)
                     self.links.hurry(range(coordinator))
                     return None
+                if reply is not None and reply.number <= self.status.epoch:
+                    reply = None  # an epoch this member trained in or left (its request came before the heartbeat
+                    # that says so): the coordinator hears that, and takes the request when it comes again
                 if reply is not None:
                     members = list(reply.members)
                     if (self.member, self.incarnation) not in [(m.number, m.incarnation) for m in members]:
@@ -468,6 +471,8 @@ class Beacon:
         """Wait for a join request from every member alive (a member finishing its step comes within a
         step; one that never asks is left out after a while), then announce the epoch to them."""
         started = time.monotonic()
+        with self._lock:  # (the last epoch's news answers no request for this one)
+            self._announced = None
         while True:
             seen = self._news_n
             alive = self.alive()
@@ -624,7 +629,11 @@ class Beacon:
                 news = Wait(msg.id)
             elif isinstance(msg, Join):
                 news = self._announced
-                if news and (member, inc) in [(m.number, m.incarnation) for m in news.members]:
+                if (news and (member, inc) in [(m.number, m.incarnation) for m in news.members]
+                        and self._seen.get(member, {}).get("epoch", -1) < news.number
+                        and not (self.status.state == "forming" and self.status.epoch >= news.number)):
+                    # a member of the epoch this coordinator is in that has not been in it (its answer was lost:
+                    # one of 16 groups never had it, and its neighbours waited 30 s for it): answered with it
                     self._requests.pop(member, None)
                 else:
                     news = None

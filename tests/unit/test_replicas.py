@@ -1045,6 +1045,61 @@ def test_a_join_request_lost_on_its_way_is_sent_again_not_waited_for():
         b.close()
 
 
+class LosesFirstNews:
+    """A member's channel as the coordinator writes to it, where the first epoch news sent is lost."""
+
+    def __init__(self, channel, lost: list):
+        self.channel, self.lost = channel, lost
+
+    def send(self, msg):
+        if not self.lost and (isinstance(msg, EpochNews) or isinstance(msg, bytes) and b'"t": "epoch"' in msg):
+            self.lost.append(msg)
+            return None
+        return self.channel.send(msg)
+
+
+def test_a_member_whose_answer_was_lost_is_answered_with_the_epoch_the_coordinator_is_in():
+    """Of 16 groups one never had its answer: it asked again every second, but the coordinator, done making
+    its own links, took each request for one for the next epoch, and the member's neighbours waited 30 s
+    (replicas.timeout_s) for it. Four members: the coordinator's links (to 1 and 3) are made without member
+    2; its request sent again is answered with the epoch it is a member of, and all four train in it."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(4)]
+    beacons = [Beacon(peers, m, SECRET, 0.05, 2.0) for m in range(4)]  # (a request goes again every 2 s)
+    heard, lost = beacons[0].links.on_message, []
+
+    def lossy(member, inc, msg, channel):
+        return heard(member, inc, msg, LosesFirstNews(channel, lost) if member == 2 else channel)
+    beacons[0].links.on_message = lossy
+    try:
+        epochs = form_all(beacons, min_groups=4)
+        assert lost, "no answer to member 2 was lost"
+        assert {m: (e.number, e.numbers()) if e else None for m, e in epochs.items()} == \
+            {m: (0, [0, 1, 2, 3]) for m in range(4)}
+    finally:
+        for b in beacons:
+            b.close()
+
+
+def test_a_member_passes_over_news_of_an_epoch_it_left():
+    """A request sent right after leaving epoch 4 may reach the coordinator before the heartbeat that says
+    so, and be answered with epoch 4: the member waits for the coordinator's next answer (epoch 5)."""
+    b = Beacon([f"127.0.0.1:{free_port()}" for _ in range(2)], 1, SECRET, 0.05, 0.1)
+    answers = iter([4, 5])
+
+    def coordinator(to, request):  # answers each request at once, as coordinator 0 would
+        number = next(answers)
+        members = (Member(0, "zero", 9, True), Member(1, b.incarnation, 9, True))
+        b._heard(0, "zero", EpochNews(request.id, number, "127.0.0.1", 1, members), Outbox())
+    b.links.send = coordinator
+    b.alive = lambda at_least=0.0: {0: "zero", 1: b.incarnation}
+    try:
+        b.set_status(state="forming", epoch=4, step=9, why="group 0 lost")
+        epoch = b._ask(0, 9, True)
+        assert epoch is not None and epoch.number == 5
+    finally:
+        b.close()
+
+
 def test_a_member_whose_heartbeats_come_late_is_given_longer_before_it_counts_as_lost():
     """Member 1's heartbeats come 0.8 s apart (a starved process: 32 groups on 2 cores), member 2's every
     0.05 s; lost_after_s is 1 s. After 1.3 s of silence member 2 is lost, member 1 is not (twice its
