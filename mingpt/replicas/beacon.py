@@ -25,6 +25,7 @@ from mingpt.runtime.trust import bound_store
 log = logging.getLogger(__name__)
 
 SLACK_HALF_LIFE_S = 60.0  # how fast a member's late heartbeats are forgotten (Beacon._patience)
+SAY_WAITING_S = 10.0  # a member forming this long without an epoch says what it waits for (and again after as long)
 
 
 class MembershipChanged(Exception):
@@ -258,7 +259,12 @@ class Beacon:
 
     def joiners(self, epoch: Epoch) -> list[int]:
         """Members alive that are not members of `epoch` (a restarted group, a healed partition), once
-        their whole group is ready: a group's processes join together, in one new epoch."""
+        their whole group is ready: a group's processes join together, in one new epoch. Its coordinator's
+        to say, which hears every member (the exchange tells the others): another member hears a few, and
+        counted a group of two whole while its SIGKILLed process was lost to the coordinator (while the other
+        lingered, 0.8 s, a new epoch formed at every step, without the group)."""
+        if epoch.members[0].number != self.member:
+            return []
         mine = {m.number: m.incarnation for m in epoch.members}
         alive = self.alive()
         with self._lock:
@@ -344,11 +350,16 @@ class Beacon:
                 if self._take(epoch, timeout_s):
                     return epoch
                 continue
-            if time.monotonic() - waited > 10:
+            if time.monotonic() - waited > SAY_WAITING_S:
                 # (the coordinator names the groups it hears; another member hears a few, and counts the coordinator's)
                 said = (f"alive: {sorted({g // self.procs for g in self.alive()})}" if coordinator == self.member else
                         f"{self._groups_heard(coordinator)} alive, as {self.name(coordinator)} hears them")
-                log.warning("replica %s waits for a quorum of %d groups (%s)", self.name(self.member), min_groups, said)
+                if coordinator != self.member and self._groups_heard(coordinator) >= min_groups:
+                    # (a quorum is up: what it waits for is the coordinator's answer, not more groups)
+                    log.warning("replica %s waits for %s, the coordinator, to let it into an epoch (%s)",
+                                self.name(self.member), self.name(coordinator), said)
+                else:
+                    log.warning("replica %s waits for a quorum of %d groups (%s)", self.name(self.member), min_groups, said)
                 waited = time.monotonic()
             self._await_news(seen, self.heartbeat_s)
 

@@ -784,6 +784,40 @@ def test_a_group_of_several_processes_leaves_and_joins_whole():
         a.close()
 
 
+def test_only_the_coordinator_calls_a_group_in_to_join():
+    """Groups of two processes; process 1 of group 1 SIGKILLed, process 0 lingering while its torchrun
+    stops it. The coordinator knows the group broken (it hears every member). Another member, which had
+    heard process 1 only on a channel it had said goodbye to, still counted it alive: it called group 1
+    in at every step, and the job made a new epoch a step, without the group, until process 0 was gone
+    (9 epochs where 3 were due). Calling a group in is the coordinator's; the exchange tells the others."""
+    members = [f"127.0.0.1:{p}" for p in free_port_runs(6, 1)]
+    b = Beacon(members, 1, SECRET, 0.05, 60.0, procs=2)
+    epoch = Epoch(5, [Member(m, b.incarnation if m == 1 else f"i{m}", 9, True) for m in (0, 1, 4, 5)], 1)
+    try:
+        now = time.monotonic()
+        with b._lock:  # its view: both of group 1's processes heard lately, neither of them gone
+            for m in (0, 2, 3, 4, 5):
+                b._seen[m] = {"inc": f"i{m}", "t": now, "eof": False, "epoch": 5 if m in (0, 4, 5) else 4,
+                              "state": "training" if m in (0, 4, 5) else "forming"}
+        assert b.joiners(epoch) == []
+        a = Beacon(members, 0, SECRET, 0.05, 60.0, procs=2)
+        coordinator = replace(epoch, rank=0, members=[Member(0, a.incarnation, 9, True), *epoch.members[1:]])
+        try:
+            with a._lock:
+                a._seen.update({m: dict(s, inc=f"i{m}") for m, s in b._seen.items() if m != 0})
+                a._seen[1] = {"inc": b.incarnation, "t": now, "eof": False, "epoch": 5, "state": "training"}
+                a._seen[3]["eof"] = True  # (its connection to the coordinator closed when it was killed)
+            assert a.joiners(coordinator) == []
+            with a._lock:  # group 1 restarted: both new processes ready
+                a._seen[2] = {"inc": "new2", "t": now, "eof": False, "epoch": -1, "state": "forming"}
+                a._seen[3] = {"inc": "new3", "t": now, "eof": False, "epoch": -1, "state": "forming"}
+            assert a.joiners(coordinator) == [2, 3]
+        finally:
+            a.close()
+    finally:
+        b.close()
+
+
 def test_every_group_of_a_job_is_one_launch_whatever_its_torchruns_nonce(monkeypatch):
     """Each group is a torchrun of its own, with its own launch nonce (mingpt/cli/launch_id.py): the
     groups share one lease and one run, so their id is the job secret's."""
@@ -1096,6 +1130,27 @@ def test_a_member_passes_over_news_of_an_epoch_it_left():
         b.set_status(state="forming", epoch=4, step=9, why="group 0 lost")
         epoch = b._ask(0, 9, True)
         assert epoch is not None and epoch.number == 5
+    finally:
+        b.close()
+
+
+def test_a_member_with_a_quorum_up_says_it_waits_for_the_coordinator_not_for_a_quorum(monkeypatch, caplog):
+    """Of 16 groups one waited 30 s for an answer the coordinator had sent and it never had, and said
+    "waits for a quorum of 9 groups (16 alive, as group 0 hears them)": the quorum was there. It now names
+    what it waits for."""
+    from mingpt.replicas import beacon as beacon_module
+
+    monkeypatch.setattr(beacon_module, "SAY_WAITING_S", 0.2)
+    b = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 1, SECRET, 0.05, 1.0)
+    try:
+        b.alive = lambda at_least=0.0: {0: "zero", 1: b.incarnation, 2: "two"}
+        with b._lock:
+            b._seen[0] = {"inc": "zero", "t": time.monotonic(), "eof": False, "groups": 3}
+        b._ask = lambda coordinator, step, live: time.sleep(0.05)  # no answer comes
+        with caplog.at_level("WARNING", logger="mingpt.replicas.beacon"):
+            assert b.form(0, False, 2, 5.0, lambda: "waits for" in caplog.text) is None
+        assert "replica group 1 waits for group 0, the coordinator, to let it into an epoch (3 alive, as group 0 " \
+               "hears them)" in caplog.text, caplog.text
     finally:
         b.close()
 
