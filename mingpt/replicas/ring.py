@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,39 @@ def devices() -> list:
     return [dist.ProcessGroupGloo.create_device(interface=n) for n in names] or [dist.ProcessGroupGloo.create_default_device()]
 
 
+class Rendezvous(dist.Store):
+    """The epoch's store as a pair's rendezvous sees it: a wait for a key polls for it, a short request at a
+    time. A store client answers one request at a time, and gloo's rendezvous waits for its peer's address
+    inside one: a member whose pair with one neighbour waited there had not yet published its address for
+    the other pair, and three members, each waiting on the next, waited for the timeout (20 s in a test)."""
+
+    def __init__(self, store, timeout: datetime.timedelta):
+        super().__init__()
+        self._inner, self._limit = store, timeout  # (a Store's `timeout` is its own, read-only)
+
+    def set(self, key, value):
+        self._inner.set(key, value)
+
+    def get(self, key):
+        self.wait([key])
+        return self._inner.get(key)
+
+    def add(self, key, value):
+        return self._inner.add(key, value)
+
+    def check(self, keys):
+        return self._inner.check(keys)
+
+    def wait(self, keys, timeout=None):
+        limit = (timeout or self._limit).total_seconds()
+        deadline, pause = time.monotonic() + limit, 0.001
+        while not self._inner.check(keys):
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: {list(keys)}")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.05)
+
+
 class Ring:
     """This member's links to the other members of an epoch (`world` of them, this one rank `rank`):
     a gloo group of two for each pair that talks, made over the epoch's store under a name derived
@@ -30,7 +64,7 @@ class Ring:
     another first."""
 
     def __init__(self, store, secret: bytes, name: str, rank: int, world: int, timeout: datetime.timedelta):
-        self.store, self.secret, self.name, self.timeout = store, secret, name, timeout
+        self.store, self.secret, self.name, self.timeout = Rendezvous(store, timeout), secret, name, timeout
         self.rank, self.world = rank, world
         self.pairs: dict[int, object] = {}  # the other rank -> the pair's gloo group
         self.devices: list | None = None  # one listener and one event loop for all the pairs

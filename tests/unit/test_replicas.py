@@ -354,6 +354,34 @@ def ring_sockets(world: int) -> tuple[bool, dict]:
     return all(torch.equal(out[g], torch.full((5,), float(sum(range(world))))) for g in range(world)), counts
 
 
+def test_three_members_each_waiting_on_the_next_still_make_their_pairs():
+    """Each member's pairs meet over its one connection to the epoch's store. Here each member's pair with
+    the next round the ring starts first and waits for that neighbour, before the pair with the previous
+    one has published its address: a store client answers one request at a time, so the three waited on
+    each other until the timeout (20 s in CI). The rendezvous polls for its peer instead."""
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    rings = [Ring(dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=5)),
+                  SECRET, "epoch", r, 3, datetime.timedelta(seconds=5)) for r in range(3)]
+    errors: list = []
+
+    def connect(ring, peer):
+        try:
+            ring.connect([peer])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+    forward = [threading.Thread(target=connect, args=(r, (r.rank + 1) % 3)) for r in rings]
+    for t in forward:
+        t.start()
+    time.sleep(0.5)  # each waits for its next neighbour's address, which that one has not published
+    backward = [threading.Thread(target=connect, args=(r, (r.rank - 1) % 3)) for r in rings]
+    for t in backward:
+        t.start()
+    for t in forward + backward:
+        t.join(30)
+    assert not errors, errors
+    assert all(sorted(r.pairs) == sorted({(r.rank + 1) % 3, (r.rank - 1) % 3}) for r in rings)
+
+
 def test_an_epochs_members_connect_to_their_two_neighbours_only():
     """The epoch's links of 8 members: a gloo group of all members connected every pair, 8 x 7 sockets
     and seconds at 32 groups on a loaded node, at every epoch. Now each member makes a group of two with
@@ -1148,7 +1176,7 @@ def test_a_member_with_a_quorum_up_says_it_waits_for_the_coordinator_not_for_a_q
             b._seen[0] = {"inc": "zero", "t": time.monotonic(), "eof": False, "groups": 3}
         b._ask = lambda coordinator, step, live: time.sleep(0.05)  # no answer comes
         with caplog.at_level("WARNING", logger="mingpt.replicas.beacon"):
-            assert b.form(0, False, 2, 5.0, lambda: "waits for" in caplog.text) is None
+            assert b.form(0, False, 2, 5.0, lambda: "replica group 1 waits for" in caplog.text) is None
         assert "replica group 1 waits for group 0, the coordinator, to let it into an epoch (3 alive, as group 0 " \
                "hears them)" in caplog.text, caplog.text
     finally:
