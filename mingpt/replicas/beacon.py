@@ -352,9 +352,10 @@ class Beacon:
                 continue
             if time.monotonic() - waited > SAY_WAITING_S:
                 # (the coordinator names the groups it hears; another member hears a few, and counts the coordinator's)
+                groups = self._groups_heard(coordinator)
                 said = (f"alive: {sorted({g // self.procs for g in self.alive()})}" if coordinator == self.member else
-                        f"{self._groups_heard(coordinator)} alive, as {self.name(coordinator)} hears them")
-                if coordinator != self.member and self._groups_heard(coordinator) >= min_groups:
+                        f"{groups} alive, as {self.name(coordinator)} hears them")
+                if coordinator != self.member and groups >= min_groups:
                     # (a quorum is up: what it waits for is the coordinator's answer, not more groups)
                     log.warning("replica %s waits for %s, the coordinator, to let it into an epoch (%s)",
                                 self.name(self.member), self.name(coordinator), said)
