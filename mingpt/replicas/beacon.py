@@ -99,6 +99,8 @@ class Beacon:
         self._announced: EpochNews | None = None  # the epoch this coordinator announced, until it leaves it: a
         # member of it whose answer was lost asks again, and is answered with it (`_heard`)
         self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
+        self._left: dict[int, str] = {}  # members a stop signal took out of the job -> their incarnation: not alive
+        # to this one, whatever they still beat (the same process back, or a new one, is alive again)
         self._invited: EpochNews | None = None  # an epoch that counts this member in, answering a request it gave up on
         # news of a member (heard from anew, or a channel to it up): a member forming an epoch looks again
         self._news = threading.Condition()
@@ -134,6 +136,13 @@ class Beacon:
         A killed one is known at once (its connections close); a frozen one within the same patience."""
         return max(at_least, min(4 * self.lost_after_s, max(self.lost_after_s, 2 * seen.get("slack", 0.0))))
 
+    def leave(self, epoch: Epoch, groups: list[int]) -> None:
+        """The members of `groups` leave the job after this step of `epoch` (a stop signal, told in its
+        exchange): not waited for, not let in, not coordinating, until a new process of theirs is heard."""
+        with self._lock:
+            self._left.update({m.number: m.incarnation for m in epoch.members if m.number // self.procs in groups})
+        self._tell()
+
     def siblings(self, member: int) -> range:
         """The members of `member`'s group (itself included)."""
         first = member - member % self.procs
@@ -152,7 +161,7 @@ class Beacon:
     def _alive(self, at_least: float = 0.0) -> dict[int, str]:
         now = time.monotonic()
         out = {m: s["inc"] for m, s in self._seen.items()
-               if not s["eof"] and now - s["t"] < self._patience(s, at_least)}
+               if not s["eof"] and now - s["t"] < self._patience(s, at_least) and self._left.get(m) != s["inc"]}
         out[self.member] = self.incarnation
         return out
 
@@ -214,7 +223,8 @@ class Beacon:
             hung_up = heard.get("eof_t", -1.0) >= epoch.since  # (gone since the epoch began)
             unheard = last_heard < epoch.since and time.monotonic() - epoch.since < window and not hung_up
             if (taking if floor > at_least else alive).get(m.number) != m.incarnation and not unheard:
-                how = self._how_lost(seen.get(m.number), m.incarnation, floor)
+                how = ("it left the job: a stop signal" if self._left.get(m.number) == m.incarnation
+                       else self._how_lost(seen.get(m.number), m.incarnation, floor))
                 return MembershipChanged(f"{self.name(m.number)} lost ({how})")
         for m in others:
             s = seen.get(m.number, {})

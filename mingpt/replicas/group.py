@@ -133,8 +133,11 @@ class Replicas:
         # its threads). Any other is freed with its sockets when the next epoch forms.
         self._retired: list[Epoch] = []
         self.live = False  # trained in an epoch: this state is the job's
-        self.rejoin_pending = False  # a group waits to join: form a new epoch after this step
-        self.flags = (False, False)  # (preempted, save interval elapsed) on any member, at the last exchange
+        self.rejoin_pending = False  # a group waits to join, or one leaves: form a new epoch after this step
+        self.leaving: list[int] = []  # the groups other than this one that a stop signal took out, at the last exchange
+        self.staying = 0  # the groups of the epoch that no stop signal took out, at the last exchange
+        # (this group's stop signal, the save interval elapsed on any member or a group leaving), at the last exchange
+        self.flags = (False, False)
         self.shares_record: list = []  # the last step's (group that trained it, samples, sum of sample ids) of each share
         self.group_compute: list = []  # the last step's [group, compute ms] of every group in it (its slowest process)
         self.failed_heals = 0  # states received that did not match their sender's digest (healed again)
@@ -502,8 +505,16 @@ class Replicas:
             failed, every = e, []
         every = self.membership.agree(step, failed, every, self.shares_total, next(model.parameters()).device)
         set_grads(model, total)
-        self.flags = (any(h.preempted for h in every), any(h.timed for h in every))
-        self.rejoin_pending = any(h.joiners for h in every)
+        # a stop signal stops the group it reached (a node handed back, a spot instance reclaimed), not the job:
+        # it leaves after this step, the others form an epoch without it at once (not waiting to hear it
+        # gone), and the epoch's saver saves this step (where every group is stopped, one at a time, the
+        # last snapshot is the last step any of them trained)
+        leaving, mine = {int(h.group) for h in every if h.preempted}, self.beacon.member // self.procs
+        self.leaving = sorted(leaving - {mine})
+        self.staying = len({m // self.procs for m in self.epoch.numbers()} - leaving)  # groups that train on
+        self.flags = (mine in leaving, any(h.timed for h in every) or bool(leaving))
+        self.rejoin_pending = any(h.joiners for h in every) or bool(self.leaving)
+        self.beacon.leave(self.epoch, self.leaving)
         self.shares_record = [[int(h.group), int(h.samples), int(h.ids)] for h in every]
         by_group: dict[int, float] = {}
         for h in every:

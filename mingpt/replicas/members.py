@@ -118,18 +118,18 @@ class WholeGroup:
               device: torch.device) -> list[ShareHeader]:
         """After the exchange of this process's shard, a vote of the group's processes over their own
         process group: the group applies the step only if every one of them completed its exchange (so
-        its shards stay one state), and agrees on the flags and on each share's samples (summed over
-        the parts). The headers returned are the group's: flags and samples of every part; the loss
+        its shards stay one state), and agrees on the flags, each share's samples (summed over the
+        parts) and whether a stop signal reached a process of the group that trained it. The headers returned are the group's: flags and samples of every part; the loss
         and the trainer are this part's and group's (the trainer's log sums the parts' losses)."""
-        mine = Vote(float(failed is not None), Flags.of(every), [[h.samples, h.ids] for h in every])
+        mine = Vote(float(failed is not None), Flags.of(every), [[h.samples, h.ids, h.preempted] for h in every])
         # over the group's own process group (its torchrun's), on the model's device (NCCL's on GPUs)
         agreed = Vote.unpack(distributed.all_reduce_sum(mine.pack(shares).to(device)).cpu(), shares)
         if agreed.failed > 0:
             raise failed or MembershipChanged(f"a process of this group did not complete the exchange of step {step}")
         flags = Flags(*(float(n > 0) for n in agreed.flags))
         # (each part's samples counted once: the processes of a tensor-parallel group train the same part)
-        return [h._replace(**flags._asdict(), samples=samples / self.tp, ids=ids / self.tp)
-                for h, (samples, ids) in zip(every, agreed.counts)]
+        return [h._replace(**flags._asdict(), samples=samples / self.tp, ids=ids / self.tp, preempted=float(stops > 0))
+                for h, (samples, ids, stops) in zip(every, agreed.counts)]
 
 
 def model_of(sharded: bool, procs: int) -> type[EveryProcess] | type[WholeGroup]:

@@ -193,8 +193,8 @@ class ShareHeader(NamedTuple):
 
 
 class Flags(NamedTuple):
-    """What the members of a step agree on: whether any of them saw each (a ShareHeader's first columns)."""
-    preempted: float
+    """What the members of a step agree on: whether any of them saw each (a ShareHeader's columns; a
+    stop signal is told per share, for the group that trained it: it stops that group only)."""
     timed: float
     joiners: float
 
@@ -240,18 +240,19 @@ class ShareRow(NamedTuple):
 
 class Vote(NamedTuple):
     """A sharded group's processes' vote after each exchange, summed over their own process group as
-    float64: how many did not complete it, how many saw each flag, and each share's [samples, ids]."""
+    float64: how many did not complete it, how many saw each flag, and each share's [samples, ids,
+    stop signals at its trainers]."""
     failed: float
     flags: Flags
     counts: list  # in share order ([] from a process whose exchange failed)
 
     def pack(self, shares: int) -> torch.Tensor:
-        counts = [x for c in self.counts or [[0.0, 0.0]] * shares for x in c]
+        counts = [x for c in self.counts or [[0.0, 0.0, 0.0]] * shares for x in c]
         return torch.tensor([self.failed, *self.flags, *counts], dtype=torch.float64)
 
     @classmethod
     def unpack(cls, t: torch.Tensor, shares: int) -> Vote:
-        return cls(float(t[0]), Flags(*t[1:4].tolist()), t[4:].view(shares, 2).tolist())
+        return cls(float(t[0]), Flags(*t[1:3].tolist()), t[3:].view(shares, 3).tolist())
 
 
 # --- the channel ------------------------------------------------------------------------------------

@@ -77,9 +77,15 @@ class ReplicaTrainer(Trainer):
             return None
 
     def after_step(self) -> bool:
-        if not self.replicas.rejoin_pending:
+        r = self.replicas
+        if not r.rejoin_pending:
             return False
-        if not self.regroup("a group joins"):  # a group waits to join: let it in now, between steps
+        why = "a group joins"  # a group waits to join: let it in now, between steps
+        if r.leaving:  # (or one leaves: a stop signal reached it, and it stopped after this step)
+            why = f"group{'s' * (len(r.leaving) > 1)} {', '.join(map(str, r.leaving))} left the job (a stop signal)"
+            log.warning("replica %s after step %d; the others train on without it (a new process of it heals and "
+                        "rejoins)", why, self.progress.step)
+        if not self.regroup(why):
             raise StopTraining(self.run_over.seen)
         return True  # a member behind the others was healed forward
 
@@ -114,6 +120,9 @@ class ReplicaTrainer(Trainer):
             self._redo = (step, rows)
             raise
         self._redo = None
+        if r.flags[0] and r.staying:  # this group stops after this step: the job does not
+            log.warning("%s: replica %s leaves the job after step %d; the other groups train on (the same command "
+                        "brings it back, healed from them)", self.policy.preempt.describe(), r.me, step + 1)
         return torch.tensor(total, device=self.device), split
 
     def record_extra(self) -> dict:

@@ -545,3 +545,40 @@ def test_two_groups_without_faults_end_bitwise_equal_to_ddp_at_two_ranks(tmp_pat
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     groups, reference = final(groups_dir), final(ddp_dir)
     assert all(torch.equal(groups[k], reference[k]) for k in reference)
+
+
+def test_a_stop_signal_to_every_group_saves_the_last_step_trained_and_the_same_commands_resume(reference, tmp_path):
+    """scancel, or a time limit's signal: every group's torchrun gets SIGTERM, a moment apart. A signal
+    stops the group it reached, after a step (the others train on: the survivors' case, test_replica_slots);
+    each group that leaves has the epoch's saver save that step, so the newest snapshot is the last step
+    any group trained. The same commands started again resume from it and end as the run never stopped."""
+    run_dir = tmp_path / "run"
+    peers = [f"127.0.0.1:{port}" for port in free_port_runs(GROUPS)]
+    logs = [tmp_path / f"group{g}.log" for g in range(GROUPS)]
+    agents = [launch(g, peers, reference["corpus"], run_dir, logs[g]) for g in range(GROUPS)]
+    try:
+        wait_for_step(run_dir, 30, agents)
+        for agent in agents:  # (group 0 first: the coordinator and saver)
+            agent.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+        codes = [a.wait(timeout=120) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert all(codes), "a stopped group must not look finished to its scheduler"
+    trained = max(r["step"] for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "train")
+    assert trained < STEPS and [s.step for s in SnapshotStore(str(run_dir / "snapshots")).list() if s.committed][-1] == trained
+    assert "leaves the job after step" in logs[0].read_text(), logs[0].read_text()[-3000:]
+    agents = [launch(g, peers, reference["corpus"], run_dir, tmp_path / f"again{g}.log") for g in range(GROUPS)]
+    try:
+        codes = [a.wait(timeout=240) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                a.kill()
+    assert codes == [0] * GROUPS
+    assert f"resumed from snapshot step {trained}" in (tmp_path / "again0.log").read_text()
+    assert shares_by_step(run_dir) == reference["shares"]
+    weights = final(run_dir)
+    assert all(torch.equal(weights[k], reference["weights"][k]) for k in weights)

@@ -34,7 +34,7 @@ class Member(ReplicaTrainer, ScriptedStep):
         self.progress, self.cfg, self.clock = Progress(), SimpleNamespace(max_steps=max_steps), 0.0
         self.ledger = SimpleNamespace(step_seconds=lambda: self.clock)
         self.watchdog = SimpleNamespace(beat=lambda step: None)
-        self.replicas = SimpleNamespace(rejoin_pending=False, epoch=SimpleNamespace(number=3))
+        self.replicas = SimpleNamespace(rejoin_pending=False, leaving=[], epoch=SimpleNamespace(number=3))
         self.data = SimpleNamespace(sampler=SimpleNamespace(state_dict=dict, load_state_dict=lambda state: None))
         self.heals, self.lose_at, self.join_at, self.logged = heals, lose_at, join_at, {}
         self.joined = None
