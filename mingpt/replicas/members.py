@@ -119,8 +119,9 @@ class WholeGroup:
         """After the exchange of this process's shard, a vote of the group's processes over their own
         process group: the group applies the step only if every one of them completed its exchange (so
         its shards stay one state), and agrees on the flags, each share's samples (summed over the
-        parts) and whether a stop signal reached a process of the group that trained it. The headers returned are the group's: flags and samples of every part; the loss
-        and the trainer are this part's and group's (the trainer's log sums the parts' losses)."""
+        parts) and whether a stop signal reached a process of the group that trained it. The headers
+        returned are the group's: flags and samples of every part; the loss and the trainer are this
+        part's and group's (the trainer's log sums the parts' losses)."""
         mine = Vote(float(failed is not None), Flags.of(every), [[h.samples, h.ids, h.preempted] for h in every])
         # over the group's own process group (its torchrun's), on the model's device (NCCL's on GPUs)
         agreed = Vote.unpack(distributed.all_reduce_sum(mine.pack(shares).to(device)).cpu(), shares)

@@ -4,8 +4,6 @@ the slots), two more join while it trains and one of those leaves it for good. E
 on the samples of the run that only ever had the 3 groups, and the run ends with its weights, bit for
 bit: the shares and the tree that sums them are the job's, not the groups'."""
 
-import os
-import re
 import signal
 import time
 from pathlib import Path
@@ -13,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port_runs, make_corpus, records
-from test_replica_groups import final, launch, shares_by_step, wait_for_step, worker_of
+from test_replica_groups import final, launch, shares_by_step, wait_for_step
 
 pytestmark = pytest.mark.slow
 
