@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from mingpt.replicas.link import Links, ReplicaError, host_port
 from mingpt.replicas.ring import Ring
-from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, Member, Wait, encode
+from mingpt.replicas.wire import Channel, EpochNews, Heartbeat, Join, Member, Wait, counts_in, encode
 from mingpt.runtime.trust import bound_store
 
 log = logging.getLogger(__name__)
@@ -477,7 +477,7 @@ class Beacon:
                     # that says so): the coordinator hears that, and takes the request when it comes again
                 if reply is not None:
                     members = list(reply.members)
-                    if (self.member, self.incarnation) not in [(m.number, m.incarnation) for m in members]:
+                    if not counts_in(members, self.member, self.incarnation):
                         self.links.drop(self.name(coordinator), f"an epoch {reply.number} without this member")
                         return None
                     rank = [m.number for m in members].index(self.member)
@@ -573,7 +573,7 @@ class Beacon:
         its own (it restarted) takes the members' claims: they come over the authenticated channel."""
         if not live or self.last is None:
             return Member(member, inc, request.step, request.live)
-        was = (member, inc) in [(m.number, m.incarnation) for m in self.last.members]
+        was = counts_in(self.last.members, member, inc)
         if was and request.live and abs(request.step - step) <= 1:  # (a claim not to be live is taken)
             return Member(member, inc, request.step, True)
         if not request.live:  # a claim not to be live is taken: it is healed
@@ -651,7 +651,7 @@ class Beacon:
                 news = Wait(msg.id)
             elif isinstance(msg, Join):
                 news = self._announced
-                if (news and (member, inc) in [(m.number, m.incarnation) for m in news.members]
+                if (news and counts_in(news.members, member, inc)
                         and self._seen.get(member, {}).get("epoch", -1) < news.number
                         and not (self.status.state == "forming" and self.status.epoch >= news.number)):
                     # a member of the epoch this coordinator is in that has not been in it (its answer was lost:
@@ -681,7 +681,7 @@ class Beacon:
         """Whether `news` counts this member, forming now, into an epoch newer than its last (under the lock)."""
         return (self.status.state == "forming" and news.number >= self.max_epoch
                 and (self.last is None or news.number > self.last.number)
-                and (self.member, self.incarnation) in [(m.number, m.incarnation) for m in news.members])
+                and counts_in(news.members, self.member, self.incarnation))
 
     def _reply(self, msg) -> str | None:
         """A coordinator's answer to one of our requests (under the lock); else why it is dropped."""

@@ -115,6 +115,11 @@ class Member:
     live: bool  # it has trained in an epoch (its state is the job's, not a snapshot's)
 
 
+def counts_in(members, number: int, incarnation: str) -> bool:
+    """Whether `members` (an epoch's) count this process: the member `number` in its `incarnation`."""
+    return any(m.number == number and m.incarnation == incarnation for m in members)
+
+
 @dataclass(frozen=True)
 class EpochNews:
     """The coordinator's answer: the epoch, its members in rank order, and the store where its links meet."""

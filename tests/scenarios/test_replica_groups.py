@@ -47,17 +47,22 @@ def launch(g: int, peers: list[str], corpus: Path, run_dir: Path, log: Path, pro
 def run_job(tmp: Path, corpus: Path, fault=None, procs: int = 1, extra: tuple = (),
             nodes=None, spares: tuple = ()) -> tuple[Path, list[Path], object]:
     """Three groups to the end (on loopback, or each on a node of `nodes`), and the command of each
-    group in `spares` started a second time (agent and log appended); `fault(run_dir, agents)` runs
+    group in `spares` started a second time once the groups train (agent and log appended: its
+    processes stand by, each for the member its first command holds); `fault(run_dir, agents)` runs
     meanwhile and returns what it saw."""
     run_dir = tmp / "run"
     tmp.mkdir(exist_ok=True)
     peers = ([f"{n.addr}:29611" for n in nodes] if nodes
              else [f"127.0.0.1:{port}" for port in free_port_runs(GROUPS, procs)])
     logs = [tmp / f"group{g}.log" for g in range(GROUPS)] + [tmp / f"group{g}-second.log" for g in spares]
-    agents = [launch(g, peers, corpus, run_dir, logs[i], procs, extra, nodes[g] if nodes else None)
-              for i, g in enumerate([*range(GROUPS), *spares])]
+    agents = [launch(g, peers, corpus, run_dir, logs[g], procs, extra, nodes[g] if nodes else None)
+              for g in range(GROUPS)]
     seen = None
     try:
+        if spares:  # (started together, a group of two could have a member in each command: which stops whom
+            wait_for_step(run_dir, 1, agents)  # at a fault is then another story than the one a test tells)
+            agents += [launch(g, peers, corpus, run_dir, logs[GROUPS + i], procs, extra, nodes[g] if nodes else None)
+                       for i, g in enumerate(spares)]
         seen = fault(run_dir, agents) if fault else None
         codes = [a.wait(timeout=240) for a in agents]
     finally:
