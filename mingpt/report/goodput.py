@@ -253,7 +253,7 @@ def _pauses(records: list[dict], usual: float) -> tuple[float, float, int]:
                      else r["regroup_s"])
             if r["why"] == "start":  # written by a returning group, whose regroup_s is its own wait to join
                 regroup += max(0.0, pause)
-            elif r["why"] == "a group joins":
+            elif r["why"] == "a group joins" or r["why"].endswith(LEFT):  # at a step boundary: nothing dropped
                 regroup += max(0.0, min(pause, r["regroup_s"]))
             else:
                 faults += 1
@@ -261,6 +261,9 @@ def _pauses(records: list[dict], usual: float) -> tuple[float, float, int]:
                 lost += in_flight
                 regroup += max(0.0, min(pause - in_flight, r["regroup_s"]))
     return regroup, lost, faults
+
+
+LEFT = "left the job (a stop signal)"  # the end of an epoch's `why` where groups left it (replica_trainer.py)
 
 
 def _recorded(records: list[dict], states: tuple[str, ...]) -> dict[str, float]:

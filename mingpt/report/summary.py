@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mingpt.report.goodput import CATEGORIES, LABELS, Account, account
+from mingpt.report.goodput import CATEGORIES, LABELS, LEFT, Account, account
 
 PHASES = {"launch": "launch", "config": "config", "process_group": "process group", "preflight": "preflight",
           "data_load": "data", "model": "model", "restore": "restore", "first_step": "first step"}
@@ -96,8 +96,10 @@ def _starts(run: Run) -> list[str]:
     if epochs:  # replica groups: every process start is a group's, and the groups trained through faults
         # a group heals whole: its processes (members g * procs + i) count once
         healed = sum(len({m // e.get("procs", 1) for m in e.get("healed", [])}) for e in epochs)
+        left = sum(e["why"].endswith(LEFT) for e in epochs)
         lines.append(f"  replica groups: {len(epochs)} epochs, {acc.faults} lost a group (each lost at most its step "
-                     f"in flight), {healed} group(s) healed from a peer")
+                     f"in flight), {healed} group(s) healed from a peer"
+                     + (f", groups left {left} time(s) on a stop signal" if left else ""))
     return lines
 
 

@@ -46,7 +46,10 @@ class ReplicaTrainer(Trainer):
     def epoch_role(self) -> Role:
         """The epoch's first member logs for the job; one member (or one group, a shard each) saves for it."""
         r = self.replicas
-        return Role(leads=r.leads, saves=r.saves, name=f"replica {r.me} ({r.groups} groups)")
+        running = len({m // r.procs for m in r.epoch.numbers()}) if r.epoch is not None else r.groups
+        return Role(leads=r.leads, saves=r.saves,
+                    name=f"replica {r.me} ({running} of {r.groups} groups)" if running < r.groups
+                    else f"replica {r.me} ({r.groups} groups)")
 
     def train(self) -> bool:
         """The Trainer's run; each other group's console says it ended too (the epoch's first member

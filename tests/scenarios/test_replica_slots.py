@@ -65,6 +65,7 @@ def test_two_groups_join_a_running_job_one_leaves_and_it_ends_as_the_launch_alon
     after = [e for e in epochs if e["time"] >= left["t"]]
     assert [e["members"] for e in after] == [[0, 1, 2, 3]] and "group 4 left the job" in after[0]["why"], epochs
     assert "leaves the job after step" in logs[4].read_text(), logs[4].read_text()[-3000:]
+    assert "on replica group 0 (3 of 5 groups)" in logs[0].read_text(), logs[0].read_text()[-3000:]
     for log in logs[:4]:
         text = log.read_text()
         assert text.count("training from step") == 1 and "trained again" not in text, text[-3000:]

@@ -94,6 +94,23 @@ def test_groups_of_two_processes_count_a_start_and_a_heal_per_group_not_per_proc
     assert out.count("group 1: back at step 30") == 1, out
 
 
+def test_a_group_that_left_on_a_stop_signal_is_no_fault_and_no_step_lost():
+    """Group 2's torchrun got SIGTERM: it left after step 20, the others formed an epoch without it at the
+    step boundary (nothing dropped): its regroup is counted, no step in flight lost, no group lost."""
+    records = [
+        *[start(100, 0, g) for g in range(3)],
+        epoch(0, 105, "start", 0.01),
+        *[train(s, 105 + 0.1 * s) for s in range(1, 21)],
+        epoch(20, 107.05, "group 2 left the job (a stop signal)", 0.05, members=(0, 1)),
+        *[train(s, 107.05 + 0.15 * (s - 20), ms=150) for s in range(21, 31)],
+    ]
+    run = Run.of(records)
+    out = summary(run, "r")
+    assert "2 epochs, 0 lost a group (each lost at most its step in flight), 0 group(s) healed from a peer, groups " \
+           "left 1 time(s) on a stop signal" in out, out
+    assert run.account.seconds["lost"] == 0 and run.account.seconds["regroup"] == pytest.approx(0.05)
+
+
 def test_a_resume_by_another_job_is_no_restart_in_the_summary_nor_in_the_plots(monkeypatch):
     """Ctrl-C, then the same command an hour later: two jobs, no restart; and the hour is not the job's."""
     monkeypatch.setattr(html, "_figure", lambda fig, *args: fig)
