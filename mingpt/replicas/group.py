@@ -294,7 +294,7 @@ class Replicas:
         the fold of the subtrees in owner order. A live owner sends its subtree as one row; a lost
         owner's shares arrive one row each, and are folded as the owner would have. The headers are
         gathered by all (a ring); the sum runs along a chain of the members (`_chain`)."""
-        epoch, (pg, _, me) = self.epoch, self.membership.partners(self.epoch)
+        epoch, (pg, partners, me) = self.epoch, self.membership.partners(self.epoch)
         world, k = pg.size(), self.per_group
         per = math.ceil(self.shares_total / world)  # headers per member: the most shares one holds
         table = torch.full((per, ShareRow.WIDTH), -1.0, dtype=torch.float64)  # -1: no share in that row
@@ -316,7 +316,9 @@ class Replicas:
                     or not 0 <= row.share < self.shares_total or not 0 <= row.row < per):
                 raise MembershipChanged(f"the exchange of step {step} does not add up (row {list(row[:4])})")
             carried.setdefault((i // per, row.row), []).append(row.share)
-            every[row.share] = row.header
+            # the group that trained it is its sender's, as the ring knows it, not as the row says: a stop
+            # signal in a header takes that group out of the job
+            every[row.share] = row.header._replace(group=float(partners[i // per].number // self.procs))
         if sorted(every) != list(range(self.shares_total)):
             raise MembershipChanged(f"the exchange of step {step} lacks shares {set(range(self.shares_total)) - set(every)}")
         subtree: dict[int, tuple[int, int]] = {}  # owner -> (its sender, the row) of its whole subtree

@@ -258,6 +258,28 @@ def test_members_sum_every_share_by_the_tree_whoever_trained_it(groups, chunk, m
         assert [h.group for h in every] == [float(s // 2) if s // 2 in groups else float(groups[s % 2]) for s in range(6)]
 
 
+def test_a_shares_group_is_its_senders_not_the_one_its_header_names():
+    """A member's headers say another group trained its shares, with a stop signal: the exchange records
+    the sender's own group (a stop signal in a header takes the group that sent it out, no other)."""
+    store, results = dist.HashStore(), {}
+
+    def member(g):
+        r = Replicas(StubBeacon(g), members=3, min_groups=1, timeout_s=5, per_group=1)
+        r.epoch = epoch_of([0, 1, 2], g)
+        r.epoch.pg = Ring(store, SECRET, "epoch", g, 3, datetime.timedelta(seconds=10))
+        claim = header((g + 1) % 3)._replace(preempted=float(g == 2))  # group 2 says group 0 stops
+        results[g] = r.exchange(0, {(g,): torch.full((3,), float(g))}, {g: claim})
+
+    threads = [threading.Thread(target=member, args=(g,)) for g in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert sorted(results) == [0, 1, 2]
+    for _, every in results.values():
+        assert [(h.group, h.preempted) for h in every] == [(0.0, 0.0), (1.0, 0.0), (2.0, 1.0)]
+
+
 class Grads(torch.nn.Module):
     """A model whose backward left `w.grad`: what `Rows` copies from a trained share."""
 
