@@ -199,13 +199,13 @@ def one_member():
 def test_the_exchange_sums_the_shares_in_share_order(one_member):
     torch.manual_seed(0)
     rows = {s: torch.randn(1000) * 10 ** s for s in range(3)}  # magnitudes where the order shows
-    heads = {s: header(s, 7.0) for s in range(3)}
+    heads = {s: header(0, 7.0 + s) for s in range(3)}
     total, every = one_member.exchange(4, {(2,): rows[2], (0,): rows[0], (1,): rows[1]}, heads)
     expected = rows[0].clone()
     expected += rows[1]
     expected += rows[2]
     assert torch.equal(total, expected)
-    assert every == [header(0, 7.0), header(1, 7.0), header(2, 7.0)]
+    assert every == [header(0, 7.0), header(0, 8.0), header(0, 9.0)]  # (in share order)
 
 
 def tree(rows, k):
