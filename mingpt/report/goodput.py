@@ -26,6 +26,7 @@ LABELS = {"training": "training, kept", "lost": "training, lost (steps trained a
           "regroup": "replica groups: a new epoch formed, a group healed",
           "other": "other (replica groups: between the records)"}
 STEP = ("step_data", "step_compute")
+LEFT = "left the job (a stop signal)"  # the end of an epoch's `why` where groups left it (replica_trainer.py)
 
 
 @dataclass
@@ -261,9 +262,6 @@ def _pauses(records: list[dict], usual: float) -> tuple[float, float, int]:
                 lost += in_flight
                 regroup += max(0.0, min(pause - in_flight, r["regroup_s"]))
     return regroup, lost, faults
-
-
-LEFT = "left the job (a stop signal)"  # the end of an epoch's `why` where groups left it (replica_trainer.py)
 
 
 def _recorded(records: list[dict], states: tuple[str, ...]) -> dict[str, float]:
