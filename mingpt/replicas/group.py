@@ -516,7 +516,8 @@ class Replicas:
         self.staying = len({m // self.procs for m in self.epoch.numbers()} - leaving)  # groups that train on
         self.flags = (mine in leaving, any(h.timed for h in every) or bool(leaving))
         self.rejoin_pending = any(h.joiners for h in every) or bool(self.leaving)
-        self.beacon.leave(self.epoch, self.leaving)
+        if self.leaving:  # (not every step: news to the beacon wakes its waiters and its judge)
+            self.beacon.leave(self.epoch, self.leaving)
         self.shares_record = [[int(h.group), int(h.samples), int(h.ids)] for h in every]
         by_group: dict[int, float] = {}
         for h in every:
