@@ -62,6 +62,10 @@ class Epoch:
         """The members' numbers, in rank order."""
         return [m.number for m in self.members]
 
+    def groups(self, procs: int) -> set[int]:
+        """The groups of its members (groups of `procs` processes)."""
+        return {m.number // procs for m in self.members}
+
     def holders(self, member: int, procs: int) -> list[Member]:
         """The members that hold `member`'s shard in sharded groups of `procs` processes: the same
         process of every group."""

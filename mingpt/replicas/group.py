@@ -513,7 +513,7 @@ class Replicas:
         # last snapshot is the last step any of them trained)
         leaving, mine = {int(h.group) for h in every if h.preempted}, self.beacon.member // self.procs
         self.leaving = sorted(leaving - {mine})
-        self.staying = len({m // self.procs for m in self.epoch.numbers()} - leaving)  # groups that train on
+        self.staying = len(self.epoch.groups(self.procs) - leaving)  # groups that train on
         self.flags = (mine in leaving, any(h.timed for h in every) or bool(leaving))
         self.rejoin_pending = any(h.joiners for h in every) or bool(self.leaving)
         if self.leaving:  # (not every step: news to the beacon wakes its waiters and its judge)

@@ -46,7 +46,7 @@ class ReplicaTrainer(Trainer):
     def epoch_role(self) -> Role:
         """The epoch's first member logs for the job; one member (or one group, a shard each) saves for it."""
         r = self.replicas
-        running = len({m // r.procs for m in r.epoch.numbers()}) if r.epoch is not None else r.groups
+        running = len(r.epoch.groups(r.procs)) if r.epoch is not None else r.groups
         return Role(leads=r.leads, saves=r.saves,
                     name=f"replica {r.me} ({running} of {r.groups} groups)" if running < r.groups
                     else f"replica {r.me} ({r.groups} groups)")
@@ -189,7 +189,7 @@ class ReplicaTrainer(Trainer):
             log.info("healed from replica %s: at step %d", name(source), p.step)
         if last is not None:  # (at this member's start every group joins: the epoch's line says which)
             procs = self.replicas.procs
-            for g in sorted({m // procs for m in epoch.numbers()} - {m // procs for m in last.numbers()}):
+            for g in sorted(epoch.groups(procs) - last.groups(procs)):
                 log.info("replica group %d joined at step %d%s", g, p.step,
                          f", healed from {name(source)}" if g * procs in healed else "")
         if self.role.leads:
