@@ -202,13 +202,18 @@ def account_replicas(records: list[dict], attempts: list[Attempt]) -> Account:
     for a in attempts:
         for phase in STARTUP:
             startup[phase] += a.ledgers[0]["s"][phase] if a.ledgers else 0.0
-    seen, restarts = set(), []
-    for i, a in enumerate(attempts):  # (torchrun's count too: a process killed as it joined wrote no start)
+    # a group started again is a restart, unless it had left the job on a stop signal (a resume, as a job's
+    # after Ctrl-C); torchrun's count too: a process killed as it joined wrote no start
+    last, restarts, lost_at = {}, [], {}
+    for i, a in enumerate(attempts):
         group = a.start.get("group")
-        restarts += [i] if group in seen or a.start.get("restart", 0) > 0 else []
-        seen.add(group)
+        gone = _gone(epochs, group, last.get(group, float("-inf")), a)
+        if a.start.get("restart", 0) > 0 or (group in last and not (gone and gone["why"].endswith(LEFT))):
+            restarts.append(i)
+            lost_at[i] = gone["time"] if gone else a.t0
+        last[group] = a.start["time"]
     return Account(wall, seconds, startup, attempts, [0] * len(attempts), [0.0] * len(attempts), restarts, t0,
-                   replicas=True, faults=faults, lost_at=_lost_at(epochs, attempts, restarts))
+                   replicas=True, faults=faults, lost_at=lost_at)
 
 
 def group_of(member: int, epoch: dict) -> int:
@@ -216,17 +221,11 @@ def group_of(member: int, epoch: dict) -> int:
     return member // epoch.get("procs", 1)
 
 
-def _lost_at(epochs: list[dict], attempts: list[Attempt], restarts: list[int]) -> dict[int, float]:
-    """Per restart of a group, when the group was lost: the first epoch without it since its start
-    before (the other groups trained on; the group was away from then until its start record)."""
-    out = {}
-    for i in restarts:
-        group = attempts[i].start.get("group")
-        before = [a.start["time"] for a in attempts[:i] if a.start.get("group") == group]
-        since = before[-1] if before else float("-inf")
-        out[i] = next((e["time"] for e in epochs if since < e["time"] <= attempts[i].t0 + attempts[i].startup_s
-                       and group not in {group_of(m, e) for m in e.get("members", [])}), attempts[i].t0)
-    return out
+def _gone(epochs: list[dict], group: int, since: float, attempt: Attempt) -> dict | None:
+    """The first epoch without `group` after its start at `since` and before `attempt` (its next start)
+    took an epoch: the other groups trained on without it from then."""
+    return next((e for e in epochs if since < e["time"] <= attempt.t0 + attempt.startup_s
+                 and group not in {group_of(m, e) for m in e.get("members", [])}), None)
 
 
 def figures(run_dir: str | Path) -> dict[str, float]:

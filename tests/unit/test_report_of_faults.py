@@ -94,21 +94,32 @@ def test_groups_of_two_processes_count_a_start_and_a_heal_per_group_not_per_proc
     assert out.count("group 1: back at step 30") == 1, out
 
 
-def test_a_group_that_left_on_a_stop_signal_is_no_fault_and_no_step_lost():
+def test_a_group_that_left_on_a_stop_signal_is_no_fault_and_no_step_lost_and_its_return_no_restart():
     """Group 2's torchrun got SIGTERM: it left after step 20, the others formed an epoch without it at the
-    step boundary (nothing dropped): its regroup is counted, no step in flight lost, no group lost."""
+    step boundary (nothing dropped): its regroup is counted, no step in flight lost, no group lost. The
+    same command brought it back (a new torchrun): a resume, as a job's after Ctrl-C, not a restart. Group
+    0's process, SIGKILLed later and started again by another command, is one."""
     records = [
         *[start(100, 0, g) for g in range(3)],
         epoch(0, 105, "start", 0.01),
         *[train(s, 105 + 0.1 * s) for s in range(1, 21)],
         epoch(20, 107.05, "group 2 left the job (a stop signal)", 0.05, members=(0, 1)),
         *[train(s, 107.05 + 0.15 * (s - 20), ms=150) for s in range(21, 31)],
+        start(108, 30, 2, job="torchrun-2", regroup=0.3),
+        epoch(30, 108.6, "start", 0.3, healed=[2]),
+        *[train(s, 108.6 + 0.1 * (s - 30)) for s in range(31, 41)],
+        epoch(40, 109.8, "group 0 lost", 0.2, members=(1, 2)),
+        start(110, 40, 0, job="torchrun-3", regroup=0.3),
+        epoch(40, 110.6, "start", 0.3, healed=[0]),
     ]
+    left = Run.of(records[:27])  # to step 30, group 2 away
+    assert left.account.seconds["lost"] == 0 and left.account.seconds["regroup"] == pytest.approx(0.05)
     run = Run.of(records)
     out = summary(run, "r")
-    assert "2 epochs, 0 lost a group (each lost at most its step in flight), 0 group(s) healed from a peer, groups " \
+    assert "5 epochs, 1 lost a group (each lost at most its step in flight), 2 group(s) healed from a peer, groups " \
            "left 1 time(s) on a stop signal" in out, out
-    assert run.account.seconds["lost"] == 0 and run.account.seconds["regroup"] == pytest.approx(0.05)
+    assert "starts 5 (1 restart, 3 groups)" in out, out
+    assert run.account.restarts == [4] and run.account.lost_at == {4: 109.8}
 
 
 def test_a_resume_by_another_job_is_no_restart_in_the_summary_nor_in_the_plots(monkeypatch):
