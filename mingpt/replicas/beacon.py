@@ -113,6 +113,7 @@ class Beacon:
         self.held: tuple[int, int] | None = None  # (epoch, step): this member holds the job's state at that step,
         # trained in that epoch (its Replicas says, after a heal and after each exchange)
         self._forming: tuple[int, float] | None = None  # form()'s (min_groups, timeout_s), for forming ahead
+        self._store: dist.TCPStore | None = None  # the next epoch's store, while this coordinator forms it
         self._ahead: dict | None = None  # the next epoch this coordinator's beacon forms while its trainer
         # finishes the step the last one dropped (`_form_ahead`)
         self.links = Links([host_port(a) for a in addresses], member, self.incarnation, secret, heartbeat_s,
@@ -341,7 +342,7 @@ class Beacon:
                 return None
             coordinator = min(self.alive())
             if coordinator != self.member:
-                self._since = None
+                self._since = self._store = None
             elif self._since is None:
                 self._since = time.monotonic()
             if self._groups_heard(coordinator) >= min_groups:
@@ -499,10 +500,16 @@ class Beacon:
         started = time.monotonic()
         with self._lock:  # (the last epoch's news answers no request for this one)
             self._announced = None
+        # the store where the epoch's links meet, made while the requests come and kept while this member
+        # forms (a loaded coordinator took 0.1 to 0.2 s to make it once they had all come)
+        host = self.links.addresses[self.member][0]
+        if self._store is None:
+            self._store = bound_store(host, 0, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         while True:
             seen = self._news_n
             alive = self.alive()
             if min(alive) != self.member:
+                self._store = None
                 return None
             broken = self.broken()  # a group that lost a process leaves whole: not waited for, not let in
             if self.member in broken:  # this one's too: forming stops (Replicas.form's should_stop says why)
@@ -541,8 +548,7 @@ class Beacon:
                     conn.send(Wait(request.id))
             return None
         number = max([self.max_epoch] + [r[0].epoch_seen for r in asked.values()]) + 1
-        host = self.links.addresses[self.member][0]
-        store = bound_store(host, 0, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        store, self._store = self._store, None  # (the epoch's from now on)
         news = EpochNews("0", number, host, store.port, tuple(members))
         with self._lock:  # a member that missed its answer (it asked again meanwhile) is answered with it
             self._announced = news

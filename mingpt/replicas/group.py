@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from mingpt.runtime.distributed import DistInfo
 log = logging.getLogger(__name__)
 
 
+SWITCH_S = 0.0005  # the interpreter's switch interval in a member (Python's default: 5 ms)
 LOOK_S = 0.005  # how often a wait for a collective asks the beacon whether a member was lost
 LEAVING_GRACE_S = 0.05  # at most this is added to the survivors' gap when a member is really lost
 
@@ -163,6 +165,7 @@ class Replicas:
                                "`mingpt-torchrun --new-secret FILE`")
         groups = len(rc.peers)
         shares = model_of(sharded, procs).shares_each(rc.shares_per_group, procs, groups)
+        sys.setswitchinterval(SWITCH_S)
         beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
                         rc.lost_after_s, procs, sharded, quorum_wait_s=rc.quorum_wait_s)
         return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares, tp)

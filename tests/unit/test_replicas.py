@@ -1456,6 +1456,40 @@ def test_the_new_coordinators_beacon_forms_the_next_epoch_while_its_trainer_fini
             b.close()
 
 
+def test_the_coordinator_makes_the_epochs_store_while_the_requests_come(monkeypatch):
+    """The store where an epoch's links meet is made as the coordinator starts to form, not once the last
+    request came: at 32 groups on 2 cores, the new coordinator, loaded, took 0.1 to 0.2 s to make it
+    after every request had come, and every member waited that long more for its answer."""
+    import mingpt.replicas.beacon as beacon_module
+
+    made: list[float] = []
+
+    def store(*args, **kwargs):
+        made.append(time.monotonic())
+        return bound_store(*args, **kwargs)
+    bound_store = beacon_module.bound_store
+    monkeypatch.setattr(beacon_module, "bound_store", store)
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    beacons = [Beacon(peers, m, SECRET, 0.05, 1.0) for m in range(3)]
+    got: dict = {}
+    try:
+        assert wait_for(lambda: all(len(b.alive()) == 3 for b in beacons), 10)
+        threads = [threading.Thread(target=lambda b=b: got.setdefault(b.member, b.form(0, False, 3, 20.0, lambda: False)))
+                   for b in beacons[:2]]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        last_asked = time.monotonic()  # member 2 asks last
+        got[2] = beacons[2].form(0, False, 3, 20.0, lambda: False)
+        for t in threads:
+            t.join(15)
+        assert [got[m].numbers() for m in range(3)] == [[0, 1, 2]] * 3
+        assert len(made) == 1 and made[0] < last_asked, (made, last_asked)  # (one store, kept while it forms)
+    finally:
+        for b in beacons:
+            b.close()
+
+
 def test_an_epoch_formed_ahead_for_a_step_the_trainer_is_not_at_is_given_up_and_formed_anew(caplog):
     """The beacon took its trainer to be at step 6; it asks at step 7 (it applied the step after all):
     the epoch formed ahead is given up (the others leave it), and the next one counts it at step 7."""
