@@ -168,8 +168,12 @@ def test_each_process_of_a_group_is_a_member_with_its_own_shares_and_port():
     + i, and trains its half of the group's shares; a lost group counts once in the quorum."""
     ports = free_port_runs(3, 2)
     rc = ReplicasConfig(peers=[f"127.0.0.1:{p}" for p in ports], group=1, shares_per_group=2)
+    interval = sys.getswitchinterval()
     r = Replicas.build(rc, DistInfo(world_size=2, local_world_size=2, local_rank=1), SECRET)
     try:
+        # its beacon's threads (a channel each) wait at most 0.5 ms for the interpreter, not 5 ms each
+        # behind a busy trainer (at a 32-group re-form, the coordinator's 30 answers reached the members over 1.1 s)
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
         assert (r.beacon.member, r.members, r.procs, r.per_group, r.shares_total, r.min_groups) == (3, 6, 2, 1, 6, 2)
         assert r.beacon.links.addresses[3] == ("127.0.0.1", ports[1] + 1) and r.me == "group 1 process 1"
         r.epoch = epoch_of([2, 3, 4, 5], 3)  # group 0 lost (members 0 and 1): one of its shares to each of
@@ -177,6 +181,7 @@ def test_each_process_of_a_group_is_a_member_with_its_own_shares_and_port():
         assert r.beacon.name(4) == "group 2 process 0"
     finally:
         r.close()
+        sys.setswitchinterval(interval)
     default = ReplicasConfig(peers=[f"127.0.0.1:{p}" for p in ports], group=0)
     with pytest.raises(ReplicaError, match="shares_per_group=3 does not divide among a group's 2 processes"):
         Replicas.build(replace(default, shares_per_group=3), DistInfo(world_size=2, local_world_size=2), SECRET)
