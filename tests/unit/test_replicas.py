@@ -445,8 +445,11 @@ def test_a_wait_for_a_collective_sleeps_until_it_is_done_and_looks_at_the_beacon
     assert time.monotonic() - started < 5  # woken by the end, not by a timeout
     assert 0 < member.looks <= 0.3 / LOOK_S + 10, member.looks  # spinning looked every millisecond: 300 times
 
-    lost = Member()
-    lost.check = lambda: (_ for _ in ()).throw(MembershipChanged("group 3 lost"))
+    class Lost(Member):
+        def check(self):
+            raise MembershipChanged("group 3 lost")
+
+    lost = Lost()
     stuck = _InThread(lambda: threading.Event().wait(2))
     with pytest.raises(MembershipChanged, match="group 3 lost"):
         Replicas.wait(lost, stuck)
@@ -1468,11 +1471,11 @@ def test_the_coordinator_makes_the_epochs_store_while_the_requests_come(monkeypa
     import mingpt.replicas.beacon as beacon_module
 
     made: list[float] = []
+    bound_store = beacon_module.bound_store
 
     def store(*args, **kwargs):
         made.append(time.monotonic())
         return bound_store(*args, **kwargs)
-    bound_store = beacon_module.bound_store
     monkeypatch.setattr(beacon_module, "bound_store", store)
     peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     beacons = [Beacon(peers, m, SECRET, 0.05, 1.0) for m in range(3)]
