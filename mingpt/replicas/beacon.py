@@ -399,15 +399,18 @@ class Beacon:
         return True
 
     def _form_ahead(self, status: Heartbeat, last: Epoch | None, lowest: int) -> None:
-        """The lowest member alive forms the next epoch in a thread of its own as soon as its last one has
-        ended, while its trainer finishes the share in flight (kept for the step's redo). The coordinator
-        hears every member, which makes it the slowest: at 32 groups on 2 cores the others all asked
-        within 0.3 s of a kill, then waited up to 2 s for it to finish its share and form. Its trainer
-        takes the epoch when it asks (`_take_ahead`). One process per group only (a group's processes
-        decide together in the exchange whether a step was dropped)."""
+        """Every member's beacon takes the next epoch in a thread of its own as soon as its last one has
+        ended, while its trainer finishes the share in flight (kept for the step's redo): the lowest
+        member alive forms it, the others ask it, and each makes its links. So the epoch forms while
+        the shares are finished, not after the slowest of them: at 32 groups on 2 cores the others all
+        asked within 0.3 s of a kill, then waited up to 2 s for the coordinator (hearing every member
+        makes it the slowest) to finish its share and form; and the last request came when the slowest
+        member had finished its share. Its trainer takes the epoch when it asks (`_take_ahead`). One
+        process per group only (a group's processes decide together in the exchange whether a step was
+        dropped)."""
         if (self.procs > 1 or self._forming is None or last is None or status.state != "training"
                 or status.epoch != last.number or self.held is None or self.held[0] != last.number
-                or self._ahead is not None or lowest != self.member):
+                or self._ahead is not None):
             return
         if (ended := self.lost(last)) is None:
             return
@@ -415,13 +418,16 @@ class Beacon:
             if self.status.state != "training" or self._ahead is not None:
                 return
             ahead = self._ahead = {"step": self.held[1], "done": threading.Event()}
-            self._since = self._since or time.monotonic()
+            if lowest == self.member:
+                self._since = self._since or time.monotonic()
         threading.Thread(target=self._run_ahead, args=(ahead, ended.cause), daemon=True).start()
 
     def _run_ahead(self, ahead: dict, why: str) -> None:
         min_groups, timeout_s = self._forming
         try:
-            epoch = self._coordinate(ahead["step"], True, min_groups, timeout_s)
+            coordinator = min(self.alive())
+            epoch = (self._coordinate(ahead["step"], True, min_groups, timeout_s) if coordinator == self.member
+                     else self._ask(coordinator, ahead["step"], True))
             if epoch is not None:
                 epoch.ahead = True
                 if self._take(epoch, timeout_s, why=why[:300], step=ahead["step"]):

@@ -1464,6 +1464,34 @@ def test_the_new_coordinators_beacon_forms_the_next_epoch_while_its_trainer_fini
             b.close()
 
 
+def test_every_members_beacon_takes_the_next_epoch_while_its_trainer_finishes_its_share():
+    """Group 2 is SIGKILLed while groups 0 and 1 both still train the share in flight: neither trainer
+    has asked, yet their beacons form the next epoch (group 0's) and ask it (group 1's) and make its
+    links, so the epoch is ready when the trainers come (at 32 groups the last request came when the
+    slowest member had finished its share, a second after the kill). Each trainer then takes it at
+    once, at the step its beacon was told."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    beacons = [Beacon(peers, m, SECRET, 0.05, 1.0) for m in range(3)]
+    try:
+        epochs = form_all(beacons, step=5, min_groups=2)
+        trained_in(beacons, epochs, 6)
+        beacons[2].close()
+        assert wait_for(lambda: all(b.lost(epochs[b.member]) is not None for b in beacons[:2]), 2)
+        assert wait_for(lambda: all(b.status.state == "training" and b.status.epoch > epochs[0].number
+                                    for b in beacons[:2]), 10), "the beacons did not take the next epoch"
+        got = {}
+        for b in beacons[:2]:
+            t0 = time.monotonic()
+            got[b.member] = b.form(6, True, 2, 20.0, lambda: False)
+            assert time.monotonic() - t0 < 0.5 and got[b.member].ahead and got[b.member].pg is not None
+        assert got[0].number == got[1].number and got[0].numbers() == [0, 1]
+        assert [(m.number, m.step, m.live) for m in got[1].members] == [(0, 6, True), (1, 6, True)]
+        assert all(b.lost(got[b.member]) is None for b in beacons[:2])
+    finally:
+        for b in beacons:
+            b.close()
+
+
 def test_the_coordinator_makes_the_epochs_store_while_the_requests_come(monkeypatch):
     """The store where an epoch's links meet is made as the coordinator starts to form, not once the last
     request came: at 32 groups on 2 cores, the new coordinator, loaded, took 0.1 to 0.2 s to make it
