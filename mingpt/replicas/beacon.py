@@ -52,7 +52,7 @@ class Epoch:
     # how long after the coordinator began to form it
     abandoned: object = None  # a collective of it left unfinished here (a member was lost meanwhile): its work
     exchanged: bool = False  # a step's exchange completed in it here
-    ahead: bool = False  # its coordinator's beacon formed it while its trainer finished a step (Beacon._form_ahead)
+    ahead: bool = False  # this member's beacon took it while its trainer finished a step (Beacon._form_ahead)
 
     @property
     def world(self) -> int:
@@ -111,11 +111,11 @@ class Beacon:
         self._news_n = 0  # news told so far: a waiter waits for more than it saw (`_await_news`)
         self._quiet: tuple = (None, -1, 0.0)  # `lost` said None for (epoch, news) and will until then
         self.held: tuple[int, int] | None = None  # (epoch, step): this member holds the job's state at that step,
-        # trained in that epoch (its Replicas says, after a heal and after each exchange)
+        # trained in that epoch (its Replicas says, after a heal and after each exchange; None while an exchange runs)
         self._forming: tuple[int, float] | None = None  # form()'s (min_groups, timeout_s), for forming ahead
         self._store: dist.TCPStore | None = None  # the next epoch's store, while this coordinator forms it
-        self._ahead: dict | None = None  # the next epoch this coordinator's beacon forms while its trainer
-        # finishes the step the last one dropped (`_form_ahead`)
+        self._ahead: dict | None = None  # the next epoch this beacon takes while its trainer finishes the
+        # step the last one dropped (`_form_ahead`)
         self.links = Links([host_port(a) for a in addresses], member, self.incarnation, secret, heartbeat_s,
                            lost_after_s, procs, heartbeat=self._beat, on_message=self._heard,
                            on_up=lambda _: self._tell(), on_lost=self._hung_up, pins=self._pins)
@@ -322,7 +322,7 @@ class Beacon:
         """Join the next epoch: ask the coordinator (the lowest member alive) until it forms one that
         holds at least `min_groups` groups; then make the epoch's process group. None: `should_stop`.
         `why` the last epoch ended (its root cause: MembershipChanged.cause), told to the others in the heartbeats."""
-        with self._lock:  # (under the lock: a coordinator's beacon forms ahead only while its trainer trains)
+        with self._lock:  # (under the lock: a beacon takes an epoch ahead only while its trainer trains)
             self._forming, ahead = (min_groups, timeout_s), self._ahead
             if ahead is None:
                 self.status = replace(self.status, state="forming", step=step, why=why[:300])

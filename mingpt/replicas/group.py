@@ -297,6 +297,9 @@ class Replicas:
         owner's shares arrive one row each, and are folded as the owner would have. The headers are
         gathered by all (a ring); the sum runs along a chain of the members (`_chain`)."""
         epoch, (pg, partners, me) = self.epoch, self.membership.partners(self.epoch)
+        # while it runs, this member may end at this step or the next: its beacon asks for no epoch ahead
+        # (an epoch asked for at this step, taken at the next, is given up and formed again)
+        self.beacon.held = None
         world, k = pg.size(), self.per_group
         per = math.ceil(self.shares_total / world)  # headers per member: the most shares one holds
         table = torch.full((per, ShareRow.WIDTH), -1.0, dtype=torch.float64)  # -1: no share in that row
@@ -456,8 +459,8 @@ class Replicas:
         return healed
 
     def _live_at(self, step: int) -> None:
-        """This member holds the job's state at `step` (a coordinator's beacon forms the next epoch with it
-        while its trainer finishes a dropped step: Beacon._form_ahead)."""
+        """This member holds the job's state at `step` (its beacon takes the next epoch with it while its
+        trainer finishes a dropped step: Beacon._form_ahead)."""
         self.live = True
         self.beacon.held = (self.epoch.number, step)
 

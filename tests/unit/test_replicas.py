@@ -57,6 +57,20 @@ def header(group, loss=0.0):
     return ShareHeader(0.0, 0.0, 0.0, loss, 1.0, 0.0, float(group), 0.0)
 
 
+def test_while_the_exchange_runs_the_beacon_asks_for_no_epoch_ahead(one_member, monkeypatch):
+    """The beacon asks for the next epoch ahead at the step its trainer holds (`held`); while the
+    exchange runs, the member may end at that step or the next (a member lost as the exchange ends:
+    some complete it). An epoch asked for at step 6 and taken at step 7 is given up and formed again
+    (two members did that at each group's return in a 32-group run): so `held` says nothing then,
+    and says the next step once the exchange is done."""
+    one_member.beacon.held = (0, 4)
+    during = []
+    chain = one_member._chain
+    monkeypatch.setattr(one_member, "_chain", lambda *a: (during.append(one_member.beacon.held), chain(*a))[1])
+    one_member.exchange(4, {(s,): torch.ones(3) for s in range(3)}, {s: header(0) for s in range(3)})
+    assert during == [None] and one_member.beacon.held == (0, 5)
+
+
 def epoch_of(groups, me):
     return Epoch(0, [Member(g, "x", 0, True) for g in groups], groups.index(me))
 
