@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from pathlib import Path
 
 from benchmarks import die_with_bench, free_port_runs
@@ -46,10 +47,16 @@ TIMEOUT_S = 30.0  # replicas.timeout_s's default
 
 
 class SimBeacon(Beacon):
-    """A beacon whose epochs make no process group: the membership is what is measured."""
+    """A beacon whose epochs make no links: the membership is what is measured."""
+
+    def own_store(self):
+        return NO_STORE  # (no links, so no store for them to meet on: a thousand would each start a server)
 
     def _make_group(self, epoch, timeout_s: float) -> None:
         pass
+
+
+NO_STORE = types.SimpleNamespace(port=1)
 
 
 def layout(members: int, lose: int, per_process: int) -> list[range]:

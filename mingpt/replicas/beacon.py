@@ -25,6 +25,7 @@ from mingpt.runtime.trust import bound_store
 log = logging.getLogger(__name__)
 
 SLACK_HALF_LIFE_S = 60.0  # how fast a member's late heartbeats are forgotten (Beacon._patience)
+STORE_TIMEOUT_S = 600.0  # a rendezvous store's own limit on one request (a pair's wait has the epoch's: Ring)
 SAY_WAITING_S = 10.0  # a member forming this long without an epoch says what it waits for (and again after as long)
 
 
@@ -42,8 +43,7 @@ class Epoch:
     number: int
     members: list[Member]  # in rank order (by member number)
     rank: int
-    address: tuple[str, int] | None = None  # where its store listens (the coordinator hosts it)
-    store: dist.TCPStore | None = None  # once its group is made: kept alive with the group
+    key: str = ""  # its coordinator's draw: the names its links meet under (EpochNews.key)
     pg: Ring | None = None  # the epoch's members, linked round a ring (ring.py)
     shard_pg: Ring | None = None  # sharded groups: the ring of the members holding this one's shard
     since: float = field(default_factory=time.monotonic)  # when this member learned of it
@@ -113,7 +113,8 @@ class Beacon:
         self.held: tuple[int, int] | None = None  # (epoch, step): this member holds the job's state at that step,
         # trained in that epoch (its Replicas says, after a heal and after each exchange; None while an exchange runs)
         self._forming: tuple[int, float] | None = None  # form()'s (min_groups, timeout_s), for forming ahead
-        self._store: dist.TCPStore | None = None  # the next epoch's store, while this coordinator forms it
+        self._rendezvous: dist.TCPStore | None = None  # this member's store, where the pairs of its links that it
+        # is the lower end of meet (made at its first forming, kept for its life: Member.store)
         self._ahead: dict | None = None  # the next epoch this beacon takes while its trainer finishes the
         # step the last one dropped (`_form_ahead`)
         self.links = Links([host_port(a) for a in addresses], member, self.incarnation, secret, heartbeat_s,
@@ -342,7 +343,7 @@ class Beacon:
                 return None
             coordinator = min(self.alive())
             if coordinator != self.member:
-                self._since = self._store = None
+                self._since = None
             elif self._since is None:
                 self._since = time.monotonic()
             if self._groups_heard(coordinator) >= min_groups:
@@ -357,7 +358,7 @@ class Beacon:
                                    "exited or never started (see their logs); start them again, then this group "
                                    "with them")
             try:
-                epoch = (self._coordinate(step, live, min_groups, timeout_s) if coordinator == self.member
+                epoch = (self._coordinate(step, live, min_groups) if coordinator == self.member
                          else self._ask(coordinator, step, live))
             except OSError:
                 epoch = None
@@ -426,7 +427,7 @@ class Beacon:
         min_groups, timeout_s = self._forming
         try:
             coordinator = min(self.alive())
-            epoch = (self._coordinate(ahead["step"], True, min_groups, timeout_s) if coordinator == self.member
+            epoch = (self._coordinate(ahead["step"], True, min_groups) if coordinator == self.member
                      else self._ask(coordinator, ahead["step"], True))
             if epoch is not None:
                 epoch.ahead = True
@@ -466,7 +467,7 @@ class Beacon:
         with self._lock:
             self._pending.add(rid)
         try:
-            request = Join(rid, step, live, self.max_epoch)
+            request = Join(rid, step, live, self.max_epoch, self.own_store().port)
             self.links.send(coordinator, request)
             deadline = time.monotonic() + 5 * self.lost_after_s + 6  # a request the coordinator passed over
             again = time.monotonic() + self.lost_after_s
@@ -492,7 +493,7 @@ class Beacon:
                         self.links.drop(self.name(coordinator), f"an epoch {reply.number} without this member")
                         return None
                     rank = [m.number for m in members].index(self.member)
-                    return Epoch(reply.number, members, rank, address=(reply.host, reply.port))
+                    return Epoch(reply.number, members, rank, key=reply.key)
                 self._await_news(seen, 0.05)
             return None
         finally:
@@ -500,22 +501,16 @@ class Beacon:
                 self._pending.discard(rid)
                 self._replies.pop(rid, None)
 
-    def _coordinate(self, step: int, live: bool, min_groups: int, timeout_s: float) -> Epoch | None:
+    def _coordinate(self, step: int, live: bool, min_groups: int) -> Epoch | None:
         """Wait for a join request from every member alive (a member finishing its step comes within a
         step; one that never asks is left out after a while), then announce the epoch to them."""
         started = time.monotonic()
         with self._lock:  # (the last epoch's news answers no request for this one)
             self._announced = None
-        # the store where the epoch's links meet, made while the requests come and kept while this member
-        # forms (a loaded coordinator took 0.1 to 0.2 s to make it once they had all come)
-        host = self.links.addresses[self.member][0]
-        if self._store is None:
-            self._store = bound_store(host, 0, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
         while True:
             seen = self._news_n
             alive = self.alive()
             if min(alive) != self.member:
-                self._store = None
                 return None
             broken = self.broken()  # a group that lost a process leaves whole: not waited for, not let in
             if self.member in broken:  # this one's too: forming stops (Replicas.form's should_stop says why)
@@ -545,7 +540,7 @@ class Beacon:
                 conn.send(Wait(request.id))
         if self.member in partial:  # this one's own group is not all here yet: no epoch now, ask again
             return None
-        members = sorted([Member(self.member, self.incarnation, step, live)]
+        members = sorted([Member(self.member, self.incarnation, step, live, self.own_store().port)]
                          + [self._member(m, request, inc, step, live) for m, (request, inc, _) in asked.items()],
                          key=lambda m: m.number)
         if len({m.number // self.procs for m in members}) < min_groups:
@@ -554,8 +549,7 @@ class Beacon:
                     conn.send(Wait(request.id))
             return None
         number = max([self.max_epoch] + [r[0].epoch_seen for r in asked.values()]) + 1
-        store, self._store = self._store, None  # (the epoch's from now on)
-        news = EpochNews("0", number, host, store.port, tuple(members))
+        news = EpochNews("0", number, secrets.token_hex(6), tuple(members))
         with self._lock:  # a member that missed its answer (it asked again meanwhile) is answered with it
             self._announced = news
         line = encode(news)  # encoded once (an epoch of a thousand members is 70 kB), each request's id put in
@@ -563,7 +557,7 @@ class Beacon:
             with contextlib.suppress(OSError):  # it is lost: forming the group notices
                 conn.send(line.replace(b'"id": "0"', f'"id": "{request.id}"'.encode(), 1))
         last = max(asked, key=lambda m: self._asked_at.get(m, 0.0), default=None)
-        return Epoch(number, members, [m.number for m in members].index(self.member), (host, store.port), store,
+        return Epoch(number, members, [m.number for m in members].index(self.member), news.key,
                      last_request=None if last is None else (last, max(0.0, self._asked_at.get(last, started) - started)))
 
     def _tell(self) -> None:
@@ -588,37 +582,65 @@ class Beacon:
         its step may differ from this one's by the step in flight only. A coordinator with no record of
         its own (it restarted) takes the members' claims: they come over the authenticated channel."""
         if not live or self.last is None:
-            return Member(member, inc, request.step, request.live)
+            return Member(member, inc, request.step, request.live, request.store)
         was = counts_in(self.last.members, member, inc)
         if was and request.live and abs(request.step - step) <= 1:  # (a claim not to be live is taken)
-            return Member(member, inc, request.step, True)
+            return Member(member, inc, request.step, True, request.store)
         if not request.live:  # a claim not to be live is taken: it is healed
-            return Member(member, inc, request.step, False)
+            return Member(member, inc, request.step, False, request.store)
         if member not in self._told_claims:  # a claim the record contradicts: healed, not trusted
             self._told_claims.add(member)
             log.warning("replica %s claims to have trained to step %d in an epoch, where this coordinator's record "
                         "(epoch %d, step %d) says otherwise: it is healed like a new member", self.name(member),
                         request.step, self.last.number, step)
-        return Member(member, inc, 0, False)
+        return Member(member, inc, 0, False, request.store)
+
+    def own_store(self) -> dist.TCPStore:
+        """This member's rendezvous store (made once, on its beacon's host: nothing listens wider than it
+        must): the pairs of an epoch's links meet on the store of their lower-ranked member, so a
+        member's store serves two pairs an epoch, whatever the job's size (the coordinator's served
+        every pair: at 32 groups, making the links took 0.4 to 1 s there)."""
+        with self._lock:
+            if self._rendezvous is None:
+                self._rendezvous = bound_store(self.links.addresses[self.member][0], 0, True,
+                                               datetime.timedelta(seconds=STORE_TIMEOUT_S), wait_for_workers=False)
+            return self._rendezvous
+
+    def _stores(self, members: list[Member], timeout: datetime.timedelta) -> Callable[[int], dist.Store]:
+        """Rank -> the rendezvous store of `members`' member of that rank: this member's own, or a client of
+        another's (made when a pair first needs it, kept with the epoch's links)."""
+        clients: dict[int, dist.Store] = {}
+        lock = threading.Lock()  # (a ring makes its pairs in threads of their own)
+
+        def store(rank: int) -> dist.Store:
+            m = members[rank]
+            if m.number == self.member:
+                return self.own_store()
+            with lock:
+                if m.number not in clients:
+                    clients[m.number] = dist.TCPStore(self.links.addresses[m.number][0], m.store, is_master=False,
+                                                      timeout=timeout)
+                return clients[m.number]
+        return store
 
     def _make_group(self, epoch: Epoch, timeout_s: float) -> None:
-        """The epoch's gloo process group, made in a thread so that a member lost meanwhile is noticed. A
-        member slow to take it (a loaded node) is waited for, up to timeout_s, as a collective waits for
-        it: slow is not lost, and leaving it out would only start another epoch for it to be slow in."""
+        """The epoch's links (a ring, and a ring per shard), made in a thread so that a member lost meanwhile
+        is noticed. A member slow to take it (a loaded node) is waited for, up to timeout_s, as a collective
+        waits for it: slow is not lost, and leaving it out would only start another epoch for it to be slow in."""
         timeout = datetime.timedelta(seconds=timeout_s)
         out: dict = {}
 
         def make():
             try:
-                store = out["store"] = epoch.store or dist.TCPStore(*epoch.address, is_master=False, timeout=timeout)
-                ring = out["pg"] = Ring(store, self.secret, f"replicas-epoch-{epoch.number}", epoch.rank, epoch.world,
-                                        timeout)
+                name = f"replicas-epoch-{epoch.number}-{epoch.key}"
+                ring = out["pg"] = Ring(self._stores(epoch.members, timeout), self.secret, name, epoch.rank,
+                                        epoch.world, timeout)
                 ring.connect(ring.neighbours())
                 if self.sharded:
-                    holders = [m.number for m in epoch.holders(self.member, self.procs)]
-                    shard = f"replicas-epoch-{epoch.number}-shard-{self.member % self.procs}"
-                    ring = out["shard_pg"] = Ring(store, self.secret, shard, holders.index(self.member), len(holders),
-                                                  timeout)
+                    holders = epoch.holders(self.member, self.procs)
+                    shard = f"{name}-shard-{self.member % self.procs}"
+                    ring = out["shard_pg"] = Ring(self._stores(holders, timeout), self.secret, shard,
+                                                  [m.number for m in holders].index(self.member), len(holders), timeout)
                     ring.connect(ring.neighbours())
             except Exception as e:  # noqa: BLE001 - reported to the waiting thread
                 out["error"] = e
@@ -632,7 +654,7 @@ class Beacon:
             thread.join(0.005)
         if "error" in out:
             raise MembershipChanged(str(out["error"]).splitlines()[0][:200])
-        epoch.store, epoch.pg, epoch.shard_pg = out["store"], out["pg"], out.get("shard_pg")
+        epoch.pg, epoch.shard_pg = out["pg"], out.get("shard_pg")
         epoch.setup_s = time.monotonic() - started
 
     # --- what members say (records parsed once, at the edge: link.py) -----------------------------------

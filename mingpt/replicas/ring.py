@@ -9,6 +9,7 @@ import datetime
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -58,13 +59,14 @@ class Rendezvous(dist.Store):
 
 class Ring:
     """This member's links to the other members of an epoch (`world` of them, this one rank `rank`):
-    a gloo group of two for each pair that talks, made over the epoch's store under a name derived
-    from the job secret, all on one gloo device (one listener, one event loop). Both ends of a pair
-    make it together; a member makes its pairs at once, so that none waits for a member busy making
-    another first."""
+    a gloo group of two for each pair that talks, made over the store of the pair's lower rank
+    (`stores(rank)`: each member hosts its own, so none serves every pair) under a name derived from
+    the job secret, all on one gloo device (one listener, one event loop). Both ends of a pair make it
+    together; a member makes its pairs at once, so that none waits for a member busy making another first."""
 
-    def __init__(self, store, secret: bytes, name: str, rank: int, world: int, timeout: datetime.timedelta):
-        self.store, self.secret, self.name, self.timeout = Rendezvous(store, timeout), secret, name, timeout
+    def __init__(self, stores: Callable[[int], dist.Store], secret: bytes, name: str, rank: int, world: int,
+                 timeout: datetime.timedelta):
+        self.stores, self.secret, self.name, self.timeout = stores, secret, name, timeout
         self.rank, self.world = rank, world
         self.pairs: dict[int, object] = {}  # the other rank -> the pair's gloo group
         self.devices: list | None = None  # one listener and one event loop for all the pairs
@@ -84,10 +86,11 @@ class Ring:
 
         def make(peer: int) -> None:
             low, high = min(peer, self.rank), max(peer, self.rank)
-            prefixed = dist.PrefixStore(derive(self.secret, f"{self.name}-pair-{low}-{high}"), self.store)
             opts = dist.ProcessGroupGloo._Options()
             opts._devices, opts._threads, opts._timeout = self.devices, 1, self.timeout
             try:
+                store = Rendezvous(self.stores(low), self.timeout)
+                prefixed = dist.PrefixStore(derive(self.secret, f"{self.name}-pair-{low}-{high}"), store)
                 made[peer] = dist.ProcessGroupGloo(prefixed, int(self.rank == high), 2, opts)
             except Exception as e:  # noqa: BLE001 - raised again by the caller's thread
                 made[peer] = e

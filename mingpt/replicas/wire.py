@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-PROTOCOL = 7  # checked at hello: groups of another release refuse each other (7: channels to a few members, not to all)
+PROTOCOL = 8  # checked at hello: groups of another release refuse each other (8: each member hosts its pairs' rendezvous)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
 HANDSHAKE_S = 2.0  # from accept to a peer's hello, at most: a connection slower than this is closed
 
@@ -104,6 +104,7 @@ class Join:
     step: int  # the steps its state holds (its claim: the coordinator checks it against its record)
     live: bool  # it trained in an epoch (a claim, likewise)
     epoch_seen: int  # the newest epoch it has heard of
+    store: int  # the port of its rendezvous store, on its beacon's host (where its links meet: Member.store)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,8 @@ class Member:
     incarnation: str  # this process's start: a restarted group is a new member
     step: int  # the steps its state holds
     live: bool  # it has trained in an epoch (its state is the job's, not a snapshot's)
+    store: int  # the port of its rendezvous store, on its beacon's host: each pair of the epoch's links meets
+    # on the store of its lower-ranked member (a store per member, not one for all on the coordinator)
 
 
 def counts_in(members, number: int, incarnation: str) -> bool:
@@ -122,11 +125,11 @@ def counts_in(members, number: int, incarnation: str) -> bool:
 
 @dataclass(frozen=True)
 class EpochNews:
-    """The coordinator's answer: the epoch, its members in rank order, and the store where its links meet."""
+    """The coordinator's answer: the epoch, its members in rank order, and its key (drawn by the coordinator:
+    the names its links meet under, in stores that outlive an epoch, are this epoch's alone)."""
     id: str
     number: int
-    host: str
-    port: int
+    key: str
     members: tuple[Member, ...]
 
 
@@ -144,15 +147,15 @@ NAMES = {cls: name for name, cls in KINDS.items()}
 def checks(members: int) -> dict:
     """Each field's check, for a job of `members` members (built once per job size: every line is parsed)."""
     member = _int(0, members - 1)
-    entry = {"number": member, "incarnation": _text(32), "step": _int(0), "live": _bool}
+    entry = {"number": member, "incarnation": _text(32), "step": _int(0), "live": _bool, "store": _int(1, 65535)}
     return {
         Hello: {"v": _int(0, 2**31), "member": _int(0, 2**31), "inc": _text(32), "members": _int(1, 2**31),
                 "to": _int(0, 2**31)},
         Heartbeat: {"state": lambda v: v in STATES, "epoch": _int(-1), "step": _int(0), "taking": _int(-1),
                     "why": _text(300), "ended": _text(300), "cause": _text(300), "done": _bool, "groups": _int(0, members)},
         Bye: {},
-        Join: {"id": _id, "step": _int(0), "live": _bool, "epoch_seen": _int(-1)},
-        EpochNews: {"id": _id, "number": _int(0), "host": _text(255), "port": _int(1, 65535),
+        Join: {"id": _id, "step": _int(0), "live": _bool, "epoch_seen": _int(-1), "store": _int(1, 65535)},
+        EpochNews: {"id": _id, "number": _int(0), "key": _id,
                     "members": lambda v: isinstance(v, list) and 0 < len(v) <= members
                     and all(isinstance(e, dict) and set(e) == set(entry) and all(entry[k](e[k]) for k in entry) for e in v)},
         Wait: {"id": _id},

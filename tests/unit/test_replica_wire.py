@@ -66,11 +66,11 @@ def peer(port, member, members, secret=SECRET, to=0):
 
 @pytest.mark.parametrize(("line", "record"), [
     (b'{"t": "hb", "state": "training", "epoch": 3, "step": 9, "taking": -1, "why": ""}', Heartbeat("training", 3, 9, -1)),
-    (b'{"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": 3}', Join("ab12", 9, True, 3)),
+    (b'{"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": 3, "store": 1}', Join("ab12", 9, True, 3, 1)),
     (b'{"t": "wait", "id": "ab12"}', Wait("ab12")),
-    (b'{"t": "epoch", "id": "ab12", "number": 4, "host": "h", "port": 5, "members": '
-     b'[{"number": 1, "incarnation": "x", "step": 9, "live": false}]}',
-     EpochNews("ab12", 4, "h", 5, (Member(1, "x", 9, False),))),
+    (b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
+     b'[{"number": 1, "incarnation": "x", "step": 9, "live": false, "store": 1}]}',
+     EpochNews("ab12", 4, "ab12ab12ab12", (Member(1, "x", 9, False, 1),))),
 ])
 def test_each_message_is_parsed_into_its_record(line, record):
     assert parse(line, 3) == record
@@ -79,15 +79,16 @@ def test_each_message_is_parsed_into_its_record(line, record):
 
 @pytest.mark.parametrize("line", [
     b'{"t": "hb", "state": "training", "epoch": "999", "step": 9, "taking": -1}',  # the review's crash
-    b'{"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": "3"}',  # reached max() in the coordinator
-    b'{"t": "join", "id": "ab12", "step": 9, "live": "yes", "epoch_seen": 3}',
-    b'{"t": "join", "id": "ab12", "step": -5, "live": true, "epoch_seen": 3}',
-    b'{"t": "join", "id": "../x", "step": 9, "live": true, "epoch_seen": 3}',
+    b'{"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": "3", "store": 1}',  # reached max() in the coordinator
+    b'{"t": "join", "id": "ab12", "step": 9, "live": "yes", "epoch_seen": 3, "store": 1}',
+    b'{"t": "join", "id": "ab12", "step": -5, "live": true, "epoch_seen": 3, "store": 1}',
+    b'{"t": "join", "id": "../x", "step": 9, "live": true, "epoch_seen": 3, "store": 1}',
+    b'{"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": 3, "store": 70000}',  # no port
     b'{"t": "hb", "state": "pwned", "epoch": 3, "step": 9, "taking": -1}',
     b'{"t": "hb", "state": "training", "epoch": 3, "step": 9, "taking": -1, "extra": 1}',
     b'{"t": "hb", "state": "training", "epoch": 3, "step": 9}',
-    b'{"t": "epoch", "id": "ab12", "number": 4, "host": "h", "port": 5, "members": '
-    b'[{"number": 7, "incarnation": "x", "step": 9, "live": false}]}',  # a member this job does not have
+    b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
+    b'[{"number": 7, "incarnation": "x", "step": 9, "live": false, "store": 1}]}',  # a member this job does not have
     b'{"t": "rm -rf"}', b'[1, 2]', b'"hello"', b'not json', b'\xff\xfe',
 ])
 def test_a_message_of_the_wrong_type_or_range_is_refused(line):
@@ -156,7 +157,7 @@ def test_links_hand_each_record_to_their_owners_callbacks():
         assert wait_for(lambda: (0, "inc0", Heartbeat("training", 0, 10, -1)) in heard[1]
                         and (1, "inc1", Heartbeat("training", 1, 11, -1)) in heard[0])
         assert set(up[0]) == {1} and set(up[1]) == {0}
-        a.send(1, Join("ab12", 3, True, 2))
+        a.send(1, Join("ab12", 3, True, 2, 1))
         assert wait_for(lambda: (1, "inc1", Wait("ab12")) in heard[0])
         a.send(1, Wait("cd34"))
         assert wait_for(lambda: b.dropped["group 0"] == 1) and (0, "inc0", Wait("cd34")) in heard[1]
@@ -248,7 +249,7 @@ def test_a_bad_heartbeat_from_a_peer_is_dropped_and_the_beacon_goes_on(caplog):
         assert wait_for(lambda: 1 in a.alive())
         assert a.links.dropped["group 1"] == 3 and a.max_epoch == 4
         assert caplog.text.count("a message that is not one of ours") == 1
-        epoch = Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "feedfeedfeed", 9, True)], 0)
+        epoch = Epoch(4, [Member(0, a.incarnation, 9, True, 1), Member(1, "feedfeedfeed", 9, True, 1)], 0)
         assert a.lost(epoch) is None
         tls.close()
     finally:
@@ -386,14 +387,14 @@ def test_the_coordinator_takes_live_and_step_from_its_own_record():
     peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     a = Beacon(peers, 0, SECRET, 0.05, 60.0)
     try:
-        a.last = Epoch(5, [Member(0, a.incarnation, 75, True), Member(1, "one", 75, True)], 0)
-        assert a._member(2, Join("aa", 10**9, True, 5), "evil", 75, True) == Member(2, "evil", 0, False)
-        assert a._member(1, Join("bb", 10**9, True, 5), "one", 75, True) == Member(1, "one", 0, False)
-        assert a._member(1, Join("cc", 76, True, 5), "one", 75, True) == Member(1, "one", 76, True)
-        assert a._member(1, Join("dd", 75, False, 5), "one", 75, True) == Member(1, "one", 75, False)
+        a.last = Epoch(5, [Member(0, a.incarnation, 75, True, 1), Member(1, "one", 75, True, 1)], 0)
+        assert a._member(2, Join("aa", 10**9, True, 5, 1), "evil", 75, True) == Member(2, "evil", 0, False, 1)
+        assert a._member(1, Join("bb", 10**9, True, 5, 1), "one", 75, True) == Member(1, "one", 0, False, 1)
+        assert a._member(1, Join("cc", 76, True, 5, 1), "one", 75, True) == Member(1, "one", 76, True, 1)
+        assert a._member(1, Join("dd", 75, False, 5, 1), "one", 75, True) == Member(1, "one", 75, False, 1)
         # a coordinator that restarted has no record: the members' (authenticated) claims stand
         a.last = None
-        assert a._member(1, Join("ee", 75, True, 5), "one", 0, False) == Member(1, "one", 75, True)
+        assert a._member(1, Join("ee", 75, True, 5, 1), "one", 0, False) == Member(1, "one", 75, True, 1)
     finally:
         a.close()
 
@@ -451,12 +452,12 @@ def test_a_heal_that_does_not_match_its_digest_is_transient_and_loads_nothing():
     in the next epoch, instead of exiting 2 for good. The digest is keyed: an unkeyed sha256 could be
     recomputed by whoever altered the state."""
     store, out = dist.HashStore(), {}
-    members = [Member(0, "a", 75, True), Member(1, "b", 0, False)]
+    members = [Member(0, "a", 75, True, 1), Member(1, "b", 0, False, 1)]
 
     def member(g, secret):
         r = Replicas(HealBeacon(g, secret), members=2, min_groups=1, timeout_s=10)
         r.epoch = Epoch(6, members, g)
-        r.epoch.pg = Ring(store, SECRET, "epoch", g, 2, datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(lambda _: store, SECRET, "epoch", g, 2, datetime.timedelta(seconds=10))
         slots = [Slot("w", torch.full((4,), float(g + 1)))]
         loaded = []
         try:
@@ -499,12 +500,12 @@ def test_a_heal_sends_hundreds_of_tensors_of_any_dtype_in_a_few_collectives_bit_
             for dtype in (torch.float32, torch.bfloat16, torch.int64) for _ in range(100)]
     sent += [torch.tensor(7.0), torch.empty(0), torch.randn(3, 5, generator=gen)]
     store, out = dist.HashStore(), {}
-    members = [Member(0, "a", 75, True), Member(1, "b", 0, False), Member(2, "c", 0, False)]
+    members = [Member(0, "a", 75, True, 1), Member(1, "b", 0, False, 1), Member(2, "c", 0, False, 1)]
 
     def member(g):
         r = Replicas(HealBeacon(g, SECRET), members=3, min_groups=1, timeout_s=10)
         r.epoch = Epoch(6, members, g)
-        r.epoch.pg = Ring(store, SECRET, "epoch", g, 3, datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(lambda _: store, SECRET, "epoch", g, 3, datetime.timedelta(seconds=10))
         slots = [Slot(f"t{i}", t.clone() if g == 0 else torch.zeros_like(t)) for i, t in enumerate(sent)]
         out[g] = (r.heal(slots, lambda: {"step": 75}, lambda meta: None), slots)
 
@@ -530,8 +531,8 @@ def test_an_exchange_header_without_the_jobs_mac_is_refused():
 
     def member(g, secret):
         r = Replicas(HealBeacon(g, secret), members=2, min_groups=1, timeout_s=10)
-        r.epoch = Epoch(3, [Member(0, "a", 5, True), Member(1, "b", 5, True)], g)
-        r.epoch.pg = Ring(store, SECRET, "epoch", g, 2, datetime.timedelta(seconds=10))
+        r.epoch = Epoch(3, [Member(0, "a", 5, True, 1), Member(1, "b", 5, True, 1)], g)
+        r.epoch.pg = Ring(lambda _: store, SECRET, "epoch", g, 2, datetime.timedelta(seconds=10))
         try:
             out[g] = r.exchange(5, {(s,): torch.ones(8) for s in r.shares()}, {s: HEADER for s in r.shares()})
         except MembershipChanged as e:
@@ -550,8 +551,8 @@ def test_a_share_header_crosses_the_exchange_by_name():
     """The header a share's trainer sends (its flags, loss, samples, who trained it) is a named record,
     not eight positions read back as h[0]..h[7]."""
     r = Replicas(HealBeacon(0, SECRET), members=2, min_groups=1, timeout_s=10, per_group=2)
-    r.epoch = Epoch(1, [Member(0, "a", 5, True)], 0)
-    r.epoch.pg = Ring(dist.HashStore(), SECRET, "epoch", 0, 1, datetime.timedelta(seconds=10))
+    r.epoch = Epoch(1, [Member(0, "a", 5, True, 1)], 0)
+    r.epoch.pg = Ring(lambda _: dist.HashStore(), SECRET, "epoch", 0, 1, datetime.timedelta(seconds=10))
     sent = {s: ShareHeader(0.0, 1.0, 0.0, 2.5 * s, 4.0, 10.0 + s, 0.0, 0.01 * s) for s in range(4)}
     _, every = r.exchange(3, {(s,): torch.ones(5) for s in range(4)}, sent)
     got = every
@@ -576,8 +577,8 @@ def test_a_member_that_completes_the_last_exchange_and_leaves_does_not_drop_the_
 
     def member(g):
         r = Replicas(LeavingBeacon(g, SECRET), members=2, min_groups=1, timeout_s=10)
-        r.epoch = Epoch(3, [Member(0, "a", 5, True), Member(1, "b", 5, True)], g)
-        r.epoch.pg = Ring(store, SECRET, "epoch", g, 2, datetime.timedelta(seconds=10))
+        r.epoch = Epoch(3, [Member(0, "a", 5, True, 1), Member(1, "b", 5, True, 1)], g)
+        r.epoch.pg = Ring(lambda _: store, SECRET, "epoch", g, 2, datetime.timedelta(seconds=10))
         if g == 1:  # it is seen leaving while its part of the collective is still on its way
             time.sleep(0.2)
             LeavingBeacon.gone.set()
@@ -644,7 +645,7 @@ def run_heal(epoch, members, replay=None):
     def member(g):
         r = Replicas(HealBeacon(members[g].number, SECRET), members=len(members), min_groups=1, timeout_s=10)
         r.epoch = Epoch(epoch, members, g)
-        r.epoch.pg = Ring(store, SECRET, "epoch", g, len(members), datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(lambda _: store, SECRET, "epoch", g, len(members), datetime.timedelta(seconds=10))
         slots = [Slot("w", torch.full((4,), 7.0 if g == source else 0.0))]
         try:
             if replay is not None and g == source:  # a recording sent as this epoch's heal, on the heal's wire
@@ -681,13 +682,13 @@ def test_a_recorded_heal_does_not_verify_in_another_epoch_from_another_source_or
     """A heal's digest is bound to its epoch, its sender and its receiver: a heal recorded from group 0
     to group 1 in epoch 6 (a neighbour who reaches gloo's pairs can record one) and sent again, bit
     for bit with the same tensors, is refused in epoch 7, when group 2 sends it, or by group 2."""
-    record = [Member(0, "a", 75, True), Member(1, "b", 0, False), Member(2, "c", 75, True)]
+    record = [Member(0, "a", 75, True, 1), Member(1, "b", 0, False, 1), Member(2, "c", 75, True, 1)]
     out, got = run_heal(6, record)
     assert out[1] == Healed(0, [1]) and len(got) == 1  # the recording: a heal that verified
     epoch, members, receiver = {
         "another epoch": (7, record, 1),
-        "from another source": (6, [Member(2, "c", 75, True), Member(1, "b", 0, False), Member(0, "a", 75, False)], 1),
-        "to another receiver": (6, [Member(0, "a", 75, True), Member(1, "b", 75, True), Member(2, "c", 0, False)], 2),
+        "from another source": (6, [Member(2, "c", 75, True, 1), Member(1, "b", 0, False, 1), Member(0, "a", 75, False, 1)], 1),
+        "to another receiver": (6, [Member(0, "a", 75, True, 1), Member(1, "b", 75, True, 1), Member(2, "c", 0, False, 1)], 2),
     }[replayed_in]
     out, _ = run_heal(epoch, members, replay=got[0])
     assert isinstance(out[receiver], MembershipChanged) and "does not match its digest" in str(out[receiver])

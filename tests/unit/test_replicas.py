@@ -72,7 +72,7 @@ def test_while_the_exchange_runs_the_beacon_asks_for_no_epoch_ahead(one_member, 
 
 
 def epoch_of(groups, me):
-    return Epoch(0, [Member(g, "x", 0, True) for g in groups], groups.index(me))
+    return Epoch(0, [Member(g, "x", 0, True, 1) for g in groups], groups.index(me))
 
 
 @pytest.mark.parametrize(("total", "groups", "me", "shares"), [
@@ -160,7 +160,7 @@ def test_the_two_membership_models_decide_who_saves_exchanges_and_heals():
     every, whole = StubBeacon(5), StubBeacon(5)  # group 2's process 1
     every.procs, whole.procs, whole.sharded = 2, 2, True
     every.siblings = whole.siblings = lambda m: range(m - m % 2, m - m % 2 + 2)
-    epoch = Epoch(3, [Member(m, "x", 7, True) for m in (0, 1, 4, 5)], 3, pg="epoch", shard_pg="shard")
+    epoch = Epoch(3, [Member(m, "x", 7, True, 1) for m in (0, 1, 4, 5)], 3, pg="epoch", shard_pg="shard")
     a, b = (Replicas(beacon, members=6, min_groups=1, timeout_s=5, per_group=2) for beacon in (every, whole))
     assert (type(a.membership).__name__, type(b.membership).__name__) == ("EveryProcess", "WholeGroup")
     assert (a.shares_total, a.parts, b.shares_total, b.parts, b.part) == (12, 1, 6, 2, 1)
@@ -212,7 +212,7 @@ def one_member():
     store = dist.HashStore()
     r = Replicas(StubBeacon(0), members=3, min_groups=1, timeout_s=5)
     r.epoch = epoch_of([0], 0)
-    r.epoch.pg = Ring(store, SECRET, "epoch", 0, 1, datetime.timedelta(seconds=5))
+    r.epoch.pg = Ring(lambda _: store, SECRET, "epoch", 0, 1, datetime.timedelta(seconds=5))
     return r
 
 
@@ -264,7 +264,7 @@ def test_members_sum_every_share_by_the_tree_whoever_trained_it(groups, chunk, m
     def member(g):
         r = Replicas(StubBeacon(g), members=3, min_groups=1, timeout_s=5, per_group=2)
         r.epoch = epoch_of(groups, g)
-        r.epoch.pg = Ring(store, SECRET, "epoch", r.epoch.rank, len(groups), datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(lambda _: store, SECRET, "epoch", r.epoch.rank, len(groups), datetime.timedelta(seconds=10))
         results[g] = r.exchange(7, {(s,): rows[s] for s in r.shares()}, {s: header(g) for s in r.shares()})
 
     threads = [threading.Thread(target=member, args=(g,)) for g in groups]
@@ -286,7 +286,7 @@ def test_a_shares_group_is_its_senders_not_the_one_its_header_names():
     def member(g):
         r = Replicas(StubBeacon(g), members=3, min_groups=1, timeout_s=5, per_group=1)
         r.epoch = epoch_of([0, 1, 2], g)
-        r.epoch.pg = Ring(store, SECRET, "epoch", g, 3, datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(lambda _: store, SECRET, "epoch", g, 3, datetime.timedelta(seconds=10))
         claim = header((g + 1) % 3)._replace(preempted=float(g == 2))  # group 2 says group 0 stops
         results[g] = r.exchange(0, {(g,): torch.full((3,), float(g))}, {g: claim})
 
@@ -344,7 +344,7 @@ def exchange_of(alive, k, rows):
     def member(g):
         r = Replicas(StubBeacon(g), members=4, min_groups=1, timeout_s=5, per_group=k)
         r.epoch = epoch_of(alive, g)
-        pg = Counted(Ring(store, SECRET, "epoch", r.epoch.rank, len(alive), datetime.timedelta(seconds=10)))
+        pg = Counted(Ring(lambda _: store, SECRET, "epoch", r.epoch.rank, len(alive), datetime.timedelta(seconds=10)))
         r.epoch.pg, model, held = pg, Grads(rows[0].numel()), Rows(r.own())
         for s in r.shares():
             model.w.grad = rows[s].clone()  # share s's backward
@@ -378,7 +378,7 @@ def ring_sockets(world: int) -> tuple[bool, dict]:
     def member(g):
         r = Replicas(StubBeacon(g), members=world, min_groups=1, timeout_s=10)
         r.epoch = epoch_of(list(range(world)), g)
-        r.epoch.pg = Ring(store, SECRET, "epoch", g, world, datetime.timedelta(seconds=10))
+        r.epoch.pg = Ring(lambda _: store, SECRET, "epoch", g, world, datetime.timedelta(seconds=10))
         r.epoch.pg.connect(r.epoch.pg.neighbours())  # as the beacon makes it
         if made.wait() == 0:
             counts["made"] = sockets() - before
@@ -397,13 +397,14 @@ def ring_sockets(world: int) -> tuple[bool, dict]:
 
 
 def test_three_members_each_waiting_on_the_next_still_make_their_pairs():
-    """Each member's pairs meet over its one connection to the epoch's store. Here each member's pair with
+    """Pairs that meet on one store share a client of it (one per member). Here each member's pair with
     the next round the ring starts first and waits for that neighbour, before the pair with the previous
     one has published its address: a store client answers one request at a time, so the three waited on
     each other until the timeout (20 s in CI). The rendezvous polls for its peer instead."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
-    rings = [Ring(dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=5)),
-                  SECRET, "epoch", r, 3, datetime.timedelta(seconds=5)) for r in range(3)]
+    clients = [dist.TCPStore("127.0.0.1", master.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+               for _ in range(3)]
+    rings = [Ring(lambda _, c=c: c, SECRET, "epoch", r, 3, datetime.timedelta(seconds=5)) for r, c in enumerate(clients)]
     errors: list = []
 
     def connect(ring, peer):
@@ -524,7 +525,7 @@ def test_an_exchange_without_every_share_is_refused(one_member):
 def test_a_gradient_row_carries_one_share_or_all_of_one_owners(carried):
     r = Replicas(StubBeacon(0), members=2, min_groups=1, timeout_s=5, per_group=3)
     r.epoch = epoch_of([0], 0)
-    r.epoch.pg = Ring(dist.HashStore(), SECRET, "epoch", 0, 1, datetime.timedelta(seconds=5))
+    r.epoch.pg = Ring(lambda _: dist.HashStore(), SECRET, "epoch", 0, 1, datetime.timedelta(seconds=5))
     rows = {shares: torch.full((4,), float(len(shares))) for shares in carried}
     heads = {s: header(0) for s in range(6)}
     if len(carried) == 2:
@@ -581,8 +582,8 @@ def test_a_member_that_missed_the_announcement_gets_it_when_it_asks_again():
     a, b = Beacon(peers, 0, SECRET, 0.05, 1.0), Beacon(peers, 1, SECRET, 0.05, 1.0)
     try:
         assert serve([a, b])
-        a._announced = EpochNews("0", 7, "127.0.0.1", 1, (Member(0, a.incarnation, 3, True),
-                                                          Member(1, b.incarnation, 3, True)))
+        a._announced = EpochNews("0", 7, "ab12ab12ab12", (Member(0, a.incarnation, 3, True, 1),
+                                                          Member(1, b.incarnation, 3, True, 1)))
         epoch = b._ask(0, step=3, live=True)  # a's main thread is busy: only its server answers
         assert epoch is not None and epoch.number == 7 and epoch.rank == 1 and epoch.numbers() == [0, 1]
     finally:
@@ -661,8 +662,8 @@ def test_an_answer_to_a_request_given_up_on_still_counts_the_member_in():
     try:
         assert serve([a, b])
         b.set_status(state="forming")
-        news = EpochNews("5a1e5a1e5a1e", 7, "127.0.0.1", 1, (Member(0, a.incarnation, 3, True),
-                                                             Member(1, b.incarnation, 3, True)))
+        news = EpochNews("5a1e5a1e5a1e", 7, "ab12ab12ab12", (Member(0, a.incarnation, 3, True, 1),
+                                                             Member(1, b.incarnation, 3, True, 1)))
         assert b._reply(news) is None  # the answer to a request b no longer waits for: kept
         t0 = time.monotonic()
         epoch = b._ask(0, step=3, live=True)  # a is not coordinating: it does not answer this one
@@ -711,7 +712,7 @@ def test_hsdp_inside_replica_groups_is_refused_with_what_to_use():
 def coordinator_of_three() -> tuple[Beacon, Epoch]:
     """Group 0's beacon (the coordinator; no other group connects) and its epoch 4 of three live members at step 9."""
     a = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 0, SECRET, 0.05, 60.0)
-    return a, Epoch(4, [Member(0, a.incarnation, 9, True), Member(1, "one", 9, True), Member(2, "two", 9, True)], 0)
+    return a, Epoch(4, [Member(0, a.incarnation, 9, True, 1), Member(1, "one", 9, True, 1), Member(2, "two", 9, True, 1)], 0)
 
 
 def test_a_member_that_left_is_reported_with_the_cause_it_saw():
@@ -759,7 +760,7 @@ def test_a_coordinator_heard_only_before_the_epoch_is_given_a_taking_members_tim
     b = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 2, SECRET, 0.05, 1.0)
     try:
         now = time.monotonic()
-        epoch = Epoch(4, [Member(0, "zero", 9, True), Member(1, "one", 9, True), Member(2, b.incarnation, 9, True)], 2,
+        epoch = Epoch(4, [Member(0, "zero", 9, True, 1), Member(1, "one", 9, True, 1), Member(2, b.incarnation, 9, True, 1)], 2,
                       since=now - 1.5)
         assert b.lost(epoch) is None  # the coordinator never heard from yet
         assert str(b.lost(replace(epoch, since=now - 4.5))) == "group 0 lost (never heard from in 4 s)"
@@ -782,7 +783,7 @@ def test_a_member_takes_the_coordinators_verdict_on_the_successor_not_its_own_cl
     b = Beacon([f"127.0.0.1:{free_port()}" for _ in range(3)], 2, SECRET, 0.05, 1.0)
     try:
         now = time.monotonic()
-        epoch = Epoch(4, [Member(0, "zero", 9, True), Member(1, "one", 9, True), Member(2, b.incarnation, 9, True)], 2,
+        epoch = Epoch(4, [Member(0, "zero", 9, True, 1), Member(1, "one", 9, True, 1), Member(2, b.incarnation, 9, True, 1)], 2,
                       since=now - 30)
         coordinator = {"inc": "zero", "t": now, "eof": False, "epoch": 4, "state": "training", "ended": "", "cause": ""}
         with b._lock:
@@ -869,12 +870,11 @@ def test_a_group_of_several_processes_leaves_and_joins_whole():
         # the survivors' next epoch: 3 asks too (it has not left yet), and is told to wait
         asked = {m: Outbox() for m in (1, 3, 4, 5)}
         for m, box in asked.items():
-            a._requests[m] = (Join(f"a{m}", 9, True, 4), f"i{m}", box)
-        epoch = a._coordinate(9, True, 2, 5.0)
+            a._requests[m] = (Join(f"a{m}", 9, True, 4, 1), f"i{m}", box)
+        epoch = a._coordinate(9, True, 2)
         assert epoch is not None and epoch.numbers() == [0, 1, 4, 5]
         assert asked[3].sent == [Wait("a3")]
         assert isinstance(asked[1].sent[0], EpochNews) and asked[1].sent[0].id == "a1"
-        epoch.store = None
         # group 1 restarted: its process 0 ready, its process 1 still starting; then both ready
         with a._lock:
             a._seen[2] = {"inc": "new2", "t": now, "eof": False, "epoch": -1, "state": "forming"}
@@ -895,7 +895,7 @@ def test_only_the_coordinator_calls_a_group_in_to_join():
     (9 epochs where 3 were due). Calling a group in is the coordinator's; the exchange tells the others."""
     members = [f"127.0.0.1:{p}" for p in free_port_runs(6, 1)]
     b = Beacon(members, 1, SECRET, 0.05, 60.0, procs=2)
-    epoch = Epoch(5, [Member(m, b.incarnation if m == 1 else f"i{m}", 9, True) for m in (0, 1, 4, 5)], 1)
+    epoch = Epoch(5, [Member(m, b.incarnation if m == 1 else f"i{m}", 9, True, 1) for m in (0, 1, 4, 5)], 1)
     try:
         now = time.monotonic()
         with b._lock:  # its view: both of group 1's processes heard lately, neither of them gone
@@ -904,7 +904,7 @@ def test_only_the_coordinator_calls_a_group_in_to_join():
                               "state": "training" if m in (0, 4, 5) else "forming"}
         assert b.joiners(epoch) == []
         a = Beacon(members, 0, SECRET, 0.05, 60.0, procs=2)
-        coordinator = replace(epoch, rank=0, members=[Member(0, a.incarnation, 9, True), *epoch.members[1:]])
+        coordinator = replace(epoch, rank=0, members=[Member(0, a.incarnation, 9, True, 1), *epoch.members[1:]])
         try:
             with a._lock:
                 a._seen.update({m: dict(s, inc=f"i{m}") for m, s in b._seen.items() if m != 0})
@@ -981,7 +981,7 @@ def test_mfu_under_replica_groups_counts_the_peak_of_every_live_group(live_group
     t = ReplicaTrainer.__new__(ReplicaTrainer)  # the figure alone: no model, no process group
     t.cfg, t.device = TrainerConfig(cpu_peak_flops=1e11, gpu_peak_flops=1e12), torch.device(device)
     t.info = member_view(DistInfo(world_size=procs, local_world_size=procs), sharded)
-    members = [Member(m, "x", 9, True) for m in range(live_groups * procs)]
+    members = [Member(m, "x", 9, True, 1) for m in range(live_groups * procs)]
     t.replicas = type("Groups", (), {"epoch": Epoch(4, members, 0), "procs": procs})()
     assert t.peak() == peak
 
@@ -1226,8 +1226,8 @@ def test_a_member_passes_over_news_of_an_epoch_it_left():
 
     def coordinator(to, request):  # answers each request at once, as coordinator 0 would
         number = next(answers)
-        members = (Member(0, "zero", 9, True), Member(1, b.incarnation, 9, True))
-        b._heard(0, "zero", EpochNews(request.id, number, "127.0.0.1", 1, members), Outbox())
+        members = (Member(0, "zero", 9, True, 1), Member(1, b.incarnation, 9, True, 1))
+        b._heard(0, "zero", EpochNews(request.id, number, "ab12ab12ab12", members), Outbox())
     b.links.send = coordinator
     b.alive = lambda at_least=0.0: {0: "zero", 1: b.incarnation}
     try:
@@ -1346,8 +1346,8 @@ def test_with_nothing_new_the_coordinator_judges_its_epoch_once_and_a_silence_or
     for lost_after_s in (30.0, 0.3):
         b = Beacon(peers, 0, SECRET, 0.05, lost_after_s)
         try:
-            epoch = Epoch(2, [Member(0, b.incarnation, 5, True), Member(1, "inc1", 5, True),
-                              Member(2, "inc2", 5, True)], 0)
+            epoch = Epoch(2, [Member(0, b.incarnation, 5, True, 1), Member(1, "inc1", 5, True, 1),
+                              Member(2, "inc2", 5, True, 1)], 0)
             for m in (1, 2):
                 b._heard(m, f"inc{m}", Heartbeat("training", 2, 5, 2), None)
             judged = []
@@ -1381,7 +1381,7 @@ def test_a_coordinator_gives_its_epoch_up_before_its_first_exchange_when_a_lower
     try:
         assert wait_for(lambda: 2 in b1.alive(), 10)
         b2.set_status(state="training", epoch=1)  # in group 0's epoch 1
-        epoch = Epoch(1, [Member(1, b1.incarnation, 5, True), Member(2, b2.incarnation, 5, True)], 0)
+        epoch = Epoch(1, [Member(1, b1.incarnation, 5, True, 1), Member(2, b2.incarnation, 5, True, 1)], 0)
         trained = Epoch(1, epoch.members, 0, exchanged=True)
         b1.set_status(state="training", epoch=1)
         assert wait_for(lambda: b1.lost(epoch) is None, 1) and b1.lost(trained) is None
@@ -1506,35 +1506,21 @@ def test_every_members_beacon_takes_the_next_epoch_while_its_trainer_finishes_it
             b.close()
 
 
-def test_the_coordinator_makes_the_epochs_store_while_the_requests_come(monkeypatch):
-    """The store where an epoch's links meet is made as the coordinator starts to form, not once the last
-    request came: at 32 groups on 2 cores, the new coordinator, loaded, took 0.1 to 0.2 s to make it
-    after every request had come, and every member waited that long more for its answer."""
-    import mingpt.replicas.beacon as beacon_module
-
-    made: list[float] = []
-    bound_store = beacon_module.bound_store
-
-    def store(*args, **kwargs):
-        made.append(time.monotonic())
-        return bound_store(*args, **kwargs)
-    monkeypatch.setattr(beacon_module, "bound_store", store)
-    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    beacons = [Beacon(peers, m, SECRET, 0.05, 1.0) for m in range(3)]
-    got: dict = {}
+def test_each_pair_of_an_epochs_links_meets_on_its_lower_members_store_not_the_coordinators():
+    """Each member hosts a rendezvous store, and a pair of the epoch's ring meets on the store of its
+    lower-ranked member: each store serves at most two pairs, whatever the job's size. The coordinator
+    hosted one store for every pair: at 32 groups on 2 cores, making the links took 0.4 to 1 s there.
+    Six members: the ring's pairs (0, 1) ... (4, 5) and (0, 5); member 5 is the lower end of none."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(6)]
+    beacons = [Beacon(peers, m, SECRET, 0.05, 1.0) for m in range(6)]
     try:
-        assert wait_for(lambda: all(len(b.alive()) == 3 for b in beacons), 10)
-        threads = [threading.Thread(target=lambda b=b: got.setdefault(b.member, b.form(0, False, 3, 20.0, lambda: False)))
-                   for b in beacons[:2]]
-        for t in threads:
-            t.start()
-        time.sleep(0.5)
-        last_asked = time.monotonic()  # member 2 asks last
-        got[2] = beacons[2].form(0, False, 3, 20.0, lambda: False)
-        for t in threads:
-            t.join(15)
-        assert [got[m].numbers() for m in range(3)] == [[0, 1, 2]] * 3
-        assert len(made) == 1 and made[0] < last_asked, (made, last_asked)  # (one store, kept while it forms)
+        epochs = form_all(beacons, step=0, min_groups=6)
+        assert all(epochs[m].numbers() == list(range(6)) and epochs[m].pg is not None for m in range(6))
+        keys = [b.own_store().num_keys() for b in beacons]
+        pair = keys[1] - keys[5]  # what one pair leaves in a store
+        assert pair > 0 and keys[1:5] == [keys[5] + pair] * 4 and keys[0] == keys[5] + 2 * pair, keys
+        ports = {m.number: m.store for m in epochs[3].members}  # (each member's, as the epoch says)
+        assert ports == {b.member: b.own_store().port for b in beacons}
     finally:
         for b in beacons:
             b.close()
