@@ -25,7 +25,7 @@ def devices() -> list:
 
 
 class Rendezvous(dist.Store):
-    """The epoch's store as a pair's rendezvous sees it: a wait for a key polls for it, a short request at a
+    """A member's rendezvous store as a pair sees it: a wait for a key polls for it, a short request at a
     time. A store client answers one request at a time, and gloo's rendezvous waits for its peer's address
     inside one: a member whose pair with one neighbour waited there had not yet published its address for
     the other pair, and three members, each waiting on the next, waited for the timeout (20 s in a test)."""
