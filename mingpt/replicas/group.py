@@ -239,7 +239,7 @@ class Replicas:
                  "groups" if self.procs == 1 else "group.process", members, self.me, self.epoch.rank,
                  time.monotonic() - t0, self.epoch.setup_s,
                  (f"; the last request, {self.beacon.name(last[0])}'s, came {last[1]:.2f} s in" if last else "")
-                 + ("; formed by its beacon while this member finished its step" if self.epoch.ahead else ""))
+                 + ("; formed by its beacon before its trainer asked" if self.epoch.ahead else ""))
         return self.epoch
 
     def check(self) -> None:

@@ -128,6 +128,11 @@ class ReplicaTrainer(Trainer):
                         "brings it back, healed from them)", self.policy.preempt.describe(), r.me, step + 1)
         return torch.tensor(total, device=self.device), split
 
+    def says_stop(self) -> bool:
+        # this group leaves while the others train on: its line at the exchange said so (`compute`), and
+        # "the same command resumes from" the snapshot is not what happens: the others heal it
+        return not (self.replicas.flags[0] and self.replicas.staying)
+
     def record_extra(self) -> dict:
         epoch = self.replicas.epoch
         return {"world_size": epoch.world, "members": epoch.numbers(), "shares": self.replicas.shares_record,

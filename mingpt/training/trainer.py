@@ -142,11 +142,16 @@ class Trainer:
                 self.finish_saving(self.policy.preempt.describe())
                 if self.role.leads and self.policy.preempt.restarting:  # nobody need act: say so, quietly
                     log.info("torchrun restarts the workers: snapshot of step %d saved; they resume from it", p.step)
-                elif self.role.leads:  # every rank stops; one says so
+                elif self.role.leads and self.says_stop():  # every rank stops; one says so
                     log.warning("%s: snapshot of step %d saved; the same command resumes from it",
                                 self.policy.preempt.describe(), p.step)
                 return False
         self.finish_saving(f"the run reached step {p.step}")
+        return True
+
+    def says_stop(self) -> bool:
+        """Whether the leader's line says the job stopped on a preemption signal and resumes from its snapshot
+        (a replica group that leaves while the others train on has said what it does instead)."""
         return True
 
     def state_json(self) -> dict:

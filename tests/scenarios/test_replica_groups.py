@@ -581,6 +581,8 @@ def test_a_stop_signal_to_every_group_saves_the_last_step_trained_and_the_same_c
     trained = max(r["step"] for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "train")
     assert trained < STEPS and [s.step for s in SnapshotStore(str(run_dir / "snapshots")).list() if s.committed][-1] == trained
     assert "leaves the job after step" in logs[0].read_text(), logs[0].read_text()[-3000:]
+    # (it left while the others trained on: its line says that, and no other line that its snapshot resumes)
+    assert "the same command resumes from it" not in logs[0].read_text(), logs[0].read_text()[-3000:]
     agents = [launch(g, peers, reference["corpus"], run_dir, tmp_path / f"again{g}.log") for g in range(GROUPS)]
     try:
         codes = [a.wait(timeout=240) for a in agents]

@@ -16,7 +16,7 @@ LOGS = "".join(f"15:45:19 vm:0 [rank 0/1] INFO mingpt.replicas: {line}\n" for li
     "replica epoch 0: groups [0, 1, 2, 3] (this is group 1, rank 1), formed in 0.50 s (its links 0.00 s)",
     "replica epoch 0 ended at step 31: group 0 lost (its connection closed); the next epoch trains the step again",
     "replica epoch 1: groups [1, 2, 3] (this is group 1, rank 0), formed in 0.05 s (its links 0.05 s; the last "
-    "request, group 3's, came 0.01 s in; formed by its beacon while this member finished its step)",
+    "request, group 3's, came 0.01 s in; formed by its beacon before its trainer asked)",
     "replica epoch 2: groups [0, 1, 2, 3] (this is group 1, rank 1), formed in 0.01 s (its links 0.00 s)",
     "replica beacon of group 1: 3 channels at the end; sent 900 messages (81900 bytes) in 30.0 s",
     "replica epoch 0: groups [0, 1, 2, 3] (this is group 2, rank 2), formed in 0.51 s (its links 0.01 s)",

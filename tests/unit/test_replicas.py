@@ -986,6 +986,21 @@ def test_mfu_under_replica_groups_counts_the_peak_of_every_live_group(live_group
     assert t.peak() == peak
 
 
+def test_a_group_leaving_while_the_others_train_on_says_so_once_not_that_its_snapshot_resumes():
+    """A stop signal to the group that leads (logs for the job): its line at the exchange says it leaves
+    and the others train on; the trainer's own stop line ("the same command resumes from" the snapshot)
+    said the opposite after it. Where every group stops, the last one's stop line is the job's."""
+    from mingpt.training.replica_trainer import ReplicaTrainer
+
+    t = ReplicaTrainer.__new__(ReplicaTrainer)
+    t.replicas = type("Groups", (), {"flags": (True, True), "staying": 2})()
+    assert not t.says_stop()
+    t.replicas.staying = 0  # (the last group: nobody trains on)
+    assert t.says_stop()
+    t.replicas.flags, t.replicas.staying = (False, True), 3  # (another group stops: this one is not stopping)
+    assert t.says_stop()
+
+
 def test_a_collective_broken_by_a_lost_member_names_it_as_the_beacon_knows_it():
     """gloo may report a killed member's closed connection before the beacon reads its own close: the
     step's fault still names the member and how it was lost, not gloo's address and source file."""
