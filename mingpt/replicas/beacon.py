@@ -358,8 +358,7 @@ class Beacon:
                                    "exited or never started (see their logs); start them again, then this group "
                                    "with them")
             try:
-                epoch = (self._coordinate(step, live, min_groups) if coordinator == self.member
-                         else self._ask(coordinator, step, live))
+                epoch = self._request(coordinator, step, live, min_groups)
             except OSError:
                 epoch = None
             if epoch is not None:
@@ -426,9 +425,7 @@ class Beacon:
     def _run_ahead(self, ahead: dict, why: str) -> None:
         min_groups, timeout_s = self._forming
         try:
-            coordinator = min(self.alive())
-            epoch = (self._coordinate(ahead["step"], True, min_groups) if coordinator == self.member
-                     else self._ask(coordinator, ahead["step"], True))
+            epoch = self._request(min(self.alive()), ahead["step"], True, min_groups)
             if epoch is not None:
                 epoch.ahead = True
                 if self._take(epoch, timeout_s, why=why[:300], step=ahead["step"]):
@@ -461,6 +458,11 @@ class Beacon:
         with self._lock:
             told = self._seen.get(coordinator, {}).get("groups", 0) if coordinator != self.member else 0
         return max(heard, told)
+
+    def _request(self, coordinator: int, step: int, live: bool, min_groups: int) -> Epoch | None:
+        """The next epoch as `coordinator` forms it: this member forms it, if it is the coordinator; else asks."""
+        return (self._coordinate(step, live, min_groups) if coordinator == self.member
+                else self._ask(coordinator, step, live))
 
     def _ask(self, coordinator: int, step: int, live: bool) -> Epoch | None:
         rid = secrets.token_hex(6)
