@@ -33,8 +33,8 @@ echo node01
 
 TORCHRUN = """#!/usr/bin/env bash
 if [[ "$1" == --new-secret ]]; then exec "$REAL_BIN/mingpt-torchrun" "$@"; fi  # the job's secret: the real one
-echo "$$ $*" >> "$RECORD/torchrun.calls"
-trap 'echo "$$ TERM" >> "$RECORD/torchrun.calls"; exit 75' TERM
+trap 'echo "$$ TERM" >> "$RECORD/torchrun.calls"; exit 75' TERM  # (before the call is recorded: the tests signal
+echo "$$ $*" >> "$RECORD/torchrun.calls"  # once they see it, and a signal between the two killed it unrecorded)
 for _ in $(seq "${FAKE_TICKS:-100}"); do sleep 0.05; done
 exit "${FAKE_EXIT:-0}"
 """
