@@ -2,15 +2,19 @@
 no model, no training, no epoch process group), spread over a few processes on loopback, each member
 on its own port with the job's one secret, each forming epochs in a thread of its own.
 
-    python -m benchmarks membership-sim [--members 256 1024] [--per-process 128] [--lose 10]
+    python -m benchmarks membership-sim [--members 256 1024] [--per-process 128] [--lose 10] [--fan-out 6]
         [--heartbeat-s 0.1] [--lost-after-s 1.0] [--deadline-s 120] [--window-s 3] [--max-threads 4096] [--keep DIR]
+
+The members hear each other through a tree of relays (replicas.fan_out: --fan-out members below each).
 
 For each number of members N: the time from the start until every member holds an epoch of all N
 (`first_formation_s`); each member's beacon traffic over --window-s then (`beacon_msgs_per_s`,
-`beacon_bytes_per_s`: Links.sent), its channels (`Links.channels()`), and the threads per process
-and per member; then --lose members (0, the coordinator, to lose - 1: their processes SIGKILLed at once) and
+`beacon_bytes_per_s`: Links.sent), its channels (`Links.channels()`), the threads per process
+and per member, and the CPU all members used (`cpu_cores`; `cpu_ms_per_member_s`: a member's share,
+milliseconds a second); then --lose members (0, the coordinator, to lose - 1: their processes SIGKILLed at once) and
 the time from the kill until every survivor holds an epoch without them (`reformation_s`, the aim
-being 2 s; `reformed_world`: its members). Members' figures: median, max and the member holding the
+being 2 s; `reformed_world`: its members), and the survivors' channels once it has (`channels_after`:
+a member whose parent and every ancestor were lost hangs from the members past the lost ones). Members' figures: median, max and the member holding the
 max. A survivor leaves its epoch when `beacon.lost(epoch)` says why (or another member waits to
 join: `beacon.joiners`) and forms again. The quorum is a majority, or the survivors where they are
 fewer. A setting that does not form within --deadline-s (or whose process passes --max-threads: a
@@ -96,7 +100,7 @@ def child(args) -> None:
     for m in range(args.first, args.first + args.count):
         try:
             beacons.append(SimBeacon(addresses, m, secret, args.heartbeat_s, args.lost_after_s,
-                                     quorum_wait_s=args.deadline_s))
+                                     quorum_wait_s=args.deadline_s, fan_out=args.fan_out))
         except (RuntimeError, OSError) as e:  # (a thread or a descriptor refused)
             return say(event="error", why=f"member {m} could not start its beacon ({e})")
         if threading.active_count() > args.max_threads:
@@ -143,6 +147,16 @@ def threads_of(pid: int) -> int:
         return 0
 
 
+def cpu_s(pids) -> float:
+    """CPU seconds (user and system) the processes `pids` have used so far."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class Sim:
     """One setting's processes of members, and what they say (a reader thread each, into one queue)."""
 
@@ -155,7 +169,8 @@ class Sim:
             [sys.executable, "-m", "benchmarks.membership_sim", "--child", "--first", str(r.start), "--count", str(len(r)),
              "--members", str(members), "--port", str(port), "--quorum", str(quorum(members, args.lose)),
              "--deadline-s", str(args.deadline_s), "--max-threads", str(args.max_threads),
-             "--heartbeat-s", str(args.heartbeat_s), "--lost-after-s", str(args.lost_after_s)],
+             "--heartbeat-s", str(args.heartbeat_s), "--lost-after-s", str(args.lost_after_s),
+             "--fan-out", str(args.fan_out)],
             cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             stderr=open(logs / f"members{members}-process{i}.log", "w"), preexec_fn=die_with_bench)
             for i, r in enumerate(self.parts)]
@@ -203,8 +218,9 @@ class Sim:
             if msg["event"] == "report":
                 got.update({int(m): v for m, v in msg["members"].items()})
                 times.append(msg["t"])
-        self.tell("report")
-        self.until(lambda: len(times) == len(self.procs), take, deadline, "no report")
+        live = self.procs[self.lost:] if self.killed else self.procs
+        self.tell("report", live)
+        self.until(lambda: len(times) == len(live), take, deadline, "no report")
         return max(times), got
 
     def close(self) -> None:
@@ -248,14 +264,17 @@ def setting(args, members: int, logs: Path) -> dict:
                                f"epoch held {biggest[0]})") from None
         out["first_formation_s"] = round(max(whole.values()) - go, 3)
         t1, before = sim.report(time.time() + args.deadline_s)
+        cpu = cpu_s(p.pid for p in sim.procs)
         time.sleep(args.window_s)
         t2, after = sim.report(time.time() + args.deadline_s)
+        cpu = cpu_s(p.pid for p in sim.procs) - cpu
         threads = {i: threads_of(p.pid) for i, p in enumerate(sim.procs)}
         out.update(channels=stat({m: v[0] for m, v in after.items()}, 1),
                    beacon_msgs_per_s=stat({m: (after[m][1] - before[m][1]) / (t2 - t1) for m in after}, 1),
                    beacon_bytes_per_s=stat({m: (after[m][2] - before[m][2]) / (t2 - t1) for m in after}, 0),
                    threads_per_process=stat(threads, 0, "max_process"),
-                   threads_per_member=round(sum(threads.values()) / members, 1))
+                   threads_per_member=round(sum(threads.values()) / members, 1),
+                   cpu_cores=round(cpu / (t2 - t1), 2), cpu_ms_per_member_s=round(1000 * cpu / (t2 - t1) / members, 2))
         again: dict[int, tuple[float, int]] = {}
 
         def without(_, msg):
@@ -273,6 +292,9 @@ def setting(args, members: int, logs: Path) -> dict:
             raise RuntimeError(f"{e} ({len(again)} of {survivors} survivors held an epoch without them)") from None
         out["reformation_s"] = round(max(t for t, _ in again.values()) - kill, 3)
         out["reformed_world"] = {"min": min(w for _, w in again.values()), "max": max(w for _, w in again.values())}
+        time.sleep(args.window_s)  # (the members whose parents were lost hang from others now)
+        _, now = sim.report(time.time() + args.deadline_s)
+        out["channels_after"] = stat({m: v[0] for m, v in now.items()}, 1)
     except RuntimeError as e:
         out["error"] = str(e)
     finally:
@@ -292,6 +314,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                   "stops (this machine's other users go on)")
     ap.add_argument("--heartbeat-s", type=float, default=0.1, help="replicas.heartbeat_s (its default: 0.1)")
     ap.add_argument("--lost-after-s", type=float, default=1.0, help="replicas.lost_after_s (its default: 1.0)")
+    ap.add_argument("--fan-out", type=int, default=6, help="replicas.fan_out: members below each relay of the tree")
     ap.add_argument("--keep", help="keep each process's log here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     for name in ("--first", "--count", "--port", "--quorum"):

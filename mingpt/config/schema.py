@@ -342,6 +342,11 @@ class ReplicasConfig:
     a lost group's shares are dealt out among the survivors. 0: N x min(groups - 1, 4) for groups of N
     processes, min(groups - 1, 4) each (with trainer.parallel=fsdp, whose processes train each share
     together, a part each: min(groups - 1, 4)); a lost owner's shares go one to each of up to 4 others."""
+    fan_out: int = 32
+    """Members (processes) below each relay in a job of more than fan_out + 1 members: the beacons hear
+    each other through a tree, each member holding a channel to its parent and to its fan_out children
+    at most (the root, the coordinator, hears every member through them). Up to fan_out + 1 members,
+    every member hears the coordinator and its successor directly."""
 
     def __post_init__(self) -> None:
         n = len(self.peers)
@@ -355,6 +360,7 @@ class ReplicasConfig:
         _check(self.shares_per_group >= 0, f"replicas.shares_per_group={self.shares_per_group} must be 0 "
                                            "(the default: min(groups - 1, 4) per process) or more")
         _check(len(set(self.peers)) == n, "replicas.peers lists an address twice: give each group its own HOST:PORT")
+        _check(self.fan_out >= 1, f"replicas.fan_out={self.fan_out} must be 1 or more (members below each relay)")
 
     @property
     def enabled(self) -> bool:

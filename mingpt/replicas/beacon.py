@@ -79,11 +79,12 @@ class Beacon:
     judges its coordinator (and its own group's processes) itself, and takes the coordinator's verdict for the rest."""
 
     def __init__(self, addresses: list[str], member: int, secret: bytes, heartbeat_s: float, lost_after_s: float,
-                 procs: int = 1, sharded: bool = False, quorum_wait_s: float = 600.0):
+                 procs: int = 1, sharded: bool = False, quorum_wait_s: float = 600.0, fan_out: int = 0):
         # with several processes per group (`procs`), each process is a member: `addresses` lists every
         # member's and `member` is this process's place in it (group * procs + process);
         # `sharded`: the group's processes shard the model (FSDP), and each epoch also gets a process
-        # group per process index (the members that hold the same shard)
+        # group per process index (the members that hold the same shard); `fan_out`: a job of more members than
+        # fan_out + 1 hears its members through a tree of relays (link.py), each with fan_out members below it
         self.member, self.secret, self.procs, self.members = member, secret, procs, len(addresses)
         self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
         self.quorum_wait_s = quorum_wait_s  # forming ends when too few groups are heard from at all for this long
@@ -119,7 +120,7 @@ class Beacon:
         # step the last one dropped (`_form_ahead`)
         self.links = Links([host_port(a) for a in addresses], member, self.incarnation, secret, heartbeat_s,
                            lost_after_s, procs, heartbeat=self._beat, on_message=self._heard,
-                           on_up=lambda _: self._tell(), on_lost=self._hung_up, pins=self._pins)
+                           on_up=lambda _: self._tell(), on_lost=self._hung_up, pins=self._pins, fan_out=fan_out)
         self.name = self.links.name  # a member as the logs name it: "group 2", or "group 2 process 1"
         self.links.start()
 
@@ -313,7 +314,7 @@ class Beacon:
         """The members this one keeps a channel to beside the lowest ones up: its group's processes, and
         while it trains in an epoch, the epoch's coordinator and successor (whose verdict it takes)."""
         last = self.last
-        if last is not None and self.status.state in ("training", "finished"):
+        if last is not None and self.status.state in ("training", "finished") and not self.links.tree:
             return self._direct(last) - {self.member}
         return set(self.siblings(self.member)) - {self.member}
 
@@ -460,9 +461,14 @@ class Beacon:
         return max(heard, told)
 
     def _request(self, coordinator: int, step: int, live: bool, min_groups: int) -> Epoch | None:
-        """The next epoch as `coordinator` forms it: this member forms it, if it is the coordinator; else asks."""
-        return (self._coordinate(step, live, min_groups) if coordinator == self.member
-                else self._ask(coordinator, step, live))
+        """The next epoch as `coordinator` forms it: this member forms it, if it is the coordinator; else asks.
+        (In a tree, a member that hears no lower member but still looks for its parent waits: None.)"""
+        if coordinator != self.member:
+            return self._ask(coordinator, step, live)
+        if not self.links.is_root():
+            time.sleep(self.heartbeat_s / 2)
+            return None
+        return self._coordinate(step, live, min_groups)
 
     def _ask(self, coordinator: int, step: int, live: bool) -> Epoch | None:
         rid = secrets.token_hex(6)
@@ -554,10 +560,13 @@ class Beacon:
         news = EpochNews("0", number, secrets.token_hex(6), tuple(members))
         with self._lock:  # a member that missed its answer (it asked again meanwhile) is answered with it
             self._announced = news
-        line = encode(news)  # encoded once (an epoch of a thousand members is 70 kB), each request's id put in
-        for request, _, conn in asked.values():
-            with contextlib.suppress(OSError):  # it is lost: forming the group notices
-                conn.send(line.replace(b'"id": "0"', f'"id": "{request.id}"'.encode(), 1))
+        if self.links.tree:  # down the tree once, for all (each member takes it as the answer to its request)
+            self.links.broadcast(news)
+        else:
+            line = encode(news)  # encoded once (an epoch of a thousand members is 40 kB), each request's id put in
+            for request, _, conn in asked.values():
+                with contextlib.suppress(OSError):  # it is lost: forming the group notices
+                    conn.send(line.replace(b'"id": "0"', f'"id": "{request.id}"'.encode(), 1))
         last = max(asked, key=lambda m: self._asked_at.get(m, 0.0), default=None)
         return Epoch(number, members, [m.number for m in members].index(self.member), news.key,
                      last_request=None if last is None else (last, max(0.0, self._asked_at.get(last, started) - started)))
@@ -663,7 +672,7 @@ class Beacon:
     def _heard(self, member: int, inc: str, msg, channel: Channel) -> str | None:
         """A record from member `member` (incarnation `inc`): its heartbeat, or a join request to this
         coordinator; else why it is dropped."""
-        news = None
+        news, root = None, isinstance(msg, Join) and self.links.is_root()  # (links' lock before ours, not inside it)
         with self._lock:
             if isinstance(msg, Heartbeat):
                 was, now = self._seen.get(member), time.monotonic()
@@ -685,7 +694,7 @@ class Beacon:
                 self.max_epoch = max(self.max_epoch, msg.epoch)
             elif isinstance(msg, (EpochNews, Wait)):
                 return self._reply(msg)
-            elif isinstance(msg, Join) and min(self._alive()) != self.member:
+            elif isinstance(msg, Join) and (min(self._alive()) != self.member or not root):
                 # not the coordinator (a lower member is back, or the asker has not heard of it): said at
                 # once, and the asker looks for a lower member now
                 news = Wait(msg.id)
@@ -718,8 +727,9 @@ class Beacon:
         self.links.wake()
 
     def _invites(self, news: EpochNews) -> bool:
-        """Whether `news` counts this member, forming now, into an epoch newer than its last (under the lock)."""
-        return (self.status.state == "forming" and news.number >= self.max_epoch
+        """Whether `news` counts this member, forming now (or asking: a tree's announcement answers every
+        request), into an epoch newer than its last (under the lock)."""
+        return ((self.status.state == "forming" or self._pending) and news.number >= self.max_epoch
                 and (self.last is None or news.number > self.last.number)
                 and counts_in(news.members, self.member, self.incarnation))
 
@@ -735,4 +745,6 @@ class Beacon:
             self._invited = msg
             self._tell()
             return None
+        if isinstance(msg, EpochNews) and msg.id == "0":
+            return None  # (a tree's announcement, to every member: one not asking has nothing to take)
         return f"a {type(msg).__name__} that answers no request of ours"

@@ -167,7 +167,7 @@ class Replicas:
         shares = model_of(sharded, procs).shares_each(rc.shares_per_group, procs, groups)
         sys.setswitchinterval(SWITCH_S)
         beacon = Beacon(member_addresses(rc.peers, procs), rc.group * procs + info.local_rank, secret, rc.heartbeat_s,
-                        rc.lost_after_s, procs, sharded, quorum_wait_s=rc.quorum_wait_s)
+                        rc.lost_after_s, procs, sharded, quorum_wait_s=rc.quorum_wait_s, fan_out=rc.fan_out)
         return cls(beacon, groups * procs, rc.min_groups or default_min_groups(groups), rc.timeout_s, shares, tp)
 
     @property

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import random
 import selectors
@@ -22,8 +23,10 @@ from mingpt.replicas.wire import (
     PROTOCOL,
     Bye,
     Channel,
+    Down,
     Heartbeat,
     Hello,
+    Up,
     WireError,
     contexts,
     encode,
@@ -96,12 +99,19 @@ class Links:
     `on_message(member, inc, msg, channel)` (`channel` to answer on; on the links' threads once `start`ed; one that
     returns a string drops the record, saying why); `on_up(member)` a channel is up (either way);
     `on_lost(member, inc)` a member's connection ended without its goodbye (under the links' lock: it
-    must not call Links)."""
+    must not call Links).
+
+    A job of more than `fan_out` + 1 members is a tree instead (`tree`): a member keeps one channel up, to
+    its parent (member (n - 1) // fan_out, else the nearest ancestor up, else the lowest member up: the
+    root), and its children dial it. What a member hears of the others comes relayed: heartbeats, join
+    requests and lost connections go up, from relay to relay, to the root (which hears every member, as
+    the coordinator must); the root's heartbeats, its answers and its announcements come down, each line
+    passed on as it came. So every member holds at most fan_out + 1 channels (its group's aside)."""
 
     def __init__(self, addresses: list[tuple[str, int]], me: int, incarnation: str, secret: bytes, heartbeat_s: float,
                  lost_after_s: float, procs: int, *, heartbeat: Callable[[], Heartbeat], on_message: Callable,
                  on_up: Callable[[int], None], on_lost: Callable[[int, str], None],
-                 pins: Callable[[], set[int]] = set):
+                 pins: Callable[[], set[int]] = set, fan_out: int = 0):
         self.addresses, self.member, self.incarnation, self.procs = addresses, me, incarnation, procs
         self.heartbeat_s, self.lost_after_s = heartbeat_s, lost_after_s
         self.heartbeat, self.on_message, self.on_up, self.on_lost, self.pins = heartbeat, on_message, on_up, on_lost, pins
@@ -121,6 +131,18 @@ class Links:
         self._wake = threading.Event()  # the ticker looks again now (a member dialled in, a channel ended)
         self._stop = threading.Event()
         self._told_size = False  # a peer of another size of job was named once (it dials again and again)
+        self.fan_out = fan_out
+        self.tree = 0 < fan_out < len(addresses) - 1
+        self._parent: int | None = None  # (a tree) the member this one hangs from now; None: it is the root, or looks
+        self._settled = False  # (a tree) it has hung from a parent
+        self._root: tuple[int, str] | None = None  # (a tree) the root whose heartbeats came down last: (member, inc)
+        self._up_beats: dict[int, tuple] = {}  # (a tree) the newest heartbeat of each member below, to pass up
+        self._up_more: list[tuple] = []  # (a tree) join requests and lost connections to pass up, in order
+        self._up_last: dict[int, Heartbeat] = {}  # the last heartbeat passed up of each member below
+        self._down_more: list[tuple] = []  # (a tree) answers to send down: the root's, and those passing through
+        self._routes: dict[int, int] = {}  # (a tree) member below -> the member below this one it came up through
+        self._down: set[int] = set()  # members whose last dial found nobody there (refused, or no answer in time): a
+        # member busy with other handshakes closes a dial, and is not down
 
     def start(self) -> None:
         # the ticker first: while the port is taken, the other members hear this one (starting), and
@@ -139,37 +161,205 @@ class Links:
         self._threads[-1].start()
 
     def targets(self) -> tuple[set[int], set[int]]:
-        """(members to keep a channel to, members to dial now): the two lowest members up, the pinned,
-        and a dial to every member below the second of those whose last dial did not fail just now
-        (at most PROBES at once beyond the pinned: a job starting all at once does not dial every member)."""
+        """(members to keep a channel to, members to dial now): the two lowest members up (in a tree: the
+        first member up of `candidates`, its parent), the pinned, and a dial to every member before
+        them whose last dial did not fail just now (at most PROBES at once beyond the pinned: a job
+        starting all at once does not dial every member)."""
         now = time.monotonic()
         with self._lock:
             up, dialing = set(self._senders), set(self._dialing)
         pins = {m for m in self.pins() if 0 <= m < len(self.addresses) and m != self.member}
         keep, dial, found = set(pins), {m for m in pins - up - dialing if self._retry.get(m, 0) <= now}, 0
         probes = len(dialing - pins)
-        for m in range(len(self.addresses)):
+        parent = None
+        if self.tree and (silent := self._silent_parent(now)) is not None:
+            up.discard(silent)
+        for m in self.candidates():
             if m == self.member:
                 continue
             if m in up:
                 keep.add(m)
                 found += 1
-                if found == 2:
+                if self.tree:
+                    parent = m
+                if found == (1 if self.tree else 2):
                     break
+            elif self.tree:  # one dial up at a time: a thousand members starting at once each dialled four
+                # ancestors, the root among them; and a member that has never had a parent waits lost_after_s for
+                # its own to start before it dials the next one up
+                if m in dialing:
+                    keep.add(m)
+                    break
+                if m in self._down and (self._settled or now - self.started >= self.lost_after_s):
+                    continue
+                if self._retry.get(m, 0) <= now:
+                    dial.add(m)
+                break
             elif m in dialing:
                 keep.add(m)
             elif self._retry.get(m, 0) <= now and probes < PROBES:
                 dial.add(m)
                 probes += 1
+        self._parent = parent
+        self._settled = self._settled or parent is not None
         return keep, dial
+
+    def _silent_parent(self, now: float) -> int | None:
+        """(A tree) the parent, if nothing came from it for 4 x lost_after_s (as long as a member may be late):
+        a frozen process, a cut network, a channel that does not close. Its channel is closed, and it is down
+        until a dial finds it again."""
+        with self._lock:
+            channel = self._senders.get(self._parent) if self._parent is not None else None
+            if channel is None or now - channel.heard < 4 * self.lost_after_s:
+                return None
+            self._down.add(self._parent)
+            self._failures[self._parent] += 1
+            self._retry[self._parent] = now + self.lost_after_s
+        channel.close()
+        return self._parent
+
+    def candidates(self):
+        """The members this one looks for a channel to, in order: every member by number (the two lowest up
+        hear all); in a tree its ancestors (parent first), and where every one of them is down, its
+        ancestors in the same tree of the members past the lowest ones found down (the lowest of those
+        is its root): a few members, whatever the job's size."""
+        if not self.tree:
+            return range(len(self.addresses))
+        with self._lock:  # the lowest members, found down here, or by the root heard (the lowest member up)
+            lost = max(next(m for m in itertools.count() if m not in self._down), self._root[0] if self._root else 0)
+            lost = min(lost, self.member)
+            chain = self.ancestors(self.member)
+            if all(m in self._down for m in chain):
+                chain += [m + lost for m in self.ancestors(self.member - lost)]
+        return chain
+
+    def ancestors(self, member: int) -> list[int]:
+        """(A tree) `member`'s parent, its parent's parent, and so on to member 0."""
+        chain = []
+        while member > 0:
+            member = (member - 1) // self.fan_out
+            chain.append(member)
+        return chain
+
+    @property
+    def parent(self) -> int | None:
+        """(A tree) the member this one hangs from now (None: none, the root)."""
+        return self._parent
+
+    def is_root(self) -> bool:
+        """Whether this member hears every other (the coordinator must): always, but in a tree, where it
+        has no parent and every member below it failed its last dial (it is the lowest member up)."""
+        if not self.tree:
+            return True
+        with self._lock:
+            return self._parent is None and all(m in self._down for m in range(self.member))
+
+    def _pinned(self) -> set[int]:
+        first = self.member - self.member % self.procs
+        return set(range(first, first + self.procs))
+
+    def broadcast(self, msg) -> None:
+        """(The root of a tree) `msg` to every member, down the tree."""
+        self._flood(encode(Down(((self.member, self.incarnation, -1, msg),))))
+
+    def _flood(self, line: bytes) -> None:
+        """A line to every member below this one: the channels in, but its group's."""
+        with self._lock:
+            below = [c for m, c in self._inbound.items() if m not in self._pinned()]
+        for channel in below:
+            with contextlib.suppress(OSError):
+                channel.send(line)
+
+    def _send_down(self, items: list[tuple]) -> None:
+        """Records down: one for every member to every member below, one for a member on its way to it only
+        (the member below this one it came up through)."""
+        with self._lock:
+            below = {m: c for m, c in self._inbound.items() if m not in self._pinned()}
+            lines: dict[int, list] = {}
+            for item in items:
+                for m in (below if item[2] == -1 else [self._routes.get(item[2], item[2])]):
+                    lines.setdefault(m, []).append(item)
+        for m, mine in lines.items():
+            if m in below:
+                with contextlib.suppress(OSError):
+                    below[m].send(Down(tuple(mine)))
+
+    def _pass_up(self, member: int, inc: str, msg, via: int | None = None) -> None:
+        """(A tree, under the lock) a record of a member below, to pass up (a heartbeat replaces the last one
+        not yet passed, and waits for the next tick unless it says something new)."""
+        if via is not None:
+            self._routes[member] = via
+        if isinstance(msg, Heartbeat):
+            self._up_beats[member] = (member, inc, msg)
+            if self._up_last.get(member) == msg:
+                return
+        else:
+            self._up_more.append((member, inc, msg))
+        self._wake.set()
+
+    def _from_below(self, member: int, msg) -> str | None:
+        """(A tree) the records an Up from `member`, a member below, passes on: delivered here if this is
+        the root, else passed up."""
+        root = self.is_root()
+        for m, inc, record in msg.items:
+            if m == self.member:
+                continue  # (its own, come back round a loop that a moment's change of parents made)
+            if not root:
+                with self._lock:
+                    self._pass_up(m, inc, record, member)
+            elif record is None:
+                with self._lock:
+                    self.on_lost(m, inc)
+            else:
+                with self._lock:
+                    self._routes[m] = member
+                if (why := self.on_message(m, inc, record, _Route(self, m))) is not None:
+                    self.drop(self.name(member), why)
+        return None
+
+    def _from_above(self, member: int, msg, line: bytes) -> str | None:
+        """(A tree) a Down from `member`: passed on first (the line as it came, if it is for every member: an
+        announcement of a thousand members is not encoded again; else each record towards its member), then
+        its records for this member (or every one) delivered. From a member that is not this one's parent
+        (one of a moment ago, or a member it dialled to look), dropped."""
+        if member != self._parent:
+            return None
+        if all(to in (-1, self.member) for _, _, to, _ in msg.items):
+            self._flood(line + b"\n")
+        else:
+            with self._lock:
+                self._down_more += [i for i in msg.items if i[2] != self.member]
+            self._wake.set()
+        for m, inc, to, record in msg.items:
+            if to not in (-1, self.member) or m == self.member:
+                continue
+            if record is None:
+                with self._lock:
+                    self.on_lost(m, inc)
+                continue
+            if to == -1 and isinstance(record, Heartbeat) and self._root != (m, inc):
+                # a new root: it dialled every member below it and found none (a higher one), or is the old one's
+                # new process; the old root is lost (the members that heard it go no further than a root's child)
+                if self._root is not None and m >= self._root[0]:
+                    with self._lock:
+                        self.on_lost(*self._root)
+                self._root = (m, inc)
+            if (why := self.on_message(m, inc, record, None)) is not None:
+                self.drop(self.name(member), why)
+        return None
 
     def name(self, member: int) -> str:
         """A member as the logs name it: "group 2", or "group 2 process 1" with several per group."""
         return f"group {member}" if self.procs == 1 else f"group {member // self.procs} process {member % self.procs}"
 
     def send(self, member: int, msg) -> None:
-        """`msg` to `member` over a channel to it (this member's, else the member's); OSError if there is none.
-        A channel being closed (a goodbye) is no channel: what is sent on it after its last flush is lost."""
+        """`msg` to `member` over a channel to it (this member's, else the member's), else OSError; in a tree,
+        up the tree to the root, whoever it is now (a member that has just lost its root may not know the
+        next one yet: it asked its parent, which is not the root, and was told to wait). A channel being
+        closed (a goodbye) is no channel: what is sent on it after its last flush is lost."""
+        if self.tree and self._parent is not None:
+            with self._lock:
+                return self._pass_up(self.member, self.incarnation, msg)
         for channel in (self._senders.get(member), self._inbound.get(member)):
             if channel is not None and not channel.bye:
                 return channel.send(msg)
@@ -323,6 +513,8 @@ class Links:
             except OSError:  # closed meanwhile (this member is closing)
                 return
             with self._lock:  # this connection is now the member's: an older one's end says nothing of it
+                if self._stop.is_set():  # (closed meanwhile)
+                    return
                 self._inbound[member] = channel
                 self._retry.pop(member, None)  # it is up: a dial to it (where this member wants one) goes now
                 self._failures.pop(member, None)
@@ -337,11 +529,30 @@ class Links:
                     del self._inbound[member]
                     if not channel.bye:
                         self.on_lost(member, inc)
+                        if self.tree and self._parent is not None:
+                            self._pass_up(member, inc, None)
 
     def _take_in(self, member: int, inc: str, msg, channel: Channel) -> str | None:
         if isinstance(msg, Bye):  # it no longer needs this channel: its end says nothing of it
             channel.bye = True
             return None
+        if isinstance(msg, Down):
+            return "a Down from a member below"
+        if self.tree and member not in self._pinned():
+            if isinstance(msg, Up):
+                return self._from_below(member, msg)
+            if isinstance(msg, Heartbeat) and not self.is_root():
+                with self._lock:
+                    self._pass_up(member, inc, msg)
+        elif isinstance(msg, Up):
+            return "an Up outside a tree"
+        return self.on_message(member, inc, msg, channel)
+
+    def _take_out(self, member: int, inc: str, msg, channel: Channel, line: bytes) -> str | None:
+        if isinstance(msg, Up):
+            return "an Up from a member this one dialled"
+        if isinstance(msg, Down):
+            return self._from_above(member, msg, line) if self.tree else "a Down outside a tree"
         return self.on_message(member, inc, msg, channel)
 
     def _deliver(self, line: bytes, who: str, what: str, handler: Callable[[object], str | None]) -> None:
@@ -380,6 +591,15 @@ class Links:
         early, last, due = False, None, 0.0
         while not self._stop.is_set():
             keep, dial = self.targets()
+            if self.tree and self._root is not None and self._root[0] < self.member and self.is_root():
+                # this member found every member below it down: the root it heard of is lost (whatever its
+                # last heartbeats said), and the members below this one hear that with its own beats
+                with self._lock:
+                    self.on_lost(*self._root)
+                # (with this member's beat: the members below hear of the next root at once, and ask it)
+                self._flood(encode(Down((self._root + (-1, None), (self.member, self.incarnation, -1,
+                                                                      self.heartbeat())))))
+                self._root = None
             for m in dial:
                 with self._lock:
                     self._dialing.add(m)
@@ -403,8 +623,32 @@ class Links:
                 for channel in channels:
                     with contextlib.suppress(OSError):
                         channel.send(line)
-            early = self._wake.wait(max(0.0, due - time.monotonic()))
+                if self.tree and self.is_root():  # (the members below hear the root's beats, passed down)
+                    self._flood(encode(Down(((self.member, self.incarnation, -1, beat),))))
+            if self.tree:
+                self._relay(out)
+            wait = due - time.monotonic()
+            if self._up_beats:  # (a relay passes its members' heartbeats up within half a heartbeat)
+                wait = min(wait, self.heartbeat_s / 2)
+            self._wake.wait(max(0.0, wait))
+            early = time.monotonic() < due  # (woken, or a relay's turn: the beat itself waits for its time)
             self._wake.clear()
+
+    def _relay(self, out: dict[int, Channel]) -> None:
+        """(A tree) what waits to go up, to the parent, in one line; the root's answers, down in one line."""
+        with self._lock:
+            down, self._down_more = self._down_more, []
+            parent = out.get(self._parent) if self._parent is not None else None
+            items = []
+            if parent is not None and (self._up_beats or self._up_more):
+                items = [*self._up_beats.values(), *self._up_more]
+                self._up_last.update({m: b for m, _, b in self._up_beats.values()})
+                self._up_beats, self._up_more = {}, []
+        if down:
+            self._send_down(down)
+        for first in range(0, len(items), 500):  # (lines well under MAX_LINE)
+            with contextlib.suppress(OSError):
+                parent.send(Up(tuple(items[first:first + 500])))
 
     def hurry(self, members) -> None:
         """Dial `members` now, not after their failed dials' wait (one of them may be back)."""
@@ -421,8 +665,14 @@ class Links:
         """A channel to `member`'s beacon, for as long as it is up and wanted: heartbeats both ways,
         requests out and replies in."""
         channel = hello = None
+        lost_root = False
         try:
-            conn = socket.create_connection(self.addresses[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
+            try:
+                conn = socket.create_connection(self.addresses[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
+            except OSError:
+                with self._lock:
+                    self._down.add(member)
+                raise
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             tls = self._tls_client.wrap_socket(conn)
             tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member)))
@@ -436,11 +686,12 @@ class Links:
                 return
             inc = hello.inc
             channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a reply",
-                                                              lambda msg: self.on_message(member, inc, msg, channel)),
+                                                              lambda msg: self._take_out(member, inc, msg, channel, line)),
                               sent=self.sent)
             with self._lock:
                 self._senders[member] = channel
                 self._dialing.discard(member)
+                self._down.discard(member)
             with contextlib.suppress(OSError):  # (closed meanwhile: run ends at once)
                 channel.send(self.heartbeat())
             self.on_up(member)
@@ -454,6 +705,7 @@ class Links:
                     del self._senders[member]
                     if not channel.bye:  # (we said goodbye: it is not lost)
                         self.on_lost(member, hello.inc)
+                        lost_root = self.tree and self._root == (member, hello.inc)
                 if channel is None:  # not reached: dialled again after 2 heartbeats, twice that after another
                     # failure, up to lost_after_s, each spread by chance: a job of hundreds starting at once
                     # does not dial its coordinator (16 handshakes at once, the rest closed) in lockstep
@@ -464,7 +716,21 @@ class Links:
                     self._failures.pop(member, None)
             if channel is not None:
                 channel.close()
+                if lost_root:  # the members below heard it through this one: they hear it lost
+                    self._flood(encode(Down(((member, hello.inc, -1, None),))))
             # its place among the lowest members up goes to the next one now; a failed probe's, to a probe of
             # the next member down the list (a probe a tick: after a rack of the lowest members was SIGKILLed,
             # survivors took a second or more to dial the new coordinator, and some missed its first epoch)
             self._wake.set()
+
+
+class _Route:
+    """(The root of a tree) a member below, to answer as if over a channel to it: the answer goes down."""
+
+    def __init__(self, links: Links, member: int):
+        self.links, self.member = links, member
+
+    def send(self, msg) -> None:
+        with self.links._lock:
+            self.links._down_more.append((self.links.member, self.links.incarnation, self.member, msg))
+        self.links.wake()

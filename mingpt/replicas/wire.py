@@ -13,7 +13,8 @@ down group's port) hangs up, and the client names the member it dialled in its o
 member it reached refuses it before it counts the connection as the client's.
 
 Every line is one JSON object, parsed once here into its record (`Hello`, `Heartbeat`, `Join`,
-`EpochNews` with its `Member`s, `Wait`); a line too long, not JSON, or with a field of the wrong type
+`EpochNews` with its `Member`s, `Wait`, and in a large job the relays' `Up` and `Down` that carry
+those of members further away); a line too long, not JSON, or with a field of the wrong type
 or range is dropped (and counted by the caller).
 The exchange's tensors (over gloo, which authenticates nothing) are named here too: `ShareRow`, `Vote`.
 """
@@ -31,6 +32,7 @@ import select
 import ssl
 import tempfile
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -38,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-PROTOCOL = 8  # checked at hello: groups of another release refuse each other (8: each member hosts its pairs' rendezvous)
+PROTOCOL = 9  # checked at hello: groups of another release refuse each other (9: a large job's relays, Up and Down)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
 HANDSHAKE_S = 2.0  # from accept to a peer's hello, at most: a connection slower than this is closed
 
@@ -139,7 +141,23 @@ class Wait:
     id: str
 
 
-KINDS = {"hello": Hello, "hb": Heartbeat, "bye": Bye, "join": Join, "epoch": EpochNews, "wait": Wait}
+@dataclass(frozen=True)
+class Up:
+    """Records a relay passes up a large job's tree (link.py), from the members below it towards the
+    root: (member, its incarnation, its Heartbeat or Join; None: the member's connection to the one
+    below the relay ended without a goodbye)."""
+    items: tuple
+
+
+@dataclass(frozen=True)
+class Down:
+    """Records passed down a large job's tree from its root: (member, its incarnation, the member a
+    record is for (-1: every member), its Heartbeat, EpochNews or Wait; None: its connection ended)."""
+    items: tuple
+
+
+KINDS = {"hello": Hello, "hb": Heartbeat, "bye": Bye, "join": Join, "epoch": EpochNews, "wait": Wait, "up": Up,
+         "down": Down}
 NAMES = {cls: name for name, cls in KINDS.items()}
 
 
@@ -156,10 +174,26 @@ def checks(members: int) -> dict:
         Bye: {},
         Join: {"id": _id, "step": _int(0), "live": _bool, "epoch_seen": _int(-1), "store": _int(1, 65535)},
         EpochNews: {"id": _id, "number": _int(0), "key": _id,
-                    "members": lambda v: isinstance(v, list) and 0 < len(v) <= members
-                    and all(isinstance(e, dict) and set(e) == set(entry) and all(entry[k](e[k]) for k in entry) for e in v)},
+                    # (by column: a thousand members' entries each a JSON object took 3 ms to read, here)
+                    "members": lambda v: isinstance(v, dict) and set(v) == set(entry)
+                    and 0 < len(v["number"]) <= members and all(isinstance(c, list) and len(c) == len(v["number"])
+                                                                and all(map(entry[k], c)) for k, c in v.items())},
         Wait: {"id": _id},
+        Up: {"items": _items(members, 3, (Heartbeat, Join))},
+        Down: {"items": _items(members, 4, (Heartbeat, EpochNews, Wait))},
     }
+
+
+def _items(members: int, width: int, kinds: tuple):
+    """A check of a relay's items: at most two a member, each [member, incarnation, (for whom,) record
+    of one of `kinds` or None]; the records are checked as they are read (`_record`)."""
+    member, inc, to = _int(0, members - 1), _text(32), _int(-1, members - 1)
+
+    def check(v) -> bool:
+        return isinstance(v, list) and len(v) <= 2 * members and all(
+            isinstance(i, list) and len(i) == width and member(i[0]) and inc(i[1]) and (width == 3 or to(i[2]))
+            and (i[-1] is None or isinstance(i[-1], dict) and KINDS.get(i[-1].get("t")) in kinds) for i in v)
+    return check
 
 
 def parse(line: bytes, members: int):
@@ -168,6 +202,10 @@ def parse(line: bytes, members: int):
         obj = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         raise WireError("not JSON") from None
+    return _record(obj, members)
+
+
+def _record(obj, members: int):
     if not isinstance(obj, dict) or obj.get("t") not in KINDS:
         raise WireError(f"an unknown message {str(obj.get('t') if isinstance(obj, dict) else type(obj).__name__)[:20]!r}")
     cls = KINDS[obj.pop("t")]
@@ -179,12 +217,25 @@ def parse(line: bytes, members: int):
         if not spec[k](v):
             raise WireError(f"a {NAMES[cls]} whose {k} is {str(v)[:40]!r}")
     if cls is EpochNews:
-        obj["members"] = tuple(Member(**e) for e in obj["members"])
+        columns = [obj["members"][f.name] for f in fields(Member)]
+        obj["members"] = tuple(Member(*m) for m in zip(*columns))
+    elif cls in (Up, Down):
+        obj["items"] = tuple((*i[:-1], None if i[-1] is None else _record(i[-1], members)) for i in obj["items"])
     return cls(**obj)
 
 
+def _fields(msg) -> dict:
+    """A record as the wire writes it."""
+    if isinstance(msg, EpochNews):
+        columns = {f.name: [getattr(m, f.name) for m in msg.members] for f in fields(Member)}
+        return {"t": "epoch", "id": msg.id, "number": msg.number, "key": msg.key, "members": columns}
+    if isinstance(msg, (Up, Down)):
+        return {"t": NAMES[type(msg)], "items": [[*i[:-1], None if i[-1] is None else _fields(i[-1])] for i in msg.items]}
+    return {"t": NAMES[type(msg)], **asdict(msg)}
+
+
 def encode(msg) -> bytes:
-    return json.dumps({"t": NAMES[type(msg)], **asdict(msg)}).encode() + b"\n"
+    return json.dumps(_fields(msg)).encode() + b"\n"
 
 
 # --- the exchange's tensors (over gloo) ------------------------------------------------------------
@@ -281,8 +332,10 @@ def credentials(secret: bytes) -> tuple[bytes, bytes]:
             key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
 
 
+@functools.lru_cache(maxsize=4)
 def contexts(secret: bytes) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """(server, client) TLS 1.3 contexts that present the job's certificate and trust it alone."""
+    """(server, client) TLS 1.3 contexts that present the job's certificate and trust it alone (made once a
+    process: the membership bench runs a hundred beacons in one)."""
     cert, key = credentials(secret)
     out = []
     for protocol in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT):
@@ -330,6 +383,7 @@ class Channel:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
         self.closed = threading.Event()
+        self.heard = time.monotonic()  # when its last line came
         self.bye = False  # it ends by a goodbye (either way): no loss
         self._closing = False  # close once what is queued is sent
         sock.settimeout(send_timeout_s)
@@ -350,15 +404,20 @@ class Channel:
         """Until the peer hangs up, a send fails, or a line exceeds MAX_LINE (all end the connection)."""
         buf = b""
         try:
+            # (poll, not select: a process holding more than 1,024 descriptors, a busy trainer's or a relay's among
+            # hundreds of members, made select fail on every channel it opened, and each closed at once)
+            poller, sock = select.poll(), self.sock.fileno()
+            poller.register(sock, select.POLLIN)
+            poller.register(self._wake_r, select.POLLIN)
             while not self.closed.is_set():
                 self._flush()
                 if self._closing:
                     return
                 if not self.sock.pending():
-                    ready, _, _ = select.select([self.sock, self._wake_r], [], [], 1.0)
+                    ready = {fd for fd, _ in poller.poll(1000)}
                     if self._wake_r in ready:
                         os.read(self._wake_r, 4096)
-                    if self.sock not in ready:
+                    if sock not in ready:
                         continue
                 try:
                     data = self.sock.recv(65536)
@@ -367,12 +426,13 @@ class Channel:
                 if not data:
                     return
                 buf += data
+                self.heard = time.monotonic()
                 *lines, buf = buf.split(b"\n")
                 if len(buf) > MAX_LINE:
                     raise WireError(f"a line over {MAX_LINE} bytes")
                 for line in lines:
                     self.on_line(line)
-        except (OSError, WireError, ValueError):  # ValueError: closed by another thread (its fd is -1 in select)
+        except (OSError, WireError, ValueError):  # ValueError: closed by another thread (its fd is -1)
             pass
         finally:
             self.close()

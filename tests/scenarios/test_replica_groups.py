@@ -221,6 +221,17 @@ def test_a_killed_group_costs_a_step_and_heals_from_a_peer(reference, tmp_path):
         assert f"finished: step {STEPS}" in log.read_text(), log.read_text()[-3000:]
 
 
+def test_through_a_tree_of_relays_a_killed_root_costs_a_step_and_heals_from_a_peer(reference, tmp_path):
+    """replicas.fan_out=1: the three groups hear each other through a chain (group 2's beacon hangs from
+    group 1's, which hangs from group 0's, the root: link.py), as a job of more than fan_out + 1 groups
+    does. Group 0 SIGKILLed: group 1 finds it down, becomes the root, and tells group 2, which asks it
+    for the next epoch through the tree; group 0 comes back below nobody (it is the root again) and
+    heals; the run ends bitwise equal to the reference run without relays."""
+    run_dir, logs, fault = run_job(tmp_path, reference["corpus"], kill_group_0, extra=("replicas.fan_out=1",))
+    check_survived(reference, run_dir, logs, lost=0, fault=fault)
+    assert re.search(r"replica epoch \d+ ended at step \d+: .*group 0 lost", logs[2].read_text()), logs[2].read_text()[-3000:]
+
+
 def test_a_silent_group_is_left_behind_and_rejoins(reference, tmp_path):
     run_dir, logs, fault = run_job(tmp_path, reference["corpus"], freeze_group_2)
     epochs = check_survived(reference, run_dir, logs, lost=2, fault=fault)

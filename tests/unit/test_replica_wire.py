@@ -6,6 +6,8 @@ import contextlib
 import datetime
 import json
 import os
+import resource
+import secrets
 import socket
 import ssl
 import subprocess
@@ -28,11 +30,13 @@ from mingpt.replicas.ring import Ring
 from mingpt.replicas.wire import (
     MAX_LINE,
     PROTOCOL,
+    Down,
     EpochNews,
     Heartbeat,
     Hello,
     Join,
     ShareHeader,
+    Up,
     Wait,
     WireError,
     contexts,
@@ -69,8 +73,13 @@ def peer(port, member, members, secret=SECRET, to=0):
     (b'{"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": 3, "store": 1}', Join("ab12", 9, True, 3, 1)),
     (b'{"t": "wait", "id": "ab12"}', Wait("ab12")),
     (b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
-     b'[{"number": 1, "incarnation": "x", "step": 9, "live": false, "store": 1}]}',
+     b'{"number": [1], "incarnation": ["x"], "step": [9], "live": [false], "store": [1]}}',
      EpochNews("ab12", 4, "ab12ab12ab12", (Member(1, "x", 9, False, 1),))),
+    (b'{"t": "up", "items": [[2, "x", {"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": 3, '
+     b'"store": 1}], [1, "y", null]]}', Up(((2, "x", Join("ab12", 9, True, 3, 1)), (1, "y", None)))),
+    (b'{"t": "down", "items": [[0, "x", -1, {"t": "hb", "state": "training", "epoch": 3, "step": 9, "taking": -1}],'
+     b' [0, "x", 2, {"t": "wait", "id": "ab12"}]]}',
+     Down(((0, "x", -1, Heartbeat("training", 3, 9, -1)), (0, "x", 2, Wait("ab12"))))),
 ])
 def test_each_message_is_parsed_into_its_record(line, record):
     assert parse(line, 3) == record
@@ -88,7 +97,18 @@ def test_each_message_is_parsed_into_its_record(line, record):
     b'{"t": "hb", "state": "training", "epoch": 3, "step": 9, "taking": -1, "extra": 1}',
     b'{"t": "hb", "state": "training", "epoch": 3, "step": 9}',
     b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
-    b'[{"number": 7, "incarnation": "x", "step": 9, "live": false, "store": 1}]}',  # a member this job does not have
+    b'{"number": [7], "incarnation": ["x"], "step": [9], "live": [false], "store": [1]}}',  # a member this job lacks
+    b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
+    b'{"number": [1, 2], "incarnation": ["x"], "step": [9], "live": [false], "store": [1]}}',  # columns unequal
+    b'{"t": "up", "items": [[2, "x", {"t": "epoch", "id": "ab12", "number": 4, "key": "ab12", "members": {}}]]}',
+    b'{"t": "up", "items": [[2, "x", {"t": "up", "items": []}]]}',  # a relay's record inside another
+    b'{"t": "up", "items": [[7, "x", null]]}',  # a member this job does not have
+    b'{"t": "up", "items": [[2, "x", null], [1, "x", null], [0, "x", null], [2, "x", null], [1, "x", null], '
+    b'[0, "x", null], [2, "x", null]]}',  # more than two a member
+    b'{"t": "down", "items": [[0, "x", {"t": "wait", "id": "ab12"}]]}',  # for whom?
+    b'{"t": "down", "items": [[0, "x", 5, {"t": "wait", "id": "ab12"}]]}',
+    b'{"t": "down", "items": [[0, "x", -1, {"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": 3, '
+    b'"store": 1}]]}',  # a join request goes up, never down
     b'{"t": "rm -rf"}', b'[1, 2]', b'"hello"', b'not json', b'\xff\xfe',
 ])
 def test_a_message_of_the_wrong_type_or_range_is_refused(line):
@@ -765,3 +785,89 @@ def test_past_a_rack_of_dead_lowest_members_a_member_dials_the_new_coordinator_a
     finally:
         member.close()
         coordinator.close()
+
+
+def test_an_announcement_of_thousands_of_members_fits_one_line_and_reads_back_whole():
+    """An epoch's announcement lists every member: by column, 4,000 members fit in one line (as a JSON
+    object each, 70 bytes a member, 3,700 did not), and it reads back as it was sent."""
+    members = tuple(Member(m, secrets.token_hex(6), 123456, m % 3 == 0, 20000 + m) for m in range(4000))
+    news = EpochNews("ab12", 7, "ab12ab12ab12", members)
+    line = encode(news)
+    assert len(line) < MAX_LINE
+    assert parse(line, 4000) == news
+
+
+def test_a_member_in_a_process_of_more_than_1024_descriptors_keeps_its_channels():
+    """select() takes descriptors below 1,024 only: a process holding more (a busy trainer's data and
+    files, or a hundred members of the membership bench) had every channel it opened closed at once,
+    and its peers lost it again and again. A channel polls instead."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 1400)), hard))
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # (the channels' descriptors come after)
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    beacons = []
+    try:
+        beacons = [Beacon(peers, m, SECRET, 0.05, 1.0) for m in range(2)]
+        a, b = beacons
+        assert wait_for(lambda: 1 in a.alive() and 0 in b.alive())
+        samples = []
+        for _ in range(30):  # 1.5 s, longer than lost_after_s: the channel stays up and the heartbeats come
+            samples.append(not a.was_lost(1) and not b.was_lost(0) and 1 in a.alive() and 0 in b.alive())
+            time.sleep(0.05)
+        assert all(samples), samples
+    finally:
+        for beacon in beacons:
+            beacon.close()
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_in_a_tree_each_member_holds_a_few_channels_and_without_its_root_the_others_form_at_once():
+    """A job of more than fan_out + 1 members hears its members through a tree (link.py): here 15, two
+    below each relay. They form an epoch of all 15, each member holding a channel to its parent and
+    to its children only, while the root (the coordinator) hears all 14 through them. Members 0 (the
+    root), 1 and 5 lost at once: the 12 others form an epoch of themselves, under member 2, the lowest
+    left; each member whose parent was lost hangs from the next member up."""
+    from benchmarks.membership_sim import SimBeacon  # (the membership alone: no links of epochs)
+
+    n, fan_out, lost = 15, 2, (0, 1, 5)
+    first = free_port_runs(1, n)[0]
+    peers = [f"127.0.0.1:{first + m}" for m in range(n)]
+    beacons = [SimBeacon(peers, m, SECRET, 0.05, 1.0, fan_out=fan_out) for m in range(n)]
+    held, stop, gone = {}, threading.Event(), set()
+
+    def member(beacon):
+        why = ""
+        while not stop.is_set():
+            epoch = beacon.form(0, False, 7, 10.0, lambda: stop.is_set() or beacon.member in gone, why)
+            if epoch is None:
+                return
+            held[beacon.member] = epoch
+            while not stop.wait(0.02):
+                if (ended := beacon.lost(epoch)) is not None:
+                    why = ended.cause
+                    break
+
+    threads = [threading.Thread(target=member, args=(b,), daemon=True) for b in beacons]
+    try:
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: all(m in held and held[m].numbers() == list(range(n)) for m in range(n)), 30), held
+        assert [b.links.parent for b in beacons] == [None] + [(m - 1) // fan_out for m in range(1, n)]
+        assert max(b.links.channels() for b in beacons) <= fan_out + 1
+        assert sorted(beacons[0].alive()) == list(range(n))  # (the root hears every member, relayed)
+        survivors = [m for m in range(n) if m not in lost]
+        for m in lost:
+            gone.add(m)
+            beacons[m].close()
+        assert wait_for(lambda: all(held[m].numbers() == survivors for m in survivors), 30), \
+            {m: held[m].numbers() for m in survivors}
+        assert {held[m].members[0].number for m in survivors} == {2}
+        assert [m for m in survivors if beacons[m].links.is_root()] == [2]
+        assert all(beacons[m].links.parent not in lost for m in survivors)
+        assert max(beacons[m].links.channels() for m in survivors) <= 2 * fan_out + 1
+    finally:
+        stop.set()
+        for b in beacons:
+            b.close()
