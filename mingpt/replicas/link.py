@@ -174,7 +174,8 @@ class Links:
         parent = None
         if self.tree and (silent := self._silent_parent(now)) is not None:
             up.discard(silent)
-        for m in self.candidates():
+        candidates = self.candidates()
+        for m in candidates:
             if m == self.member:
                 continue
             if m in up:
@@ -187,12 +188,16 @@ class Links:
             elif self.tree:  # one dial up at a time: a thousand members starting at once each dialled four
                 # ancestors, the root among them; and a member that has never had a parent waits lost_after_s for
                 # its own to start before it dials the next one up
+                if m in self._down and (self._settled or now - self.started >= self.lost_after_s):
+                    if m in dialing:  # (a look whether it is back: the members after it go on meanwhile)
+                        keep.add(m)
+                    elif self._retry.get(m, 0) <= now and probes < PROBES:
+                        dial.add(m)
+                        probes += 1
+                    continue
                 if m in dialing:
                     keep.add(m)
-                    break
-                if m in self._down and (self._settled or now - self.started >= self.lost_after_s):
-                    continue
-                if self._retry.get(m, 0) <= now:
+                elif self._retry.get(m, 0) <= now:
                     dial.add(m)
                 break
             elif m in dialing:
@@ -200,6 +205,9 @@ class Links:
             elif self._retry.get(m, 0) <= now and probes < PROBES:
                 dial.add(m)
                 probes += 1
+        if self.tree and parent is None:  # (while it dials a nearer one, it keeps the one it hangs from)
+            parent = next((m for m in candidates if m in up), None)
+            keep |= {parent} - {None}
         self._parent = parent
         self._settled = self._settled or parent is not None
         return keep, dial
