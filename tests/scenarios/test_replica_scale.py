@@ -32,7 +32,7 @@ CFG = ["model=gpt-nano", "data.block_size=32", "model.dropout=0.1", "trainer.bat
        "trainer.threads=1", f"trainer.max_steps={STEPS}", "snapshot.every_steps=20"]
 
 
-def run_job(tmp: Path, corpus: Path, kill: bool) -> Path:
+def run_job(tmp: Path, corpus: Path, kill: bool, extra: tuple = ()) -> Path:
     run_dir = tmp / "run"
     tmp.mkdir(parents=True, exist_ok=True)
     peers = [f"127.0.0.1:{port}" for port in free_port_runs(GROUPS, 1)]
@@ -40,7 +40,7 @@ def run_job(tmp: Path, corpus: Path, kill: bool) -> Path:
     agents = [subprocess.Popen(torchrun_cmd(1, "mingpt/main.py", *CFG, f"data.path={corpus}",
                                             f"data.cache_dir={tmp.parent / 'cache'}", f"trainer.run_dir={run_dir}",
                                             f"replicas.peers=[{','.join(peers)}]", f"replicas.group={g}",
-                                            max_restarts=2),
+                                            *extra, max_restarts=2),
                                cwd=REPO, env=torchrun_env(MINGPT_JOB_SECRET=SECRET), stdout=logs[g].open("w"),
                                stderr=subprocess.STDOUT)
               for g in range(GROUPS)]
@@ -70,10 +70,13 @@ def trained(run_dir: Path) -> tuple[dict, dict]:
     return state["model"], shares
 
 
-def test_sixteen_groups_lose_one_and_end_bitwise_equal_to_the_run_without_the_fault(tmp_path):
+@pytest.mark.parametrize("fan_out", [32, 3], ids=["every-member-hears-the-coordinator", "a-tree-of-relays"])
+def test_sixteen_groups_lose_one_and_end_bitwise_equal_to_the_run_without_the_fault(tmp_path, fan_out):
+    """With replicas.fan_out=3 the groups hear each other through a tree (each beacon hangs from one
+    of fan_out + 1 members above it), and the killed group 0 is its root."""
     corpus = make_corpus(tmp_path)
     ref_weights, ref_shares = trained(run_job(tmp_path / "reference", corpus, kill=False))
-    run_dir = run_job(tmp_path / "faulted", corpus, kill=True)
+    run_dir = run_job(tmp_path / "faulted", corpus, kill=True, extra=(f"replicas.fan_out={fan_out}",))
     weights, shares = trained(run_dir)
     epochs = [r for r in records(run_dir / "metrics.jsonl") if r.get("kind") == "epoch"]
     # the survivors went on without the killed group from the step in flight, the successor leading (after
