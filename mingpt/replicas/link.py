@@ -713,6 +713,7 @@ class Links:
                     del self._senders[member]
                     if not channel.bye:  # (we said goodbye: it is not lost)
                         self.on_lost(member, hello.inc)
+                        self._down.add(member)
                         lost_root = self.tree and self._root == (member, hello.inc)
                 if channel is None:  # not reached: dialled again after 2 heartbeats, twice that after another
                     # failure, up to lost_after_s, each spread by chance: a job of hundreds starting at once
