@@ -9,16 +9,17 @@ The members hear each other through a tree of relays (replicas.fan_out: --fan-ou
 
 For each number of members N: the time from the start until every member holds an epoch of all N
 (`first_formation_s`); each member's beacon traffic over --window-s then (`beacon_msgs_per_s`,
-`beacon_bytes_per_s`: Links.sent), its channels (`Links.channels()`), the threads per process
-and per member, and the CPU all members used (`cpu_cores`; `cpu_ms_per_member_s`: a member's share,
-milliseconds a second); then --lose members (0, the coordinator, to lose - 1: their processes SIGKILLed at once) and
-the time from the kill until every survivor holds an epoch without them (`reformation_s`, the aim
-being 2 s; `reformed_world`: its members), and the survivors' channels once it has (`channels_after`:
-a member whose parent and every ancestor were lost hangs from the members past the lost ones). Members' figures: median, max and the member holding the
-max. A survivor leaves its epoch when `beacon.lost(epoch)` says why (or another member waits to
-join: `beacon.joiners`) and forms again. The quorum is a majority, or the survivors where they are
-fewer. A setting that does not form within --deadline-s (or whose process passes --max-threads: a
-beacon's links to every other member cost threads) says so in its line, and the next one runs.
+`beacon_bytes_per_s`: Links.sent), its channels (`Links.channels()`), the threads per process and per
+member, and the CPU all members used (`cpu_cores`; `cpu_ms_per_member_s`: a member's share, milliseconds
+a second); then --lose members (0, the coordinator, to lose - 1: their processes SIGKILLed at once) and
+the time from the kill until every survivor holds an epoch without them (`reformation_s`, the aim being
+2 s; `reformed_world`: its members), and the survivors' channels once it has (`channels_after`: a member
+whose parent and every ancestor were lost hangs from the members past the lost ones). Members' figures:
+median, max and the member holding the max. A survivor leaves its epoch when `beacon.lost(epoch)` says
+why (or another member waits to join: `beacon.joiners`) and forms again. The quorum is a majority, or
+the survivors where they are fewer. A setting that does not form within --deadline-s (or whose process
+passes --max-threads: a beacon's links to every other member cost threads) says so in its line, and the
+next one runs.
 """
 
 from __future__ import annotations

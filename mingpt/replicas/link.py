@@ -101,12 +101,13 @@ class Links:
     `on_lost(member, inc)` a member's connection ended without its goodbye (under the links' lock: it
     must not call Links).
 
-    A job of more than `fan_out` + 1 members is a tree instead (`tree`): a member keeps one channel up, to
-    its parent (member (n - 1) // fan_out, else the nearest ancestor up, else the lowest member up: the
-    root), and its children dial it. What a member hears of the others comes relayed: heartbeats, join
-    requests and lost connections go up, from relay to relay, to the root (which hears every member, as
-    the coordinator must); the root's heartbeats, its answers and its announcements come down, each line
-    passed on as it came. So every member holds at most fan_out + 1 channels (its group's aside)."""
+    A job of more than `fan_out` + 1 members is a tree instead (`tree`): a member keeps one channel up,
+    to its parent (member (n - 1) // fan_out, else the nearest ancestor up, else its place in the same
+    tree of the members past the lowest ones down: `candidates`), and its children dial it. What a
+    member hears of the others comes relayed: heartbeats, join requests and lost connections go up, from
+    relay to relay, to the root (which hears every member, as the coordinator must); the root's
+    heartbeats, its answers and its announcements come down, each line passed on as it came. So every
+    member holds at most fan_out + 1 channels (its group's aside)."""
 
     def __init__(self, addresses: list[tuple[str, int]], me: int, incarnation: str, secret: bytes, heartbeat_s: float,
                  lost_after_s: float, procs: int, *, heartbeat: Callable[[], Heartbeat], on_message: Callable,
@@ -230,7 +231,8 @@ class Links:
         """The members this one looks for a channel to, in order: every member by number (the two lowest up
         hear all); in a tree its ancestors (parent first), and where every one of them is down, its
         ancestors in the same tree of the members past the lowest ones found down (the lowest of those
-        is its root): a few members, whatever the job's size."""
+        is its root): a few members, whatever the job's size. A member hanging from none (the root) also
+        looks at every member below it, all down, now and then: one of them back is the root."""
         if not self.tree:
             return range(len(self.addresses))
         with self._lock:  # the lowest members, found down here, or by the root heard (the lowest member up)
@@ -239,6 +241,8 @@ class Links:
             chain = self.ancestors(self.member)
             if all(m in self._down for m in chain):
                 chain += [m + lost for m in self.ancestors(self.member - lost)]
+            if self._parent is None:
+                chain += [m for m in range(self.member) if m not in chain]
         return chain
 
     def ancestors(self, member: int) -> list[int]:

@@ -828,7 +828,8 @@ def test_in_a_tree_each_member_holds_a_few_channels_and_without_its_root_the_oth
     below each relay. They form an epoch of all 15, each member holding a channel to its parent and
     to its children only, while the root (the coordinator) hears all 14 through them. Members 0 (the
     root), 1 and 5 lost at once: the 12 others form an epoch of themselves, under member 2, the lowest
-    left; each member whose parent was lost hangs from the next member up."""
+    left; each member whose parent was lost hangs from the next member up. Member 1 back (a new process):
+    the root finds it, and it is the root and coordinates again."""
     from benchmarks.membership_sim import SimBeacon  # (the membership alone: no links of epochs)
 
     n, fan_out, lost = 15, 2, (0, 1, 5)
@@ -867,6 +868,14 @@ def test_in_a_tree_each_member_holds_a_few_channels_and_without_its_root_the_oth
         assert [m for m in survivors if beacons[m].links.is_root()] == [2]
         assert all(beacons[m].links.parent not in lost for m in survivors)
         assert max(beacons[m].links.channels() for m in survivors) <= 2 * fan_out + 1
+        gone.discard(1)
+        beacons[1] = SimBeacon(peers, 1, SECRET, 0.05, 1.0, fan_out=fan_out)
+        threading.Thread(target=member, args=(beacons[1],), daemon=True).start()
+        back = sorted([1, *survivors])
+        assert wait_for(lambda: all(m in held and held[m].numbers() == back for m in back), 30), \
+            {m: held[m].numbers() for m in back if m in held}
+        assert {held[m].members[0].number for m in back} == {1}
+        assert [m for m in back if beacons[m].links.is_root()] == [1]
     finally:
         stop.set()
         for b in beacons:
