@@ -138,7 +138,8 @@ class Links:
         self._settled = False  # (a tree) it has hung from a parent
         self._root: tuple[int, str] | None = None  # (a tree) the root whose heartbeats came down last: (member, inc)
         self._up_beats: dict[int, tuple] = {}  # (a tree) the newest heartbeat of each member below, to pass up
-        self._up_more: list[tuple] = []  # (a tree) join requests and lost connections to pass up, in order
+        self._up_more: dict[tuple, tuple] = {}  # (a tree) each member's newest join request and lost connection to
+        # pass up, oldest first (a relay with no parent for a while holds two a member at most)
         self._up_last: dict[int, Heartbeat] = {}  # the last heartbeat passed up of each member below
         self._down_more: list[tuple] = []  # (a tree) answers to send down: the root's, and those passing through
         self._routes: dict[int, int] = {}  # (a tree) member below -> the member below this one it came up through
@@ -306,7 +307,9 @@ class Links:
             if self._up_last.get(member) == msg:
                 return
         else:
-            self._up_more.append((member, inc, msg))
+            key = (member, type(msg))
+            self._up_more.pop(key, None)
+            self._up_more[key] = (member, inc, msg)
         self._wake.set()
 
     def _from_below(self, member: int, msg) -> str | None:
@@ -653,14 +656,15 @@ class Links:
             parent = out.get(self._parent) if self._parent is not None else None
             items = []
             if parent is not None and (self._up_beats or self._up_more):
-                items = [*self._up_beats.values(), *self._up_more]
+                items = [*self._up_beats.values(), *self._up_more.values()]
                 self._up_last.update({m: b for m, _, b in self._up_beats.values()})
-                self._up_beats, self._up_more = {}, []
+                self._up_beats, self._up_more = {}, {}
         if down:
             self._send_down(down)
-        for first in range(0, len(items), 500):  # (lines well under MAX_LINE)
+        per = min(500, len(self.addresses))  # (a line well under MAX_LINE, and within an Up's bound)
+        for first in range(0, len(items), per):
             with contextlib.suppress(OSError):
-                parent.send(Up(tuple(items[first:first + 500])))
+                parent.send(Up(tuple(items[first:first + per])))
 
     def hurry(self, members) -> None:
         """Dial `members` now, not after their failed dials' wait (one of them may be back)."""

@@ -880,3 +880,20 @@ def test_in_a_tree_each_member_holds_a_few_channels_and_without_its_root_the_oth
         stop.set()
         for b in beacons:
             b.close()
+
+
+def test_a_relay_with_no_parent_keeps_one_request_and_one_loss_a_member_to_pass_up():
+    """A relay whose ancestors are all down passes nothing up until it hangs from one again; meanwhile the
+    members below it ask again every lost_after_s. It keeps each member's newest request (and its lost
+    connection), not every one: a thousand members below it for a minute were 60,000 stale requests
+    for the root to read at once."""
+    links = Links([("127.0.0.1", 1)] * 15, 2, "feedfeedfeed", SECRET, 0.05, 1.0, 1, heartbeat=lambda: None,
+                  on_message=lambda *a: None, on_up=lambda m: None, on_lost=lambda m, inc: None, fan_out=2)
+    for n in range(300):
+        for m in (5, 6, 11, 12):
+            with links._lock:
+                links._pass_up(m, "abc", Join(f"{n:04x}", 9, True, 3, 1), via=m if m < 7 else m // 2 - 1)
+    with links._lock:
+        links._pass_up(11, "abc", None, via=5)
+    assert sorted((m, type(r).__name__, getattr(r, "id", "")) for m, _, r in links._up_more.values()) == [
+        (5, "Join", "012b"), (6, "Join", "012b"), (11, "Join", "012b"), (11, "NoneType", ""), (12, "Join", "012b")]
