@@ -10,10 +10,11 @@ The members hear each other through a tree of relays (replicas.fan_out: --fan-ou
 For each number of members N: the time from the start until every member holds an epoch of all N
 (`first_formation_s`); each member's beacon traffic over --window-s then (`beacon_msgs_per_s`,
 `beacon_bytes_per_s`: Links.sent), its channels (`Links.channels()`), the threads per process and per
-member, and the CPU all members used (`cpu_cores`; `cpu_ms_per_member_s`: a member's share, milliseconds
-a second); then --lose members (0, the coordinator, to lose - 1: their processes SIGKILLed at once) and
-the time from the kill until every survivor holds an epoch without them (`reformation_s`, the aim being
-2 s; `reformed_world`: its members), and the survivors' channels once it has (`channels_after`: a member
+member, the CPU all members used (`cpu_cores`; `cpu_ms_per_member_s`: a member's share, milliseconds a
+second), and the epochs members took meanwhile (`epochs_taken_in_window`: 0 when steady); then --lose
+members (0, the coordinator, to lose - 1: their processes SIGKILLed at once) and the time from the kill
+until every survivor holds an epoch without them (`reformation_s`, the aim being 2 s; `reformed_world`:
+its members), and the survivors' channels once it has (`channels_after`: a member
 whose parent and every ancestor were lost hangs from the members past the lost ones). Members' figures:
 median, max and the member holding the max. A survivor leaves its epoch when `beacon.lost(epoch)` says
 why (or another member waits to join: `beacon.joiners`) and forms again. The quorum is a majority, or
@@ -117,7 +118,7 @@ def child(args) -> None:
             if epoch is None:
                 return
             say(event="epoch", member=beacon.member, number=epoch.number, world=epoch.world,
-                lowest=epoch.members[0].number, t=time.time())
+                lowest=epoch.members[0].number, t=time.time(), why=why)
             while not stop.wait(POLL_S):
                 if (lost := beacon.lost(epoch)) is not None:
                     why = lost.cause
@@ -178,6 +179,7 @@ class Sim:
         self.said: queue.Queue = queue.Queue()
         self.lost = sum(1 for r in self.parts if r.start < args.lose)  # the processes of the lost members
         self.killed = False  # those SIGKILLed: their end is expected
+        self.epochs: list[float] = []  # when each member took each epoch
         for i, p in enumerate(self.procs):
             threading.Thread(target=self._read, args=(i, p), daemon=True).start()
 
@@ -208,6 +210,8 @@ class Sim:
                     raise RuntimeError(f"{why}: {msg['why']}")
                 if msg["event"] == "exit" and (i >= self.lost or not self.killed):
                     raise RuntimeError(f"{why}: process {i} exited (code {self.procs[i].wait()})")
+                if msg["event"] == "epoch":
+                    self.epochs.append(msg["t"])
                 on_event(i, msg)
 
     def report(self, deadline: float) -> tuple[float, dict]:
@@ -275,7 +279,8 @@ def setting(args, members: int, logs: Path) -> dict:
                    beacon_bytes_per_s=stat({m: (after[m][2] - before[m][2]) / (t2 - t1) for m in after}, 0),
                    threads_per_process=stat(threads, 0, "max_process"),
                    threads_per_member=round(sum(threads.values()) / members, 1),
-                   cpu_cores=round(cpu / (t2 - t1), 2), cpu_ms_per_member_s=round(1000 * cpu / (t2 - t1) / members, 2))
+                   cpu_cores=round(cpu / (t2 - t1), 2), cpu_ms_per_member_s=round(1000 * cpu / (t2 - t1) / members, 2),
+                   epochs_taken_in_window=sum(1 for t in sim.epochs if t1 < t <= t2))
         again: dict[int, tuple[float, int]] = {}
 
         def without(_, msg):

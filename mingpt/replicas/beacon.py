@@ -103,6 +103,7 @@ class Beacon:
         self._replies: dict[str, EpochNews | Wait] = {}  # their answers, by request id
         self._announced: EpochNews | None = None  # the epoch this coordinator announced, until it leaves it: a
         # member of it whose answer was lost asks again, and is answered with it (`_heard`)
+        self._announced_at = 0.0  # (a tree) when it last went down to every member
         self._told_claims: set[int] = set()  # members whose claims the record contradicted, named once
         self._left: dict[int, str] = {}  # members a stop signal took out of the job -> their incarnation: not alive
         # to this one, whatever they still beat (the same process back, or a new one, is alive again)
@@ -167,10 +168,19 @@ class Beacon:
 
     def _alive(self, at_least: float = 0.0) -> dict[int, str]:
         now = time.monotonic()
-        out = {m: s["inc"] for m, s in self._seen.items()
-               if not s["eof"] and now - s["t"] < self._patience(s, at_least) and self._left.get(m) != s["inc"]}
+        out = {m: s["inc"] for m, s in self._seen.items() if self._heard_in_time(m, s, now, at_least)}
         out[self.member] = self.incarnation
         return out
+
+    def _heard_in_time(self, member: int, seen: dict | None, now: float, at_least: float = 0.0) -> bool:
+        return (seen is not None and not seen["eof"] and now - seen["t"] < self._patience(seen, at_least)
+                and self._left.get(member) != seen["inc"])
+
+    def _lower_alive(self) -> bool:
+        """Whether a member below this one is alive (`_alive`'s, without a look at every member: the root of
+        512 spent a third of its time on it, a join request each)."""
+        now = time.monotonic()
+        return any(self._heard_in_time(m, self._seen.get(m), now) for m in range(self.member))
 
     def lost(self, epoch: Epoch, at_least: float = 0.0) -> MembershipChanged | None:
         """Why `epoch` cannot go on (a member lost or gone to form another), or None. Its coordinator judges
@@ -559,7 +569,7 @@ class Beacon:
         number = max([self.max_epoch] + [r[0].epoch_seen for r in asked.values()]) + 1
         news = EpochNews("0", number, secrets.token_hex(6), tuple(members))
         with self._lock:  # a member that missed its answer (it asked again meanwhile) is answered with it
-            self._announced = news
+            self._announced, self._announced_at = news, time.monotonic()
         if self.links.tree:  # down the tree once, for all (each member takes it as the answer to its request)
             self.links.broadcast(news)
         else:
@@ -673,9 +683,10 @@ class Beacon:
         """A record from member `member` (incarnation `inc`): its heartbeat, or a join request to this
         coordinator; else why it is dropped."""
         news, root = None, isinstance(msg, Join) and self.links.is_root()  # (links' lock before ours, not inside it)
+        everyone, now = False, time.monotonic()
         with self._lock:
             if isinstance(msg, Heartbeat):
-                was, now = self._seen.get(member), time.monotonic()
+                was = self._seen.get(member)
                 same = was is not None and not was["eof"] and was["inc"] == inc
                 # the longest recent gap between its heartbeats, halved every SLACK_HALF_LIFE_S (`_patience`): a
                 # member starved once is likely starved again (its node is loaded) for a minute or so. (It
@@ -694,7 +705,7 @@ class Beacon:
                 self.max_epoch = max(self.max_epoch, msg.epoch)
             elif isinstance(msg, (EpochNews, Wait)):
                 return self._reply(msg)
-            elif isinstance(msg, Join) and (min(self._alive()) != self.member or not root):
+            elif isinstance(msg, Join) and (self._lower_alive() or not root):
                 # not the coordinator (a lower member is back, or the asker has not heard of it): said at
                 # once, and the asker looks for a lower member now
                 news = Wait(msg.id)
@@ -706,6 +717,10 @@ class Beacon:
                     # a member of the epoch this coordinator is in that has not been in it (its answer was lost:
                     # one of 16 groups never had it, and its neighbours waited 30 s for it): answered with it
                     self._requests.pop(member, None)
+                    if self.links.tree:  # down the tree once again, for all, at most once a heartbeat (at 512
+                        # members, hundreds asked again before the first came down, each answered with all of it)
+                        news, everyone = (news, True) if now - self._announced_at >= self.heartbeat_s else (None, False)
+                        self._announced_at = now if everyone else self._announced_at
                 else:
                     news = None
                     if member not in self._requests:  # (a request sent again does not make it later)
@@ -714,7 +729,9 @@ class Beacon:
                     self._tell()
             else:
                 return f"a {type(msg).__name__} sent to a beacon"
-        if news:  # (or it missed the answer to an earlier request)
+        if news and everyone:
+            self.links.broadcast(news)
+        elif news:  # (or it missed the answer to an earlier request)
             with contextlib.suppress(OSError):
                 channel.send(replace(news, id=msg.id))
 

@@ -26,8 +26,10 @@ from mingpt.replicas.wire import (
     Down,
     Heartbeat,
     Hello,
+    Reactor,
     Up,
     WireError,
+    bounded,
     contexts,
     encode,
     parse,
@@ -94,12 +96,15 @@ class Links:
     of any member below the second of those (a member come back). So a member holds a constant number
     of channels whatever the job's size; the coordinator and its successor hold one per member.
 
-    Each channel carries the owner's `heartbeat()` both ways, every heartbeat_s (one thread ticks them
-    all), so either end hears the other alive. Lines are parsed here; their records go to the owner's
-    `on_message(member, inc, msg, channel)` (`channel` to answer on; on the links' threads once `start`ed; one that
-    returns a string drops the record, saying why); `on_up(member)` a channel is up (either way);
+    Each channel carries the owner's `heartbeat()` both ways, every heartbeat_s, so either end hears the
+    other alive. The process's reactor (wire.py: one thread for every channel of every beacon in the
+    process) reads and writes the channels once their handshake is done, and runs the ticks; a
+    handshake, in or out, has a thread of its own until it ends. Lines are parsed here; their records go
+    to the owner's `on_message(member, inc, msg, channel)` (`channel` to answer on; on the reactor once
+    `start`ed: it must not block, as every channel of the process waits for it; one that returns a
+    string drops the record, saying why); `on_up(member)` a channel is up (either way);
     `on_lost(member, inc)` a member's connection ended without its goodbye (under the links' lock: it
-    must not call Links).
+    must not call Links but `wake`).
 
     A job of more than `fan_out` + 1 members is a tree instead (`tree`): a member keeps one channel up,
     to its parent (member (n - 1) // fan_out, else the nearest ancestor up, else its place in the same
@@ -129,7 +134,10 @@ class Links:
         self._dialing: set[int] = set()  # members a thread is dialling now
         self._retry: dict[int, float] = {}  # member -> when a failed dial may be tried again
         self._failures: Counter = Counter()  # member -> failed dials in a row (the wait grows with them)
-        self._wake = threading.Event()  # the ticker looks again now (a member dialled in, a channel ended)
+        self._tick_at: float | None = None  # when the reactor ticks next (`_tick_in`)
+        self._tick_lock = threading.Lock()
+        self._woken = False  # (under _tick_lock) the next tick beats, whether due or not
+        self._beat_due, self._last_beat = 0.0, None  # when the next heartbeat is due, and the last one sent
         self._stop = threading.Event()
         self._told_size = False  # a peer of another size of job was named once (it dials again and again)
         self.fan_out = fan_out
@@ -147,10 +155,9 @@ class Links:
         # member busy with other handshakes closes a dial, and is not down
 
     def start(self) -> None:
-        # the ticker first: while the port is taken, the other members hear this one (starting), and
+        # the ticks first: while the port is taken, the other members hear this one (starting), and
         # wait for it rather than end the job for want of a group
-        self._threads = [threading.Thread(target=self._tick, daemon=True)]
-        self._threads[0].start()
+        self.wake()
         try:
             self._server = self._listen()
         except BaseException:
@@ -159,8 +166,7 @@ class Links:
         # made here, not in the thread: a thread that starts late (a loaded node) may find no descriptor left
         selector = selectors.DefaultSelector()
         selector.register(self._server, selectors.EVENT_READ)
-        self._threads.append(threading.Thread(target=self._accept, args=(selector,), daemon=True))
-        self._threads[-1].start()
+        threading.Thread(target=self._accept, args=(selector,), daemon=True).start()
 
     def targets(self) -> tuple[set[int], set[int]]:
         """(members to keep a channel to, members to dial now): the two lowest members up (in a tree: the
@@ -294,8 +300,9 @@ class Links:
                     lines.setdefault(m, []).append(item)
         for m, mine in lines.items():
             if m in below:
-                with contextlib.suppress(OSError):
-                    below[m].send(Down(tuple(mine)))
+                for line in bounded(Down, mine):
+                    with contextlib.suppress(OSError):
+                        below[m].send(line)
 
     def _pass_up(self, member: int, inc: str, msg, via: int | None = None) -> None:
         """(A tree, under the lock) a record of a member below, to pass up (a heartbeat replaces the last one
@@ -310,7 +317,7 @@ class Links:
             key = (member, type(msg))
             self._up_more.pop(key, None)
             self._up_more[key] = (member, inc, msg)
-        self._wake.set()
+        self._tick_in(0.0)  # (a relay's turn now)
 
     def _from_below(self, member: int, msg) -> str | None:
         """(A tree) the records an Up from `member`, a member below, passes on: delivered here if this is
@@ -344,7 +351,7 @@ class Links:
         else:
             with self._lock:
                 self._down_more += [i for i in msg.items if i[2] != self.member]
-            self._wake.set()
+            self._tick_in(0.0)
         for m, inc, to, record in msg.items:
             if to not in (-1, self.member) or m == self.member:
                 continue
@@ -418,7 +425,7 @@ class Links:
                  self.name(self.member), self.channels(), self.sent["messages"], self.sent["bytes"],
                  time.monotonic() - self.started)
         self._stop.set()
-        self._wake.set()
+        self.wake()
         with self._lock:
             channels = [*self._senders.values(), *self._inbound.values()]
         for s in [getattr(self, "_server", None), *channels]:
@@ -484,6 +491,9 @@ class Links:
                 self.drop("the accept loop", f"a connection ({e.strerror}: out of descriptors)")
                 time.sleep(0.05)  # connections close meanwhile; the listener stays
             return
+        # (small lines, each wanted at once: without it, the server's hello and its first heartbeat, written
+        # one after the other, waited for the client's delayed ACK, and a member back was heard 0.2 s late)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if len(silent) >= SILENT:
             self._close_silent(selector, silent, next(iter(silent)), f"the oldest of {SILENT} silent connections")
         silent[conn] = (time.monotonic() + HANDSHAKE_S, address)
@@ -496,56 +506,60 @@ class Links:
         self.drop(str(address[0]), f"{what} (it did not prove the job secret in {HANDSHAKE_S:g} s)")
 
     def _serve(self, conn: socket.socket, address, deadline: float) -> None:
-        """One peer's heartbeats and requests, once it completed the handshake and named itself (by
-        `deadline`, from its accept: the accept loop shuts it down then)."""
-        member = inc = channel = tls = None
+        """One peer's handshake and hello (by `deadline`, from its accept: the accept loop shuts it down
+        then); its channel then goes to the reactor, with its heartbeats and requests."""
+        tls = None
         try:
-            try:
-                tls = self._tls_server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-                with self._door:
-                    self._shaking[tls] = (deadline, address)
-                tls.settimeout(max(0.01, deadline - time.monotonic()))
-                tls.do_handshake()
-                tls.settimeout(max(0.01, deadline - time.monotonic()))
-                hello = parse(read_line(tls), len(self.addresses))
-            except (OSError, WireError, ValueError) as e:  # ValueError: shut down by the accept loop meanwhile
-                (tls or conn).close()
-                self.drop(str(address[0]), f"a connection that did not prove the job secret ({e})")
-                return
-            finally:
-                with self._door:
-                    self._shaking.pop(tls, None)
-                self._handshakes.release()
-            if not self._welcome(hello, tls):
-                tls.close()
-                return
-            member, inc = hello.member, hello.inc
-            channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a message",
-                                                               lambda msg: self._take_in(member, inc, msg, channel)),
-                              sent=self.sent)
-            try:  # the hello first, before the ticker knows the channel: a heartbeat ahead of it fails the dial
-                channel.send(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member))
-            except OSError:  # closed meanwhile (this member is closing)
-                return
-            with self._lock:  # this connection is now the member's: an older one's end says nothing of it
-                if self._stop.is_set():  # (closed meanwhile)
-                    return
-                self._inbound[member] = channel
-                self._retry.pop(member, None)  # it is up: a dial to it (where this member wants one) goes now
-                self._failures.pop(member, None)
-            self._wake.set()
-            with contextlib.suppress(OSError):  # (closed meanwhile: run ends at once)
-                channel.send(self.heartbeat())
-            self.on_up(member)
-            channel.run()
+            tls = self._tls_server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+            with self._door:
+                self._shaking[tls] = (deadline, address)
+            tls.settimeout(max(0.01, deadline - time.monotonic()))
+            tls.do_handshake()
+            tls.settimeout(max(0.01, deadline - time.monotonic()))
+            hello = parse(read_line(tls), len(self.addresses))
+        except (OSError, WireError, ValueError) as e:  # ValueError: shut down by the accept loop meanwhile
+            (tls or conn).close()
+            self.drop(str(address[0]), f"a connection that did not prove the job secret ({e})")
+            return
         finally:
-            with self._lock:  # only the member's newest connection says, by ending without a goodbye, that it is gone
-                if member is not None and self._inbound.get(member) is channel:
-                    del self._inbound[member]
-                    if not channel.bye:
-                        self.on_lost(member, inc)
-                        if self.tree and self._parent is not None:
-                            self._pass_up(member, inc, None)
+            with self._door:
+                self._shaking.pop(tls, None)
+            self._handshakes.release()
+        if not self._welcome(hello, tls):
+            tls.close()
+            return
+        member, inc = hello.member, hello.inc
+        try:  # the hello in a record of its own, before the channel has any line to send: one after it fails the dial
+            tls.settimeout(max(0.01, deadline - time.monotonic()))
+            tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member)))
+        except OSError:
+            tls.close()
+            return
+        channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a message",
+                                                           lambda msg: self._take_in(member, inc, msg, channel)),
+                          sent=self.sent)
+        with self._lock:  # this connection is now the member's: an older one's end says nothing of it
+            if self._stop.is_set():  # (closed meanwhile)
+                channel.close()
+                return
+            self._inbound[member] = channel
+            self._retry.pop(member, None)  # it is up: a dial to it (where this member wants one) goes now
+            self._failures.pop(member, None)
+        self.wake()
+        with contextlib.suppress(OSError):  # (closed meanwhile: it ends at once)
+            channel.send(self.heartbeat())
+        self.on_up(member)
+        channel.start(lambda: self._ended_in(member, inc, channel))
+
+    def _ended_in(self, member: int, inc: str, channel: Channel) -> None:
+        """A channel in ended: only the member's newest connection says, by ending without a goodbye, that it is gone."""
+        with self._lock:
+            if self._inbound.get(member) is channel:
+                del self._inbound[member]
+                if not channel.bye:
+                    self.on_lost(member, inc)
+                    if self.tree and self._parent is not None:
+                        self._pass_up(member, inc, None)
 
     def _take_in(self, member: int, inc: str, msg, channel: Channel) -> str | None:
         if isinstance(msg, Bye):  # it no longer needs this channel: its end says nothing of it
@@ -601,59 +615,76 @@ class Links:
         return True
 
     def _tick(self) -> None:
-        """Every heartbeat_s (and at once when woken): channels out opened and closed as `targets` says,
-        and the owner's heartbeat sent on every channel, out and in."""
-        early, last, due = False, None, 0.0
-        while not self._stop.is_set():
-            keep, dial = self.targets()
-            if self.tree and self._root is not None and self._root[0] < self.member and self.is_root():
-                # this member found every member below it down: the root it heard of is lost (whatever its
-                # last heartbeats said), and the members below this one hear that with its own beats
-                with self._lock:
-                    self.on_lost(*self._root)
-                # (with this member's beat: the members below hear of the next root at once, and ask it)
-                self._flood(encode(Down((self._root + (-1, None), (self.member, self.incarnation, -1,
-                                                                      self.heartbeat())))))
-                self._root = None
-            for m in dial:
-                with self._lock:
-                    self._dialing.add(m)
-                threading.Thread(target=self._dial_to, args=(m,), daemon=True).start()
-            with self._lock:
-                out = dict(self._senders)
-                channels = list(out.values()) + list(self._inbound.values())
-            for m, channel in out.items():
-                if m not in keep:  # not needed: said goodbye to, so its end is no loss there
-                    with contextlib.suppress(OSError):
-                        channel.send(Bye())
-                    channel.bye = True
-                    channel.close_after_flush()
-            beat = self.heartbeat()
-            if not early or beat != last:  # woken early with nothing new to say: the usual beat will do
-                # what changed goes at once (woken early); with nothing new, a beat every heartbeat_s, or a
-                # quarter of lost_after_s if longer: enough to be heard alive, and a coordinator of 32 groups
-                # on a sixteenth of a core spent all of it on 620 beats a second
-                last, line = beat, encode(beat)  # (encoded once for all)
-                due = time.monotonic() + max(self.heartbeat_s, self.lost_after_s / 4)
-                for channel in channels:
-                    with contextlib.suppress(OSError):
-                        channel.send(line)
-                if self.tree and self.is_root():  # (the members below hear the root's beats, passed down)
-                    self._flood(encode(Down(((self.member, self.incarnation, -1, beat),))))
-            if self.tree:
-                self._relay(out)
-            wait = due - time.monotonic()
-            if self._up_beats:  # (a relay passes its members' heartbeats up within half a heartbeat)
-                wait = min(wait, self.heartbeat_s / 2)
-            self._wake.wait(max(0.0, wait))
-            early = time.monotonic() < due  # (woken, or a relay's turn: the beat itself waits for its time)
-            self._wake.clear()
+        """(On the reactor) a beat every heartbeat_s, and at once when woken (`wake`); a relay's turn between
+        (what waits to go up, within half a heartbeat): only that (a beat's work on each relay's turn, 20 a
+        second, was most of a relay's)."""
+        with self._tick_lock:
+            self._tick_at, woken, self._woken = None, self._woken, False
+        if self._stop.is_set():
+            return
+        early = time.monotonic() < self._beat_due  # (woken, or a relay's turn: the beat itself waits for its time)
+        if woken or not early:
+            self._beat(early)
+        if self.tree:
+            self._relay()
+        wait = self._beat_due - time.monotonic()
+        if self._up_beats:  # (a relay passes its members' heartbeats up within half a heartbeat)
+            wait = min(wait, self.heartbeat_s / 2)
+        self._tick_in(max(0.0, wait))
 
-    def _relay(self, out: dict[int, Channel]) -> None:
+    def _beat(self, early: bool) -> None:
+        """Channels out opened and closed as `targets` says, and the owner's heartbeat sent on every channel,
+        out and in, if it is due or says something new."""
+        keep, dial = self.targets()
+        if self.tree and self._root is not None and self._root[0] < self.member and self.is_root():
+            # this member found every member below it down: the root it heard of is lost (whatever its
+            # last heartbeats said), and the members below this one hear that with its own beats
+            with self._lock:
+                self.on_lost(*self._root)
+            # (with this member's beat: the members below hear of the next root at once, and ask it)
+            self._flood(encode(Down((self._root + (-1, None), (self.member, self.incarnation, -1,
+                                                                  self.heartbeat())))))
+            self._root = None
+        for m in dial:
+            with self._lock:
+                self._dialing.add(m)
+            threading.Thread(target=self._dial_to, args=(m,), daemon=True).start()
+        with self._lock:
+            out = dict(self._senders)
+            channels = list(out.values()) + list(self._inbound.values())
+        for m, channel in out.items():
+            if m not in keep:  # not needed: said goodbye to, so its end is no loss there
+                with contextlib.suppress(OSError):
+                    channel.send(Bye())
+                channel.bye = True
+                channel.close_after_flush()
+        beat = self.heartbeat()
+        if not early or beat != self._last_beat:  # woken early with nothing new to say: the usual beat will do
+            # what changed goes at once (woken early); with nothing new, a beat every heartbeat_s, or a
+            # quarter of lost_after_s if longer: enough to be heard alive, and a coordinator of 32 groups
+            # on a sixteenth of a core spent all of it on 620 beats a second
+            self._last_beat, line = beat, encode(beat)  # (encoded once for all)
+            self._beat_due = time.monotonic() + max(self.heartbeat_s, self.lost_after_s / 4)
+            for channel in channels:
+                with contextlib.suppress(OSError):
+                    channel.send(line)
+            if self.tree and self.is_root():  # (the members below hear the root's beats, passed down)
+                self._flood(encode(Down(((self.member, self.incarnation, -1, beat),))))
+
+    def _tick_in(self, delay: float) -> None:
+        """The next tick within `delay` seconds (on the reactor; one a member is waiting at a time)."""
+        when = time.monotonic() + delay
+        with self._tick_lock:  # (not the links' lock: on_lost, under it, wakes the ticks)
+            if self._stop.is_set() or (self._tick_at is not None and self._tick_at <= when):
+                return
+            self._tick_at = when
+        Reactor.get().call_at(when, lambda: self._tick() if self._tick_at == when else None)
+
+    def _relay(self) -> None:
         """(A tree) what waits to go up, to the parent, in one line; the root's answers, down in one line."""
         with self._lock:
             down, self._down_more = self._down_more, []
-            parent = out.get(self._parent) if self._parent is not None else None
+            parent = self._senders.get(self._parent) if self._parent is not None else None
             items = []
             if parent is not None and (self._up_beats or self._up_more):
                 items = [*self._up_beats.values(), *self._up_more.values()]
@@ -661,27 +692,30 @@ class Links:
                 self._up_beats, self._up_more = {}, {}
         if down:
             self._send_down(down)
-        per = min(500, len(self.addresses))  # (a line well under MAX_LINE, and within an Up's bound)
+        per = min(500, len(self.addresses))  # (within an Up's bound)
         for first in range(0, len(items), per):
-            with contextlib.suppress(OSError):
-                parent.send(Up(tuple(items[first:first + per])))
+            for line in bounded(Up, items[first:first + per]):
+                with contextlib.suppress(OSError):
+                    parent.send(line)
 
     def hurry(self, members) -> None:
         """Dial `members` now, not after their failed dials' wait (one of them may be back)."""
         with self._lock:
             for m in members:
                 self._retry.pop(m, None)
-        self._wake.set()
+        self.wake()
 
     def wake(self) -> None:
-        """Heartbeats out now (the owner's news: the others hear it within a message, not a heartbeat later)."""
-        self._wake.set()
+        """A beat now: heartbeats out (the owner's news: the others hear it within a message, not a heartbeat
+        later), channels opened and closed (a member dialled in, a channel ended)."""
+        with self._tick_lock:
+            self._woken = True
+        self._tick_in(0.0)
 
     def _dial_to(self, member: int) -> None:
-        """A channel to `member`'s beacon, for as long as it is up and wanted: heartbeats both ways,
-        requests out and replies in."""
-        channel = hello = None
-        lost_root = False
+        """A channel to `member`'s beacon (its handshake and hello here; then the reactor's), for as long as
+        it is up and wanted: heartbeats both ways, requests out and replies in."""
+        tls = None
         try:
             try:
                 conn = socket.create_connection(self.addresses[member], timeout=max(self.lost_after_s, HANDSHAKE_S))
@@ -690,6 +724,7 @@ class Links:
                     self._down.add(member)
                 raise
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tls = conn  # (closed below if the handshake fails)
             tls = self._tls_client.wrap_socket(conn)
             tls.sendall(encode(Hello(PROTOCOL, self.member, self.incarnation, len(self.addresses), member)))
             hello = parse(read_line(tls), len(self.addresses))
@@ -697,48 +732,51 @@ class Links:
                     or hello.v != PROTOCOL):
                 # a relay: whoever holds the address we dialled passed us on to another member
                 self.drop(f"{self.name(member)}'s address", f"a server that is not {self.name(member)} ({hello})")
-                tls.close()
-                hello = None
-                return
-            inc = hello.inc
-            channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a reply",
-                                                              lambda msg: self._take_out(member, inc, msg, channel, line)),
-                              sent=self.sent)
-            with self._lock:
-                self._senders[member] = channel
-                self._dialing.discard(member)
-                self._down.discard(member)
-            with contextlib.suppress(OSError):  # (closed meanwhile: run ends at once)
-                channel.send(self.heartbeat())
-            self.on_up(member)
-            channel.run()
+                raise WireError("not the member dialled")
         except (OSError, WireError):
-            hello = None
-        finally:
+            if tls is not None:
+                tls.close()
             with self._lock:
                 self._dialing.discard(member)
-                if channel is not None and self._senders.get(member) is channel:
-                    del self._senders[member]
-                    if not channel.bye:  # (we said goodbye: it is not lost)
-                        self.on_lost(member, hello.inc)
-                        self._down.add(member)
-                        lost_root = self.tree and self._root == (member, hello.inc)
-                if channel is None:  # not reached: dialled again after 2 heartbeats, twice that after another
-                    # failure, up to lost_after_s, each spread by chance: a job of hundreds starting at once
-                    # does not dial its coordinator (16 handshakes at once, the rest closed) in lockstep
-                    self._failures[member] += 1
-                    wait = min(self.lost_after_s, 2 * self.heartbeat_s * 2 ** min(self._failures[member] - 1, 8))
-                    self._retry[member] = time.monotonic() + wait * random.uniform(0.5, 1.5)
-                else:
-                    self._failures.pop(member, None)
-            if channel is not None:
-                channel.close()
-                if lost_root:  # the members below heard it through this one: they hear it lost
-                    self._flood(encode(Down(((member, hello.inc, -1, None),))))
-            # its place among the lowest members up goes to the next one now; a failed probe's, to a probe of
-            # the next member down the list (a probe a tick: after a rack of the lowest members was SIGKILLed,
-            # survivors took a second or more to dial the new coordinator, and some missed its first epoch)
-            self._wake.set()
+                # not reached: dialled again after 2 heartbeats, twice that after another failure, up to
+                # lost_after_s, each spread by chance: a job of hundreds starting at once does not dial its
+                # coordinator (16 handshakes at once, the rest closed) in lockstep
+                self._failures[member] += 1
+                wait = min(self.lost_after_s, 2 * self.heartbeat_s * 2 ** min(self._failures[member] - 1, 8))
+                self._retry[member] = time.monotonic() + wait * random.uniform(0.5, 1.5)
+            # a failed probe's place goes to a probe of the next member down the list (a probe a tick: after a
+            # rack of the lowest members was SIGKILLed, survivors took a second or more to dial the new
+            # coordinator, and some missed its first epoch)
+            self.wake()
+            return
+        inc = hello.inc
+        channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a reply",
+                                                          lambda msg: self._take_out(member, inc, msg, channel, line)),
+                          sent=self.sent)
+        with self._lock:
+            self._senders[member] = channel
+            self._dialing.discard(member)
+            self._down.discard(member)
+            self._failures.pop(member, None)
+        with contextlib.suppress(OSError):  # (closed meanwhile: it ends at once)
+            channel.send(self.heartbeat())
+        self.on_up(member)
+        channel.start(lambda: self._ended_out(member, inc, channel))
+
+    def _ended_out(self, member: int, inc: str, channel: Channel) -> None:
+        """A channel out ended: its member is lost, unless we said goodbye; its place among the lowest members
+        up goes to the next one now."""
+        lost_root = False
+        with self._lock:
+            if self._senders.get(member) is channel:
+                del self._senders[member]
+                if not channel.bye:
+                    self.on_lost(member, inc)
+                    self._down.add(member)
+                    lost_root = self.tree and self._root == (member, inc)
+        if lost_root:  # the members below heard it through this one: they hear it lost
+            self._flood(encode(Down(((member, inc, -1, None),))))
+        self.wake()
 
 
 class _Route:
@@ -750,4 +788,4 @@ class _Route:
     def send(self, msg) -> None:
         with self.links._lock:
             self.links._down_more.append((self.links.member, self.links.incarnation, self.member, msg))
-        self.links.wake()
+        self.links._tick_in(0.0)  # (a relay's turn: down now)

@@ -177,6 +177,9 @@ def test_links_hand_each_record_to_their_owners_callbacks():
         assert wait_for(lambda: (0, "inc0", Heartbeat("training", 0, 10, -1)) in heard[1]
                         and (1, "inc1", Heartbeat("training", 1, 11, -1)) in heard[0])
         assert set(up[0]) == {1} and set(up[1]) == {0}
+        # (small lines each wanted at once, both ways: the server's end waited for delayed ACKs, 40 ms a rejoin)
+        ends = [c.sock for link in links for c in [*link._senders.values(), *link._inbound.values()]]
+        assert len(ends) == 4 and all(e.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for e in ends)
         a.send(1, Join("ab12", 3, True, 2, 1))
         assert wait_for(lambda: (1, "inc1", Wait("ab12")) in heard[0])
         a.send(1, Wait("cd34"))
@@ -744,17 +747,17 @@ def test_with_nothing_new_a_member_beats_every_quarter_of_lost_after_s():
 def test_a_server_says_its_hello_before_any_heartbeat_on_a_new_channel(monkeypatch):
     """The ticker beats on every channel it knows the moment a member dials in; a heartbeat queued ahead
     of the server's hello failed the dial ("a server that is not group 2"), seen dozens of times with
-    128 members. Here the hello's send is slow (a thread switched out): the hello still comes first."""
-    from mingpt.replicas import wire
+    128 members. Here the hello's making is slow (a thread switched out): the hello still comes first."""
+    from mingpt.replicas import link
 
-    send = wire.Channel.send
+    encode = link.encode
 
-    def slow_hello(self, msg):
-        if isinstance(msg, Hello):
+    def slow_hello(msg):
+        if isinstance(msg, Hello) and msg.member == 0:
             time.sleep(0.3)  # the ticker, woken meanwhile, beats on the channels it knows
-        return send(self, msg)
+        return encode(msg)
 
-    monkeypatch.setattr(wire.Channel, "send", slow_hello)
+    monkeypatch.setattr(link, "encode", slow_hello)
     addresses = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
     links = Links(addresses, 0, "inc0", SECRET, 0.01, 0.2, 1, heartbeat=partial(Heartbeat, "training", 0, 1, -1),
                   on_message=lambda *a: None, on_up=lambda m: None, on_lost=lambda m, inc: None)
@@ -829,10 +832,13 @@ def test_in_a_tree_each_member_holds_a_few_channels_and_without_its_root_the_oth
     to its children only, while the root (the coordinator) hears all 14 through them. Members 0 (the
     root), 1 and 5 lost at once: the 12 others form an epoch of themselves, under member 2, the lowest
     left; each member whose parent was lost hangs from the next member up. Member 1 back (a new process):
-    the root finds it, and it is the root and coordinates again."""
+    the root finds it, and it is the root and coordinates again. The process's channels are one thread's
+    (the reactor's), whatever their number: each beacon adds its accept loop only (a thread per channel
+    and a ticker per beacon were 73 threads here)."""
     from benchmarks.membership_sim import SimBeacon  # (the membership alone: no links of epochs)
 
     n, fan_out, lost = 15, 2, (0, 1, 5)
+    before = threading.active_count()
     first = free_port_runs(1, n)[0]
     peers = [f"127.0.0.1:{first + m}" for m in range(n)]
     beacons = [SimBeacon(peers, m, SECRET, 0.05, 1.0, fan_out=fan_out) for m in range(n)]
@@ -858,6 +864,8 @@ def test_in_a_tree_each_member_holds_a_few_channels_and_without_its_root_the_oth
         assert [b.links.parent for b in beacons] == [None] + [(m - 1) // fan_out for m in range(1, n)]
         assert max(b.links.channels() for b in beacons) <= fan_out + 1
         assert sorted(beacons[0].alive()) == list(range(n))  # (the root hears every member, relayed)
+        # (the member threads above aside; a dial's thread ends with its handshake)
+        assert wait_for(lambda: threading.active_count() - before - n <= n + 1), threading.active_count() - before
         survivors = [m for m in range(n) if m not in lost]
         for m in lost:
             gone.add(m)
@@ -897,3 +905,75 @@ def test_a_relay_with_no_parent_keeps_one_request_and_one_loss_a_member_to_pass_
         links._pass_up(11, "abc", None, via=5)
     assert sorted((m, type(r).__name__, getattr(r, "id", "")) for m, _, r in links._up_more.values()) == [
         (5, "Join", "012b"), (6, "Join", "012b"), (11, "Join", "012b"), (11, "NoneType", ""), (12, "Join", "012b")]
+
+
+class _Sent:
+    """A channel that keeps what is sent on it (a unit test of the relays' own logic)."""
+
+    def __init__(self):
+        self.lines = []
+
+    def send(self, msg) -> None:
+        self.lines.append(msg if isinstance(msg, bytes) else encode(msg))
+
+
+def test_a_relays_answers_to_many_members_below_one_child_go_down_in_lines_its_child_takes():
+    """The root answers 40 members below one child, each with an announcement of 1,000 members: the
+    answers went down as one line of 1.2 MB, over MAX_LINE, which the child refused by closing the
+    channel (at 512 members, a new epoch every few seconds). Now they go in lines of at most half of
+    MAX_LINE, and every answer arrives."""
+    n = 1000
+    links = Links([("127.0.0.1", 1)] * n, 0, "feedfeedfeed", SECRET, 0.05, 1.0, 1, heartbeat=lambda: None,
+                  on_message=lambda *a: None, on_up=lambda m: None, on_lost=lambda m, inc: None, fan_out=2)
+    child = links._inbound[1] = _Sent()
+    everyone = tuple(Member(m, f"{m:012x}", 100, True, 20000 + m) for m in range(n))
+    below = range(3, 43)  # (members below member 1: they came up through it)
+    links._routes.update({m: 1 for m in below})
+    links._send_down([(0, "feedfeedfeed", m, EpochNews(f"{m:04x}", 7, "ab12cd34ef56", everyone)) for m in below])
+    assert child.lines and all(len(line) <= MAX_LINE for line in child.lines), [len(line) for line in child.lines]
+    got = [item for line in child.lines for item in parse(line.rstrip(b"\n"), n).items]
+    assert sorted(item[2] for item in got) == list(below) and all(item[3].members == everyone for item in got)
+
+
+def test_a_roots_members_that_ask_again_for_the_epoch_they_are_in_get_one_announcement_down_the_tree():
+    """Members of an epoch the root announced ask again when the announcement is slow to reach them (a
+    loaded relay). Each was answered with the whole announcement, on its own way down: at 512 members,
+    hundreds of copies of 20 kB each through the busiest relays, which then starved. Now the root sends
+    it down once, to every member, at most once a heartbeat: those that asked take it as their answer."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(15)]
+    root = Beacon(peers, 0, SECRET, 0.05, 60.0, fan_out=2)
+    try:
+        members = tuple(Member(m, f"{m:012x}", 0, False, 1) for m in range(15))
+        news = EpochNews("0", 3, "ab12cd34ef56", members)
+        broadcasts, asked = [], _Sent()
+        root.links.broadcast = broadcasts.append
+        with root._lock:
+            root._announced, root._announced_at = news, time.monotonic() - 1
+        for m in range(1, 15):
+            assert root._heard(m, f"{m:012x}", Join(f"{m:04x}", 0, False, 2, 1), asked) is None
+        assert broadcasts == [news] and asked.lines == []
+    finally:
+        root.close()
+
+
+def test_a_line_sent_from_the_reactors_own_turn_goes_at_once(monkeypatch):
+    """The reactor emptied its wake-up pipe after it had run what was due: a line sent meanwhile (a beat
+    sent by a tick, on the reactor) woke nothing, and waited for the reactor's next look, up to a
+    second (a member back was heard 0.2 s late, and a warm spare's rejoin took twice as long). Here the
+    reactor would sleep 30 s with nothing due: the line must go at once all the same."""
+    from mingpt.replicas.wire import Channel, Reactor
+
+    reactor = Reactor()
+    reactor.idle_s = 30.0
+    monkeypatch.setattr(Reactor, "_instance", reactor)
+    ours, theirs = socket.socketpair()
+    theirs.settimeout(10)
+    channel = Channel(ours, lambda line: None)
+    channel.start()
+    for n in range(3):
+        reactor.call_at(time.monotonic(), lambda n=n: channel.send(f"line {n}\n".encode()))
+        got = b""
+        while not got.endswith(b"\n"):
+            got += theirs.recv(64)
+        assert got == f"line {n}\n".encode()
+    channel.close()
