@@ -719,8 +719,8 @@ class Beacon:
                     self._requests.pop(member, None)
                     if self.links.tree:  # down the tree once again, for all, at most once a heartbeat (at 512
                         # members, hundreds asked again before the first came down, each answered with all of it)
-                        news, everyone = (news, True) if now - self._announced_at >= self.heartbeat_s else (None, False)
-                        self._announced_at = now if everyone else self._announced_at
+                        everyone = now - self._announced_at >= self.heartbeat_s
+                        self._announced_at, news = (now, news) if everyone else (self._announced_at, None)
                 else:
                     news = None
                     if member not in self._requests:  # (a request sent again does not make it later)

@@ -44,6 +44,8 @@ from typing import NamedTuple
 
 import torch
 
+log = logging.getLogger("mingpt.replicas.beacon")
+
 PROTOCOL = 9  # checked at hello: groups of another release refuse each other (9: a large job's relays, Up and Down)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
 HANDSHAKE_S = 2.0  # from accept to a peer's hello, at most: a connection slower than this is closed
@@ -518,22 +520,22 @@ class Reactor:
         """`channel` looked at on the next turn (its queue written, its start or end taken)."""
         with self._lock:
             self._due.add(channel)
-            if self._woken:
-                return
-            self._woken = True
-        with contextlib.suppress(OSError):  # (a full pipe: a wake-up is pending anyway)
-            os.write(self._wake_w, b"x")
+            self._wake_up()
 
     def call_at(self, when: float, what: Callable[[], None]) -> None:
         """`what()` on the reactor's thread at `when` (time.monotonic()), or as soon after as it can. It must
         not block: every channel of the process waits for it."""
         with self._lock:
             heapq.heappush(self._calls, (when, next(self._order), what))
-            if self._woken or self._calls[0][2] is not what:
-                return
+            if self._calls[0][2] is what:  # (else the earlier call wakes it)
+                self._wake_up()
+
+    def _wake_up(self) -> None:
+        """(Under the lock) the reactor's poll ends now, unless a wake-up is pending already."""
+        if not self._woken:
             self._woken = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+            with contextlib.suppress(OSError):  # (a full pipe: a wake-up is pending anyway)
+                os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         stuck: set[Channel] = set()  # channels whose socket took not all that was queued
@@ -554,7 +556,7 @@ class Reactor:
                 try:
                     what()
                 except Exception:  # the reactor serves the process's other beacons
-                    logging.getLogger("mingpt.replicas.beacon").exception("replica beacon: a call on the reactor failed")
+                    log.exception("replica beacon: a call on the reactor failed")
             for fd, what in events:
                 if fd != self._wake_r and (channel := self._by_fd.get(fd)) is not None:
                     self._turn(channel, stuck, read=bool(what & ~select.POLLOUT))
@@ -582,7 +584,7 @@ class Reactor:
         except (OSError, EOFError, WireError):
             return self._drop(channel, stuck)
         except Exception:  # a fault of its handler ends this channel, not the process's others
-            logging.getLogger("mingpt.replicas.beacon").exception("replica channel: a line's handler failed")
+            log.exception("replica channel: a line's handler failed")
             return self._drop(channel, stuck)
         if flushed and channel._closing:
             return self._drop(channel, stuck)
@@ -599,7 +601,7 @@ class Reactor:
         try:
             channel._end()
         except Exception:  # the reactor serves the process's other channels
-            logging.getLogger("mingpt.replicas.beacon").exception("replica channel: its end failed")
+            log.exception("replica channel: its end failed")
 
 
 def read_line(sock: ssl.SSLSocket, limit: int = 4096) -> bytes:
