@@ -48,7 +48,8 @@ from benchmarks.survivors_scale import stat
 from mingpt.replicas.beacon import Beacon
 from mingpt.runtime.trust import job_secret
 
-POLL_S = 0.05  # how often a member holding an epoch asks whether it must form again
+POLL_S = 0.05  # how often a member holding an epoch asks whether it must form again, at most
+QUIET_S = 0.25  # ... and at least (what only time changes: a silent member)
 TIMEOUT_S = 30.0  # replicas.timeout_s's default
 
 
@@ -61,6 +62,20 @@ class SimBeacon(Beacon):
     def _make_group(self, epoch, timeout_s: float) -> None:
         pass
 
+    def watch(self, epoch, stop: threading.Event) -> str | None:
+        """Until `epoch` cannot go on (why), or `stop`: asked on the beacon's news, POLL_S apart at most, and
+        QUIET_S after the last (asked every POLL_S whatever came, a thousand members' threads in 26 processes
+        woke 20,000 times a second, and took the beacons' CPU)."""
+        while not stop.is_set():
+            seen, asked = self._news_n, time.monotonic()
+            if (lost := self.lost(epoch)) is not None:
+                return lost.cause
+            if self.joiners(epoch):
+                return "a member joins"
+            self._await_news(seen, QUIET_S)
+            stop.wait(max(0.0, asked + POLL_S - time.monotonic()))
+        return None
+
 
 NO_STORE = types.SimpleNamespace(port=1)
 
@@ -70,12 +85,13 @@ def layout(members: int, lose: int, per_process: int) -> list[range]:
     the coordinator in one of its own, its successor in another, the rest of them in a third; the two
     after them, the coordinator and successor once those are lost, in one of their own (as each member
     is a process of its own in a job: these hear every member, and must not share a process, and its
-    handshakes, with a hundred others); the rest split evenly, `per_process` at most each."""
+    handshakes, with a hundred others); the rest dealt out in turn, `per_process` at most each: so each
+    process holds members of every level of the tree, as a job's nodes do (by number, one process held
+    every relay of a level, and its one reactor passed up the heartbeats of hundreds of members)."""
     rest = members - lose - 2
     procs = -(-rest // per_process)
-    cuts = [lose + 2 + rest * i // procs for i in range(procs + 1)]
     lost = [r for r in (range(0, 1), range(1, min(2, lose)), range(2, lose)) if r]
-    return [*lost, range(lose, lose + 2), *(range(a, b) for a, b in zip(cuts, cuts[1:]))]
+    return [*lost, range(lose, lose + 2), *(range(lose + 2 + i, members, procs) for i in range(procs))]
 
 
 def quorum(members: int, lose: int) -> int:
@@ -85,7 +101,7 @@ def quorum(members: int, lose: int) -> int:
 
 # --- a process of members ------------------------------------------------------------------------
 def child(args) -> None:
-    """Members args.first to args.first + args.count - 1: their beacons, then, on "go" from stdin, each
+    """Members args.first, args.first + args.stride, ... (args.count of them): their beacons, then, on "go" from stdin, each
     forming epochs in its thread (a JSON line per epoch it holds); "report": each member's channels and
     what it sent; "quit": close."""
     logging.basicConfig(format="%(asctime)s.%(msecs)03d %(message)s", datefmt="%H:%M:%S")  # (its log: --keep)
@@ -99,7 +115,7 @@ def child(args) -> None:
     addresses = [f"127.0.0.1:{args.port + i}" for i in range(args.members)]
     secret = job_secret()
     beacons = []
-    for m in range(args.first, args.first + args.count):
+    for m in range(args.first, args.first + args.count * args.stride, args.stride):
         try:
             beacons.append(SimBeacon(addresses, m, secret, args.heartbeat_s, args.lost_after_s,
                                      quorum_wait_s=args.deadline_s, fan_out=args.fan_out))
@@ -119,13 +135,7 @@ def child(args) -> None:
                 return
             say(event="epoch", member=beacon.member, number=epoch.number, world=epoch.world,
                 lowest=epoch.members[0].number, t=time.time(), why=why)
-            while not stop.wait(POLL_S):
-                if (lost := beacon.lost(epoch)) is not None:
-                    why = lost.cause
-                    break
-                if beacon.joiners(epoch):
-                    why = "a member joins"
-                    break
+            why = beacon.watch(epoch, stop)
     for line in sys.stdin:
         if line.strip() == "go":
             for b in beacons:
@@ -169,6 +179,7 @@ class Sim:
         env = {**os.environ, "MINGPT_JOB_SECRET": secrets.token_hex(32), "OMP_NUM_THREADS": "1"}
         self.procs = [subprocess.Popen(
             [sys.executable, "-m", "benchmarks.membership_sim", "--child", "--first", str(r.start), "--count", str(len(r)),
+             "--stride", str(r.step),
              "--members", str(members), "--port", str(port), "--quorum", str(quorum(members, args.lose)),
              "--deadline-s", str(args.deadline_s), "--max-threads", str(args.max_threads),
              "--heartbeat-s", str(args.heartbeat_s), "--lost-after-s", str(args.lost_after_s),
@@ -323,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fan-out", type=int, default=6, help="replicas.fan_out: members below each relay of the tree")
     ap.add_argument("--keep", help="keep each process's log here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    for name in ("--first", "--count", "--port", "--quorum"):
+    for name in ("--first", "--count", "--stride", "--port", "--quorum"):
         ap.add_argument(name, type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:

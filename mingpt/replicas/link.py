@@ -7,6 +7,7 @@ mingpt/replicas/beacon.py), told through callbacks."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import itertools
 import logging
@@ -137,7 +138,8 @@ class Links:
         self._tick_at: float | None = None  # when the reactor ticks next (`_tick_in`)
         self._tick_lock = threading.Lock()
         self._woken = False  # (under _tick_lock) the next tick beats, whether due or not
-        self._beat_due, self._last_beat = 0.0, None  # when the next heartbeat is due, and the last one sent
+        self._beat_due, self._last_beat, self._last_line = 0.0, None, b""  # when the next heartbeat is due; the last
+        # one sent, and its line
         self._stop = threading.Event()
         self._told_size = False  # a peer of another size of job was named once (it dials again and again)
         self.fan_out = fan_out
@@ -148,7 +150,8 @@ class Links:
         self._up_beats: dict[int, tuple] = {}  # (a tree) the newest heartbeat of each member below, to pass up
         self._up_more: dict[tuple, tuple] = {}  # (a tree) each member's newest join request and lost connection to
         # pass up, oldest first (a relay with no parent for a while holds two a member at most)
-        self._up_last: dict[int, Heartbeat] = {}  # the last heartbeat passed up of each member below
+        self._up_last: dict[int, tuple] = {}  # the last heartbeat passed up of each member below: (inc, beat), on
+        self._up_to: Channel | None = None  # this channel to the parent (a new parent hears every one in full)
         self._down_more: list[tuple] = []  # (a tree) answers to send down: the root's, and those passing through
         self._routes: dict[int, int] = {}  # (a tree) member below -> the member below this one it came up through
         self._down: set[int] = set()  # members whose last dial found nobody there (refused, or no answer in time): a
@@ -311,7 +314,7 @@ class Links:
             self._routes[member] = via
         if isinstance(msg, Heartbeat):
             self._up_beats[member] = (member, inc, msg)
-            if self._up_last.get(member) == msg:
+            if self._up_last.get(member) == (inc, msg):
                 return
         else:
             key = (member, type(msg))
@@ -319,11 +322,16 @@ class Links:
             self._up_more[key] = (member, inc, msg)
         self._tick_in(0.0)  # (a relay's turn now)
 
-    def _from_below(self, member: int, msg) -> str | None:
+    def _from_below(self, member: int, msg, channel: Channel) -> str | None:
         """(A tree) the records an Up from `member`, a member below, passes on: delivered here if this is
-        the root, else passed up."""
+        the root, else passed up. Its members that say the same are their heartbeats this channel carried
+        last, again."""
         root = self.is_root()
         for m, inc, record in msg.items:
+            if isinstance(record, Heartbeat):
+                channel.beats[m] = (inc, record)
+        same = [(m, *channel.beats[m]) for m in msg.same if m in channel.beats]
+        for m, inc, record in (*msg.items, *same):
             if m == self.member:
                 continue  # (its own, come back round a loop that a moment's change of parents made)
             if not root:
@@ -535,7 +543,7 @@ class Links:
         except OSError:
             tls.close()
             return
-        channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a message",
+        channel = Channel(tls, lambda line: self._deliver(channel, line, member, "a message",
                                                            lambda msg: self._take_in(member, inc, msg, channel)),
                           sent=self.sent)
         with self._lock:  # this connection is now the member's: an older one's end says nothing of it
@@ -569,7 +577,7 @@ class Links:
             return "a Down from a member below"
         if self.tree and member not in self._pinned():
             if isinstance(msg, Up):
-                return self._from_below(member, msg)
+                return self._from_below(member, msg, channel)
             if isinstance(msg, Heartbeat) and not self.is_root():
                 with self._lock:
                     self._pass_up(member, inc, msg)
@@ -584,14 +592,21 @@ class Links:
             return self._from_above(member, msg, line) if self.tree else "a Down outside a tree"
         return self.on_message(member, inc, msg, channel)
 
-    def _deliver(self, line: bytes, who: str, what: str, handler: Callable[[object], str | None]) -> None:
-        """A line from `who` into its record, for `handler`; dropped if not one of ours, or if `handler` says why."""
-        try:
-            msg = parse(line, len(self.addresses))
-        except WireError as e:
-            return self.drop(who, f"{what} that is not one of ours ({e})")
+    def _deliver(self, channel: Channel, line: bytes, member: int, what: str,
+                 handler: Callable[[object], str | None]) -> None:
+        """A line from `member` into its record, for `handler`; dropped if not one of ours, or if `handler`
+        says why. A line the same as the channel's last is its record again, not parsed (most are: a
+        member's beats say the same until its state changes, and the root's come down unchanged)."""
+        if line == channel.last[0]:
+            msg = channel.last[1]
+        else:
+            try:
+                msg = parse(line, len(self.addresses))
+            except WireError as e:
+                return self.drop(self.name(member), f"{what} that is not one of ours ({e})")
+            channel.last = (line, msg)
         if (why := handler(msg)) is not None:
-            self.drop(who, why)
+            self.drop(self.name(member), why)
 
     def _welcome(self, hello, tls) -> bool:
         """Whether a peer's hello (it holds the secret) is of this job's protocol and layout."""
@@ -649,26 +664,36 @@ class Links:
             with self._lock:
                 self._dialing.add(m)
             threading.Thread(target=self._dial_to, args=(m,), daemon=True).start()
+        root = self.tree and self.is_root()
         with self._lock:
             out = dict(self._senders)
-            channels = list(out.values()) + list(self._inbound.values())
+            # (in a tree, its children hear the root's beats through it, which keep their channels up: its own
+            # beats to them, which none of them reads, were a third of a tree's lines; they go where the root's
+            # have not for two beats, so that a child hears its parent alive whatever the members above do)
+            now, pinned = time.monotonic(), self._pinned()
+            quiet = now - 2 * max(self.heartbeat_s, self.lost_after_s / 4)
+            channels = list(out.values()) + [c for m, c in self._inbound.items() if not self.tree or m in pinned
+                                             or (not root and c.said <= quiet)]
         for m, channel in out.items():
             if m not in keep:  # not needed: said goodbye to, so its end is no loss there
                 with contextlib.suppress(OSError):
                     channel.send(Bye())
                 channel.bye = True
                 channel.close_after_flush()
-        beat = self.heartbeat()
-        if not early or beat != self._last_beat:  # woken early with nothing new to say: the usual beat will do
-            # what changed goes at once (woken early); with nothing new, a beat every heartbeat_s, or a
-            # quarter of lost_after_s if longer: enough to be heard alive, and a coordinator of 32 groups
-            # on a sixteenth of a core spent all of it on 620 beats a second
-            self._last_beat, line = beat, encode(beat)  # (encoded once for all)
+        beat, last = self.heartbeat(), self._last_beat
+        # what changed goes at once (woken early), but for the count of groups alive, which goes with the next
+        # beat (at 1,024 members, each member heard late or back again sent the root's beat down to all);
+        # with nothing new, a beat every heartbeat_s, or a quarter of lost_after_s if longer: enough to be heard
+        # alive, and a coordinator of 32 groups on a sixteenth of a core spent all of it on 620 beats a second
+        if not early or (beat != last and (last is None or dataclasses.replace(beat, groups=last.groups) != last)):
+            if beat != self._last_beat:  # (encoded once for all, and again only when it changes)
+                self._last_beat, self._last_line = beat, encode(beat)
+            line = self._last_line
             self._beat_due = time.monotonic() + max(self.heartbeat_s, self.lost_after_s / 4)
             for channel in channels:
                 with contextlib.suppress(OSError):
                     channel.send(line)
-            if self.tree and self.is_root():  # (the members below hear the root's beats, passed down)
+            if root:  # (the members below hear the root's beats, passed down)
                 self._flood(encode(Down(((self.member, self.incarnation, -1, beat),))))
 
     def _tick_in(self, delay: float) -> None:
@@ -685,18 +710,26 @@ class Links:
         with self._lock:
             down, self._down_more = self._down_more, []
             parent = self._senders.get(self._parent) if self._parent is not None else None
-            items = []
+            items, same = [], []
             if parent is not None and (self._up_beats or self._up_more):
-                items = [*self._up_beats.values(), *self._up_more.values()]
-                self._up_last.update({m: b for m, _, b in self._up_beats.values()})
+                if parent is not self._up_to:  # (a new parent: it has heard none of them)
+                    self._up_to, self._up_last = parent, {}
+                for m, inc, beat in self._up_beats.values():  # (an unchanged one as its number only: the members'
+                    # records, read and written again by every relay up, were most of a relay's time)
+                    if self._up_last.get(m) == (inc, beat):
+                        same.append(m)
+                    else:
+                        items.append((m, inc, beat))
+                        self._up_last[m] = (inc, beat)
+                items += self._up_more.values()
                 self._up_beats, self._up_more = {}, {}
         if down:
             self._send_down(down)
         per = min(500, len(self.addresses))  # (within an Up's bound)
-        for first in range(0, len(items), per):
-            for line in bounded(Up, items[first:first + per]):
-                with contextlib.suppress(OSError):
-                    parent.send(line)
+        lines = [line for first in range(0, len(items), per) for line in bounded(Up, items[first:first + per])]
+        for line in lines + ([encode(Up((), tuple(same)))] if same else []):
+            with contextlib.suppress(OSError):
+                parent.send(line)
 
     def hurry(self, members) -> None:
         """Dial `members` now, not after their failed dials' wait (one of them may be back)."""
@@ -750,7 +783,7 @@ class Links:
             self.wake()
             return
         inc = hello.inc
-        channel = Channel(tls, lambda line: self._deliver(line, self.name(member), "a reply",
+        channel = Channel(tls, lambda line: self._deliver(channel, line, member, "a reply",
                                                           lambda msg: self._take_out(member, inc, msg, channel, line)),
                           sent=self.sent)
         with self._lock:

@@ -46,7 +46,7 @@ import torch
 
 log = logging.getLogger("mingpt.replicas.beacon")
 
-PROTOCOL = 9  # checked at hello: groups of another release refuse each other (9: a large job's relays, Up and Down)
+PROTOCOL = 10  # checked at hello: groups of another release refuse each other (10: an Up's members that say the same)
 MAX_LINE = 256 * 1024  # an announcement of 1,000 members fits; a peer's reply is never read unbounded
 HANDSHAKE_S = 2.0  # from accept to a peer's hello, at most: a connection slower than this is closed
 
@@ -69,6 +69,17 @@ def _int(lo: int, hi: int = 2**62):
 
 def _bool(v) -> bool:
     return isinstance(v, bool)
+
+
+def _column(kind: type, lo: int = 0, hi: int = 2**62):
+    """A check of a column of an announcement's members, in built-ins (a check an entry took 3 ms at 1,024
+    members, and every member reads every announcement): each of type `kind` (an int is not a bool), and
+    each int within lo..hi, each text at most `hi` long."""
+    def check(c) -> bool:
+        if not isinstance(c, list) or not set(map(type, c)) <= {kind}:
+            return False
+        return not c or kind is bool or (lo <= min(c) and max(c) <= hi if kind is int else max(map(len, c)) <= hi)
+    return check
 
 
 def _id(v) -> bool:
@@ -115,9 +126,8 @@ class Join:
     store: int  # the port of its rendezvous store, on its beacon's host (where its links meet: Member.store)
 
 
-@dataclass(frozen=True)
-class Member:
-    """A member (one process) as an epoch knows it."""
+class Member(NamedTuple):
+    """A member (one process) as an epoch knows it. (A tuple: an announcement's thousand are made at C speed.)"""
     number: int  # its member number: group * processes per group + process
     incarnation: str  # this process's start: a restarted group is a new member
     step: int  # the steps its state holds
@@ -151,8 +161,10 @@ class Wait:
 class Up:
     """Records a relay passes up a large job's tree (link.py), from the members below it towards the
     root: (member, its incarnation, its Heartbeat or Join; None: the member's connection to the one
-    below the relay ended without a goodbye)."""
+    below the relay ended without a goodbye); and the members below whose heartbeat is the one this
+    channel carried for them last (`same`: they are alive, and say nothing new)."""
     items: tuple
+    same: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -172,7 +184,8 @@ REQUIRED = {cls: frozenset(f.name for f in fields(cls) if f.default is MISSING) 
 def checks(members: int) -> dict:
     """Each field's check, for a job of `members` members (built once per job size: every line is parsed)."""
     member = _int(0, members - 1)
-    entry = {"number": member, "incarnation": _text(32), "step": _int(0), "live": _bool, "store": _int(1, 65535)}
+    entry = {"number": _column(int, 0, members - 1), "incarnation": _column(str, 0, 32), "step": _column(int),
+             "live": _column(bool), "store": _column(int, 1, 65535)}
     return {
         Hello: {"v": _int(0, 2**31), "member": _int(0, 2**31), "inc": _text(32), "members": _int(1, 2**31),
                 "to": _int(0, 2**31)},
@@ -183,10 +196,11 @@ def checks(members: int) -> dict:
         EpochNews: {"id": _id, "number": _int(0), "key": _id,
                     # (by column: a thousand members' entries each a JSON object took 3 ms to read, here)
                     "members": lambda v: isinstance(v, dict) and set(v) == set(entry)
-                    and 0 < len(v["number"]) <= members and all(isinstance(c, list) and len(c) == len(v["number"])
-                                                                and all(map(entry[k], c)) for k, c in v.items())},
+                    and isinstance(v["number"], list) and 0 < len(v["number"]) <= members
+                    and all(entry[k](c) and len(c) == len(v["number"]) for k, c in v.items())},
         Wait: {"id": _id},
-        Up: {"items": _items(members, 3, (Heartbeat, Join))},
+        Up: {"items": _items(members, 3, (Heartbeat, Join)),
+             "same": lambda v: isinstance(v, list) and len(v) <= members and all(map(member, v))},
         Down: {"items": _items(members, 4, (Heartbeat, EpochNews, Wait))},
     }
 
@@ -223,20 +237,23 @@ def _record(obj, members: int):
         if not spec[k](v):
             raise WireError(f"a {NAMES[cls]} whose {k} is {str(v)[:40]!r}")
     if cls is EpochNews:
-        columns = [obj["members"][f.name] for f in fields(Member)]
+        columns = [obj["members"][name] for name in Member._fields]
         obj["members"] = tuple(map(Member, *columns))  # (a generator of Member(*m) was most of a parse's time)
     elif cls in (Up, Down):
         obj["items"] = tuple((*i[:-1], None if i[-1] is None else _record(i[-1], members)) for i in obj["items"])
+        if "same" in obj:
+            obj["same"] = tuple(obj["same"])
     return cls(**obj)
 
 
 def _fields(msg) -> dict:
     """A record as the wire writes it."""
     if isinstance(msg, EpochNews):
-        columns = {f.name: [getattr(m, f.name) for m in msg.members] for f in fields(Member)}
+        columns = dict(zip(Member._fields, map(list, zip(*msg.members))))
         return {"t": "epoch", "id": msg.id, "number": msg.number, "key": msg.key, "members": columns}
     if isinstance(msg, (Up, Down)):
-        return {"t": NAMES[type(msg)], "items": [[*i[:-1], None if i[-1] is None else _fields(i[-1])] for i in msg.items]}
+        items = [[*i[:-1], None if i[-1] is None else _fields(i[-1])] for i in msg.items]
+        return {"t": NAMES[type(msg)], "items": items, **({"same": list(msg.same)} if getattr(msg, "same", ()) else {})}
     return {"t": NAMES[type(msg)], **vars(msg)}  # (flat records: asdict's deep copy was most of a relay's time)
 
 
@@ -399,6 +416,9 @@ class Channel:
         self._lock = threading.Lock()
         self.closed = threading.Event()
         self.heard = time.monotonic()  # when its last line came
+        self.said = 0.0  # when its last line was queued
+        self.last: tuple[bytes, object] = (b"", None)  # its last line read, and its record (`Links._deliver`)
+        self.beats: dict[int, tuple] = {}  # (a relay's channel) each member's heartbeat it carried last: (inc, beat)
         self.bye = False  # it ends by a goodbye (either way): no loss
         self._closing = False  # close once what is queued is sent
         self._on_end: Callable[[], None] | None = None
@@ -419,6 +439,7 @@ class Channel:
         data = msg if isinstance(msg, bytes) else encode(msg)
         with self._lock:
             self._out.append(data)
+            self.said = time.monotonic()
             self.sent["messages"] += 1
             self.sent["bytes"] += len(data)
         if self._on_end is not None:
@@ -441,6 +462,8 @@ class Channel:
 
     # --- on the reactor's thread ---------------------------------------------------------------------
     def _read(self) -> None:
+        """What came, up to what TLS holds decrypted (the poll says when more is on the socket: a read to
+        find it empty was a system call a line)."""
         while True:
             try:
                 data = self.sock.recv(65536)
@@ -454,6 +477,8 @@ class Channel:
                 raise WireError(f"a line over {MAX_LINE} bytes")
             for line in lines:
                 self.on_line(line)
+            if not self.sock.pending():
+                return
 
     def _flush(self) -> bool:
         """Writes what is queued, as far as the socket takes it; whether all of it went."""
@@ -514,7 +539,10 @@ class Reactor:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poll.register(self._wake_r, select.POLLIN)
-        threading.Thread(target=self._run, daemon=True, name="replica-channels").start()
+        self._ident: int | None = None  # (the reactor's thread, once started)
+        thread = threading.Thread(target=self._run, daemon=True, name="replica-channels")
+        thread.start()
+        self._ident = thread.ident
 
     def attend(self, channel: Channel) -> None:
         """`channel` looked at on the next turn (its queue written, its start or end taken)."""
@@ -531,8 +559,10 @@ class Reactor:
                 self._wake_up()
 
     def _wake_up(self) -> None:
-        """(Under the lock) the reactor's poll ends now, unless a wake-up is pending already."""
-        if not self._woken:
+        """(Under the lock) the reactor's poll ends now, unless a wake-up is pending already, or this is the
+        reactor's own thread (its next poll waits for nothing then: a line a relay passed on, or a tick's
+        beat, each wrote the pipe and read it back)."""
+        if not self._woken and threading.get_ident() != self._ident:
             self._woken = True
             with contextlib.suppress(OSError):  # (a full pipe: a wake-up is pending anyway)
                 os.write(self._wake_w, b"x")
@@ -541,12 +571,14 @@ class Reactor:
         stuck: set[Channel] = set()  # channels whose socket took not all that was queued
         while True:
             with self._lock:
-                wait = min(0.1 if stuck else self.idle_s, self._calls[0][0] - time.monotonic() if self._calls else self.idle_s)
+                wait = 0 if self._due else min(0.1 if stuck else self.idle_s,
+                                               self._calls[0][0] - time.monotonic() if self._calls else self.idle_s)
             events = self._poll.poll(max(0, math.ceil(wait * 1000)))
             # the pipe emptied before `_woken` is cleared: a wake-up written after this is read next turn (emptied
             # after it, one written between was lost with `_woken` left set: the reactor slept until its next call)
-            with contextlib.suppress(OSError):
-                os.read(self._wake_r, 65536)
+            if any(fd == self._wake_r for fd, _ in events):
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 65536)
             with self._lock:
                 due, self._due, self._woken = self._due, set(), False
                 now, calls = time.monotonic(), []
