@@ -477,7 +477,7 @@ class Channel:
                 raise WireError(f"a line over {MAX_LINE} bytes")
             for line in lines:
                 self.on_line(line)
-            if not self.sock.pending():
+            if not isinstance(self.sock, ssl.SSLSocket) or not self.sock.pending():
                 return
 
     def _flush(self) -> bool:

@@ -98,11 +98,16 @@ def test_stat_names_the_member_with_the_max():
     assert stat({}) is None
 
 
-def test_the_sim_gives_the_coordinator_and_its_successors_processes_of_their_own_and_splits_the_rest():
+def test_the_sim_gives_the_coordinator_and_its_successors_processes_of_their_own_and_deals_out_the_rest():
+    """The rest dealt out in turn, so that each process holds members of every level of the tree (split by
+    number, one process held every relay of a level, its one reactor passing up hundreds of members' beats)."""
     assert layout(1024, 10, 128) == [range(0, 1), range(1, 2), range(2, 10), range(10, 12),
-                                     *(range(12 + 1012 * i // 8, 12 + 1012 * (i + 1) // 8) for i in range(8))]
+                                     *(range(12 + i, 1024, 8) for i in range(8))]
     assert [len(r) for r in layout(32, 10, 128)] == [1, 1, 8, 2, 20]
     assert layout(16, 1, 128) == [range(0, 1), range(1, 3), range(3, 16)]
+    relays = range(12, 1024 // 6)  # (fan_out 6: the members with members below them, but the lost ones)
+    assert all(sum(m in relays for m in r) in (19, 20) for r in layout(1024, 10, 128)[4:])
+    assert sorted(m for r in layout(1000, 10, 40) for m in r) == list(range(1000))
     assert quorum(1024, 10) == 513 and quorum(16, 10) == 6  # a majority, or the survivors where they are fewer
 
 

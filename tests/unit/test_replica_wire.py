@@ -80,6 +80,7 @@ def peer(port, member, members, secret=SECRET, to=0):
     (b'{"t": "down", "items": [[0, "x", -1, {"t": "hb", "state": "training", "epoch": 3, "step": 9, "taking": -1}],'
      b' [0, "x", 2, {"t": "wait", "id": "ab12"}]]}',
      Down(((0, "x", -1, Heartbeat("training", 3, 9, -1)), (0, "x", 2, Wait("ab12"))))),
+    (b'{"t": "up", "items": [], "same": [1, 2]}', Up((), (1, 2))),
 ])
 def test_each_message_is_parsed_into_its_record(line, record):
     assert parse(line, 3) == record
@@ -109,6 +110,20 @@ def test_each_message_is_parsed_into_its_record(line, record):
     b'{"t": "down", "items": [[0, "x", 5, {"t": "wait", "id": "ab12"}]]}',
     b'{"t": "down", "items": [[0, "x", -1, {"t": "join", "id": "ab12", "step": 9, "live": true, "epoch_seen": 3, '
     b'"store": 1}]]}',  # a join request goes up, never down
+    b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
+    b'{"number": [true], "incarnation": ["x"], "step": [9], "live": [false], "store": [1]}}',  # a bool is no member
+    b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
+    b'{"number": [1], "incarnation": ["x"], "step": [9], "live": [0], "store": [1]}}',  # an int is no bool
+    b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
+    b'{"number": [1], "incarnation": ["x"], "step": [9], "live": [false], "store": [0]}}',  # no port
+    b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
+    b'{"number": [1], "incarnation": ["' + b"x" * 33 + b'"], "step": [9], "live": [false], "store": [1]}}',
+    b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
+    b'{"number": [1], "incarnation": "x", "step": [9], "live": [false], "store": [1]}}',  # a column that is no list
+    b'{"t": "epoch", "id": "ab12", "number": 4, "key": "ab12ab12ab12", "members": '
+    b'{"number": [], "incarnation": [], "step": [], "live": [], "store": []}}',  # an epoch of nobody
+    b'{"t": "up", "items": [], "same": [7]}',  # a member this job does not have
+    b'{"t": "up", "items": [], "same": 1}',
     b'{"t": "rm -rf"}', b'[1, 2]', b'"hello"', b'not json', b'\xff\xfe',
 ])
 def test_a_message_of_the_wrong_type_or_range_is_refused(line):
@@ -910,11 +925,110 @@ def test_a_relay_with_no_parent_keeps_one_request_and_one_loss_a_member_to_pass_
 class _Sent:
     """A channel that keeps what is sent on it (a unit test of the relays' own logic)."""
 
-    def __init__(self):
-        self.lines = []
+    def __init__(self, said=0.0):
+        self.lines, self.said, self.bye, self.beats = [], said, False, {}
 
     def send(self, msg) -> None:
         self.lines.append(msg if isinstance(msg, bytes) else encode(msg))
+
+    def kinds(self, members=15):
+        return [type(parse(line.rstrip(b"\n"), members)).__name__ for line in self.lines]
+
+
+def _links(member, beat, **kw):
+    links = Links([("127.0.0.1", 1)] * 15, member, "feedfeedfeed", SECRET, 0.05, 1.0, 1, heartbeat=beat,
+                  on_message=kw.get("on_message", lambda *a: None), on_up=lambda m: None,
+                  on_lost=lambda m, inc: None, fan_out=2)
+    links.targets = lambda: ({0} if member else set(), set())  # (its parent kept; nothing to dial)
+    return links
+
+
+def test_in_a_tree_a_member_beats_to_its_children_only_where_the_roots_beats_stopped():
+    """A member's own heartbeats went down to its children too, where none reads them: they hear the
+    root's, passed down through it, which keep their channel up. A third of a tree's lines, and at 1,024
+    members more than 2 cores: now its own beats go to a child only where nothing went down to it for two
+    beats (the root's have stopped), and the root's children hear the root's once, in a Down."""
+    beat = Heartbeat("training", 3, 9, -1)
+    relay = _links(1, lambda: beat)
+    parent, fresh, quiet = _Sent(), _Sent(said=time.monotonic()), _Sent()
+    relay._senders[0], relay._inbound[3], relay._inbound[4] = parent, fresh, quiet
+    relay._beat(False)
+    assert (parent.kinds(), fresh.kinds(), quiet.kinds()) == (["Heartbeat"], [], ["Heartbeat"])
+    root = _links(0, lambda: beat)
+    child = root._inbound[1] = _Sent()
+    root._beat(False)
+    assert child.kinds() == ["Down"]
+
+
+def test_a_beat_that_changes_only_its_count_of_groups_waits_for_its_time():
+    """The root's heartbeat counts the groups it hears alive, which changes with each member heard late
+    or back; each change went down to every member at once (woken early), and at 1,024 members those
+    were most of the root's lines. What else changes goes at once."""
+    beats = [Heartbeat("training", 3, 9, -1, groups=7)]
+    relay = _links(1, lambda: beats[-1])
+    parent = relay._senders[0] = _Sent()
+    relay._beat(False)
+    beats.append(Heartbeat("training", 3, 9, -1, groups=6))
+    relay._beat(True)
+    assert len(parent.lines) == 1
+    beats.append(Heartbeat("forming", 3, 9, 4, groups=6))
+    relay._beat(True)
+    assert len(parent.lines) == 2 and parse(parent.lines[-1].rstrip(b"\n"), 15).state == "forming"
+
+
+def test_a_relay_passes_an_unchanged_heartbeat_up_as_its_members_number_and_the_root_reads_it_in_full():
+    """A relay passed every member's heartbeat up in full, each read and written again by every relay up
+    to the root: most of a relay's time. One unchanged since it last went up on this channel goes as the
+    member's number (Up.same); the channel's other end, which kept what came last, reads it as that
+    heartbeat again. A new parent hears every one in full."""
+    relay = _links(1, lambda: None)
+    parent = relay._senders[0] = _Sent()
+    relay._parent = 0
+    beats = {m: Heartbeat("training", 3, 9, -1) for m in (3, 4)}
+
+    def turn():
+        with relay._lock:
+            for m, b in beats.items():
+                relay._pass_up(m, f"{m:012x}", b, via=m)
+        relay._relay()
+        return parse(parent.lines[-1].rstrip(b"\n"), 15), len(parent.lines)
+    first, _ = turn()
+    assert [i[0] for i in first.items] == [3, 4] and first.same == ()
+    again, n = turn()
+    assert again == Up((), (3, 4)) and n == 2
+    beats[4] = Heartbeat("forming", 3, 9, 4)
+    turn()
+    lines = [parse(line.rstrip(b"\n"), 15) for line in parent.lines[2:]]
+    assert [i[0] for i in lines[0].items] == [4] and lines[1] == Up((), (3,))
+    heard = []
+    root = _links(0, lambda: None, on_message=lambda m, inc, msg, ch: heard.append((m, inc, msg)))
+    channel = _Sent()
+    for line in (first, again, *lines):
+        root._from_below(1, line, channel)
+    assert heard[-2:] == [(4, f"{4:012x}", beats[4]), (3, f"{3:012x}", beats[3])]
+    assert len(heard) == 2 + 2 + 1 + 1
+    relay._senders[0] = new = _Sent()  # a new parent (another channel): in full
+    turn()
+    assert [i[0] for i in parse(new.lines[-1].rstrip(b"\n"), 15).items] == [3, 4]
+
+
+def test_a_line_the_same_as_the_channels_last_is_not_parsed_again(monkeypatch):
+    """Most lines of a tree say what the last one on the channel said (a member's beats until its state
+    changes; the root's, passed down): each was parsed again, the most of a leaf's time. The same bytes
+    are the same record."""
+    import mingpt.replicas.link as link
+
+    parsed, got = [], []
+    monkeypatch.setattr(link, "parse", lambda line, n: parsed.append(line) or parse(line, n))
+    links = _links(1, lambda: None)
+    channel = _Sent()
+    channel.last = (b"", None)
+    beat, other = encode(Heartbeat("training", 3, 9, -1)).rstrip(b"\n"), encode(Heartbeat("forming", 3, 9, 4))
+    for line in (beat, beat, beat, other.rstrip(b"\n"), beat):
+        links._deliver(channel, line, 3, "a message", lambda msg: got.append(msg))
+    assert len(parsed) == 3 and [m.state for m in got] == ["training"] * 3 + ["forming", "training"]
+    links._deliver(channel, b'{"t": "hb"}', 3, "a message", got.append)
+    assert len(got) == 5 and links.dropped["group 3"] == 1
 
 
 def test_a_relays_answers_to_many_members_below_one_child_go_down_in_lines_its_child_takes():
