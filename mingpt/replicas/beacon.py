@@ -157,8 +157,13 @@ class Beacon:
         return range(first, first + self.procs)
 
     def broken(self) -> set[int]:
-        """Members whose group lost a process: they leave with it (its torchrun restarts them all)."""
-        return {m for m in range(self.members) if any(self.was_lost(s) for s in self.siblings(m))}
+        """Members whose group lost a process: they leave with it (its torchrun restarts them all). (One look at
+        the members heard: a look at each member's group, each under the lock, took the coordinator of 1,024
+        members 10 ms, at each news while it formed.)"""
+        now = time.monotonic()
+        with self._lock:
+            lost = [m for m, s in self._seen.items() if s["eof"] or now - s["t"] >= self._patience(s)]
+        return {m for lost_one in lost for m in self.siblings(lost_one)}
 
     def alive(self, at_least: float = 0.0) -> dict[int, str]:
         """{member: incarnation} of every member heard from within its patience (lost_after_s, or longer:
@@ -167,8 +172,11 @@ class Beacon:
             return self._alive(at_least)
 
     def _alive(self, at_least: float = 0.0) -> dict[int, str]:
-        now = time.monotonic()
-        out = {m: s["inc"] for m, s in self._seen.items() if self._heard_in_time(m, s, now, at_least)}
+        # (`_heard_in_time` written out: a call a member was most of 4 ms at 1,024 members, at each beat of the root)
+        now, left, least, most = time.monotonic(), self._left, self.lost_after_s, 4 * self.lost_after_s
+        out = {m: s["inc"] for m, s in self._seen.items()
+               if not s["eof"] and now - s["t"] < max(at_least, min(most, max(least, 2 * s.get("slack", 0.0))))
+               and left.get(m) != s["inc"]}
         out[self.member] = self.incarnation
         return out
 
@@ -688,10 +696,10 @@ class Beacon:
             if isinstance(msg, Heartbeat):
                 was = self._seen.get(member)
                 same = was is not None and not was["eof"] and was["inc"] == inc
-                if same and was["hb"] == msg:  # (most beats: nothing new but that it is alive)
+                if same and was.get("hb") == msg:  # (most beats: nothing new but that it is alive)
                     gap = now - was["t"]
                     late = gap >= self._patience(was)
-                    was.update(t=now, slack=max(gap, was["slack"] * 0.5 ** (gap / SLACK_HALF_LIFE_S)))
+                    was.update(t=now, slack=max(gap, was.get("slack", 0.0) * 0.5 ** (gap / SLACK_HALF_LIFE_S)))
                     if late:
                         self._tell()
                         self.links.wake()
