@@ -480,8 +480,11 @@ class Beacon:
 
     def _request(self, coordinator: int, step: int, live: bool, min_groups: int) -> Epoch | None:
         """The next epoch as `coordinator` forms it: this member forms it, if it is the coordinator; else asks.
-        (In a tree, a member that hears no lower member but still looks for its parent waits: None.)"""
-        if coordinator != self.member:
+        (In a tree, a member that hears no lower member but still looks for its parent waits: None. One that
+        hangs from a parent asks up the tree, whoever the root is now: its own heartbeats are the only ones
+        it hears but the root's, and a leaf that had not yet heard the new root's asked nobody, and missed
+        the survivors' first epoch.)"""
+        if coordinator != self.member or (self.links.tree and self.links.parent is not None):
             return self._ask(coordinator, step, live)
         if not self.links.is_root():
             time.sleep(self.heartbeat_s / 2)

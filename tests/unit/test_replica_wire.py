@@ -1094,3 +1094,22 @@ def test_a_line_sent_from_the_reactors_own_turn_goes_at_once(monkeypatch):
             got += theirs.recv(64)
         assert got == f"line {n}\n".encode()
     channel.close()
+
+
+def test_a_tree_member_that_hears_no_root_yet_but_hangs_from_a_parent_asks_up_the_tree():
+    """A member hears the root's heartbeats and its own children's, not its parent's (which no longer
+    come down): after the root is lost, until the new root's first beat comes down, the lowest member it
+    hears alive is itself. It asked nobody then, and a 16-group job's survivors formed their first epoch
+    without two of them. With a parent it asks up the tree, where the root, whoever it is now, answers."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(15)]
+    leaf = Beacon(peers, 13, SECRET, 0.05, 60.0, fan_out=2)
+    try:
+        asked = []
+        leaf._ask = lambda coordinator, step, live: asked.append(coordinator)
+        leaf.links._parent = 6
+        leaf._request(13, 9, True, 1)
+        assert asked == [13]
+        leaf.links._parent = None  # (looking for a parent: it waits)
+        assert leaf._request(13, 9, True, 1) is None and asked == [13]
+    finally:
+        leaf.close()
