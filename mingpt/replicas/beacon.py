@@ -172,11 +172,8 @@ class Beacon:
             return self._alive(at_least)
 
     def _alive(self, at_least: float = 0.0) -> dict[int, str]:
-        # (`_heard_in_time` written out: a call a member was most of 4 ms at 1,024 members, at each beat of the root)
-        now, left, least, most = time.monotonic(), self._left, self.lost_after_s, 4 * self.lost_after_s
-        out = {m: s["inc"] for m, s in self._seen.items()
-               if not s["eof"] and now - s["t"] < max(at_least, min(most, max(least, 2 * s.get("slack", 0.0))))
-               and left.get(m) != s["inc"]}
+        now = time.monotonic()
+        out = {m: s["inc"] for m, s in self._seen.items() if self._heard_in_time(m, s, now, at_least)}
         out[self.member] = self.incarnation
         return out
 
@@ -699,14 +696,6 @@ class Beacon:
             if isinstance(msg, Heartbeat):
                 was = self._seen.get(member)
                 same = was is not None and not was["eof"] and was["inc"] == inc
-                if same and was.get("hb") == msg:  # (most beats: nothing new but that it is alive)
-                    gap = now - was["t"]
-                    late = gap >= self._patience(was)
-                    was.update(t=now, slack=max(gap, was.get("slack", 0.0) * 0.5 ** (gap / SLACK_HALF_LIFE_S)))
-                    if late:
-                        self._tell()
-                        self.links.wake()
-                    return None
                 # the longest recent gap between its heartbeats, halved every SLACK_HALF_LIFE_S (`_patience`): a
                 # member starved once is likely starved again (its node is loaded) for a minute or so. (It
                 # faded by 1% a heartbeat: in 10 s at 8 a second, and a coordinator's successor on 1/16 of a
@@ -715,6 +704,13 @@ class Beacon:
                 if same:
                     gap = now - was["t"]
                     slack = max(gap, was.get("slack", 0.0) * 0.5 ** (gap / SLACK_HALF_LIFE_S))
+                if same and was.get("hb") == msg:  # (most beats: nothing new but that it is alive)
+                    late = now - was["t"] >= self._patience(was)
+                    was.update(t=now, slack=slack)
+                    if late:
+                        self._tell()
+                        self.links.wake()
+                    return None
                 # (a flat record: asdict's deep copy was half of a root's time at 256 members)
                 self._seen[member] = {**vars(msg), "hb": msg, "inc": inc, "t": now, "eof": False, "slack": slack}
                 if (not same or was["state"] != msg.state
