@@ -250,8 +250,10 @@ class Faults:
 
     def __call__(self, job: Job, t0: float, ending: bool = False) -> list[dict]:
         self.undo(all_of_them=ending)
-        if all(a.poll() is not None for a in job.agents):  # the job is over: only undo what is pending
-            return []
+        codes = [a.poll() for a in job.agents]
+        if 0 in codes or None not in codes:  # the run finished (an agent is done with it) or the job is over: only
+            return []  # undo what is pending (a fault now measures nothing; and a worker killed each time it
+            # restarted, every 10 s on a slow machine, never got to the end: the bench ran on to its limit)
         if ending or not self.every or time.time() - t0 < self.next or (self.max_faults and self.n >= self.max_faults):
             return []
         if not self.training:  # a fault during the start-up tells nothing of survivors: wait for the steps

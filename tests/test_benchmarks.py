@@ -252,3 +252,29 @@ def test_with_cores_beside_the_groups_a_spare_runs_there_and_its_member_in_the_g
                 os.killpg(a.pid, signal.SIGKILL)
                 a.wait()
             lock.unlink(missing_ok=True)  # (as a run's last holder does)
+
+
+def test_once_a_group_has_finished_the_run_no_fault_hits_another_groups_restarted_worker(tmp_path):
+    """A worker SIGKILLed as the run ends is restarted by its torchrun, finds the run finished and exits;
+    on a slow machine its start took as long as the faults' period (10 s), the next fault killed it, and
+    the bench killed each restart until its time limit (127 kills in 20 minutes, and no figures)."""
+    from benchmarks.survivors import Faults, Job
+
+    agent = [sys.executable, "-c", "import subprocess, sys; subprocess.call(sys.argv[1:])", "sleep", "60"]
+    done = ([sys.executable, "-c", "pass"], dict(os.environ))  # group 0: its torchrun ended with the run
+    job = Job([done, (agent, dict(os.environ))], tmp_path, None, groups=2)
+    try:
+        faults = Faults(every=0.01, run_dir=tmp_path)
+        faults.training = True  # (past the start-up's steps)
+        for _ in range(400):  # group 1's worker up, group 0's agent ended (with 0)
+            if job.workers(1) and job.agents[0].poll() == 0:
+                break
+            time.sleep(0.05)
+        worker = job.workers(1)
+        assert worker and job.agents[0].returncode == 0, (worker, job.agents[0].returncode)
+        assert faults(job, time.time() - 100) == [] and faults.n == 0
+        assert job.workers(1) == worker and job.agents[1].poll() is None  # not killed
+    finally:
+        for a in job.agents[1:]:
+            os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
