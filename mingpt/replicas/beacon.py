@@ -227,10 +227,13 @@ class Beacon:
         # 32 groups one of thirty members judging it by its own clock ended the epoch where the coordinator
         # heard it in time, twice in a run)
         direct = None if coordinator == self.member else {coordinator} | set(self.siblings(self.member))
-        if direct is None and not epoch.exchanged and (lower := min(alive)) < self.member:
-            # a lower member is back (a spare took a killed coordinator's place) before this epoch's first
-            # exchange: it coordinates, and may form an epoch of the same number with the members this one
-            # waits for, which then look as if in this one (it waited 10 s for one it had asked, here)
+        if (direct is None and not epoch.exchanged and (lower := min(alive)) < self.member
+                and any(seen.get(m.number, {}).get("taking") != epoch.number for m in epoch.members[1:])):
+            # a lower member is back (a spare took a killed coordinator's place) while a member of this epoch is
+            # not heard taking it: it coordinates, and that member, asking it instead, may be in its epoch of
+            # the same number, which then looks as if in this one (it waited 10 s for one it had asked, here).
+            # Once every member takes this one, none asks the lower member (which waits for their requests, this
+            # one's too): the step in flight is trained, and it joins at the next, as any returning member does
             return MembershipChanged(f"{self.name(lower)} is up again: it coordinates")
         others = [m for m in epoch.members if m.number != self.member and (direct is None or m.number in direct)]
         for m in others:  # a lost member first: it is the cause, the others leaving only follow it
