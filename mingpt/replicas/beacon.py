@@ -187,6 +187,12 @@ class Beacon:
         now = time.monotonic()
         return any(self._heard_in_time(m, self._seen.get(m), now) for m in range(self.member))
 
+    def _silent_at(self, member: int) -> float:
+        """When `member`, heard alive now, is lost if it is not heard again (time.monotonic())."""
+        with self._lock:
+            s = self._seen.get(member)
+            return float("inf") if member == self.member or s is None else s["t"] + self._patience(s)
+
     def lost(self, epoch: Epoch, at_least: float = 0.0) -> MembershipChanged | None:
         """Why `epoch` cannot go on (a member lost or gone to form another), or None. Its coordinator judges
         every member; another member its coordinator and its group's processes, then takes the coordinator's verdict.
@@ -523,7 +529,10 @@ class Beacon:
                         return None
                     rank = [m.number for m in members].index(self.member)
                     return Epoch(reply.number, members, rank, key=reply.key)
-                self._await_news(seen, 0.05)
+                # until news (an answer, a member heard or lost), or what only time changes: the request due
+                # again, the coordinator silent (a thousand members polling every 50 ms while they asked, 20,000
+                # wake-ups a second in the membership-sim, starved the root that was to answer them)
+                self._await_news(seen, min(again, deadline, self._silent_at(coordinator)) - time.monotonic())
             return None
         finally:
             with self._lock:  # an answer that comes later is dropped: nothing waits for it

@@ -429,7 +429,8 @@ class Channel:
     def start(self, on_end: Callable[[], None] = lambda: None) -> None:
         """Hands the connection to the reactor: `on_end` runs once it ended (at once, if it is closed)."""
         self._on_end = on_end
-        self.sock.setblocking(False)
+        with contextlib.suppress(OSError):  # (closed meanwhile, by its owner's end: the reactor ends it)
+            self.sock.setblocking(False)
         Reactor.get().attend(self)
 
     def send(self, msg) -> None:
@@ -601,9 +602,9 @@ class Reactor:
 
     def _turn(self, channel: Channel, stuck: set, read: bool) -> None:
         fd = channel.sock.fileno()
-        if fd < 0 or channel._on_end is None:  # (ended already)
+        if channel._on_end is None:
             return
-        if channel.closed.is_set():
+        if fd < 0 or channel.closed.is_set():  # (closed, or ended already: its end runs once)
             return self._drop(channel, stuck)
         if fd not in self._by_fd:
             self._by_fd[fd] = channel

@@ -171,6 +171,13 @@ def bridge():
         pytest.skip(str(e))
 
 
+def replica_lines(logs: list[Path]) -> str:
+    """What each group's log says of its epochs, losses and waits (a failed check's context: a run that
+    fails one time in thirty keeps nothing else)."""
+    return "\n".join(f"{log.name}: {line}" for log in logs for line in log.read_text().splitlines()
+                     if "mingpt.replicas" in line or "replica_trainer" in line)
+
+
 def check_survived(reference, run_dir: Path, logs: list[Path], lost: int, fault: tuple[int, float],
                    spare: bool = False) -> list[dict]:
     """The survivors' epoch after the fault lacks the lost group and starts at the step in flight (no
@@ -184,12 +191,12 @@ def check_survived(reference, run_dir: Path, logs: list[Path], lost: int, fault:
     without = [e for e in after if lost not in e["members"]][:1]
     if spare and after and lost in after[0]["members"]:  # (back before the survivors formed without it)
         without = []
-    assert without or (spare and lost in after[0]["healed"]), epochs
+    assert without or (spare and lost in after[0]["healed"]), (epochs, replica_lines(logs))
     first = without[0] if without else after[0]
     trained_before = max(r["step"] for r in recs if r.get("kind") == "train" and r["time"] <= first["time"])
     assert fault_step <= first["step"] == trained_before, (first, trained_before)
     back = [e for e in after if (e["time"] > first["time"] or not without) and lost in e["members"] and lost in e["healed"]]
-    assert back and back[0]["healed_from"] != lost, epochs
+    assert back and back[0]["healed_from"] != lost, (epochs, replica_lines(logs))
     # (a process started after the run's end reads its last snapshot, and trains nothing)
     assert not [r for r in recs if r.get("kind") == "resume" and r["step"] < STEPS], "a snapshot was read"
     if without and not without[0]["healed"]:  # no survivor had completed the step in flight: each trained it

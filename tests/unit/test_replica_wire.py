@@ -1096,6 +1096,52 @@ def test_a_line_sent_from_the_reactors_own_turn_goes_at_once(monkeypatch):
     channel.close()
 
 
+def test_a_member_waiting_for_its_answer_wakes_for_news_not_every_50_ms():
+    """A member that asked the coordinator looked for its answer every 50 ms: in the membership-sim, a
+    thousand asking members woke 20,000 times a second and starved the root that was to answer them (no
+    epoch formed). It waits for news (an answer, the coordinator lost) or for its request to be due again."""
+    peers = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    member = Beacon(peers, 1, SECRET, 0.05, 60.0)
+    try:
+        member.links.send = lambda to, msg: None
+        with member._lock:
+            member._seen[0] = {"inc": "c0", "t": time.monotonic(), "eof": False}
+        looks = []
+        alive = member.alive
+        member.alive = lambda *a: looks.append(1) or alive(*a)
+        asking = threading.Thread(target=member._ask, args=(0, 5, True))
+        asking.start()
+        time.sleep(1.0)
+        assert len(looks) <= 5, f"{len(looks)} looks in 1 s with no news (a look every 50 ms: 20)"
+        with member._lock:
+            member._seen[0]["eof"] = True  # the coordinator lost: news, and the asking ends at once
+        member._tell()
+        asking.join(5)
+        assert not asking.is_alive()
+    finally:
+        member.close()
+
+
+def test_a_channel_closed_before_its_start_ends_once_without_a_traceback(monkeypatch):
+    """A member's links closed (the process ending) while a handshake thread was about to start an accepted
+    channel: its start raised EBADF ("Exception in thread ... _serve" in the log at a run's end). It ends
+    quietly, once."""
+    from mingpt.replicas.wire import Channel, Reactor
+
+    monkeypatch.setattr(Reactor, "_instance", Reactor())
+    ours, theirs = socket.socketpair()
+    ended = []
+    channel = Channel(ours, lambda line: None)
+    channel.close()
+    channel.start(lambda: ended.append(1))
+    deadline = time.monotonic() + 10
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert ended == [1]
+    theirs.close()
+
+
 def test_a_tree_member_that_hears_no_root_yet_but_hangs_from_a_parent_asks_up_the_tree():
     """A member hears the root's heartbeats and its own children's, not its parent's (which no longer
     come down): after the root is lost, until the new root's first beat comes down, the lowest member it
