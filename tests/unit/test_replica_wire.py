@@ -1134,9 +1134,7 @@ def test_a_channel_closed_before_its_start_ends_once_without_a_traceback(monkeyp
     channel = Channel(ours, lambda line: None)
     channel.close()
     channel.start(lambda: ended.append(1))
-    deadline = time.monotonic() + 10
-    while not ended and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert wait_for(lambda: ended)
     time.sleep(0.05)
     assert ended == [1]
     theirs.close()
