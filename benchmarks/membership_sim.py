@@ -11,7 +11,8 @@ For each number of members N: the time from the start until every member holds a
 (`first_formation_s`); each member's beacon traffic over --window-s then (`beacon_msgs_per_s`,
 `beacon_bytes_per_s`: Links.sent), its channels (`Links.channels()`), the threads per process and per
 member, the CPU all members used (`cpu_cores`; `cpu_ms_per_member_s`: a member's share, milliseconds a
-second), and the epochs members took meanwhile (`epochs_taken_in_window`: 0 when steady); then --lose
+second), and the epochs members took meanwhile (`epochs_taken_in_window`, every member's takes, and
+`epochs_formed_in_window`, how many epochs those were: 0 when steady); then --lose
 members (0, the coordinator, to lose - 1: their processes SIGKILLed at once) and the time from the kill
 until every survivor holds an epoch without them (`reformation_s`, the aim being 2 s; `reformed_world`:
 its members), and the survivors' channels once it has (`channels_after`: a member
@@ -159,6 +160,14 @@ def threads_of(pid: int) -> int:
         return 0
 
 
+def epochs_in(takes: list[tuple[float, int]], t1: float, t2: float) -> dict:
+    """Of the members' takes of epochs, (when, its number) each, those in (t1, t2]: how many takes, and how
+    many epochs they were (a new epoch of N members is N takes: 3,283 takes of 2,048 members, read as
+    epochs, looked like thousands where the job formed one or two)."""
+    taken = [number for t, number in takes if t1 < t <= t2]
+    return {"epochs_taken_in_window": len(taken), "epochs_formed_in_window": len(set(taken))}
+
+
 def cpu_s(pids) -> float:
     """CPU seconds (user and system) the processes `pids` have used so far."""
     total = 0
@@ -190,7 +199,7 @@ class Sim:
         self.said: queue.Queue = queue.Queue()
         self.lost = sum(1 for r in self.parts if r.start < args.lose)  # the processes of the lost members
         self.killed = False  # those SIGKILLed: their end is expected
-        self.epochs: list[float] = []  # when each member took each epoch
+        self.epochs: list[tuple[float, int]] = []  # each member's take of each epoch: (when, its number)
         for i, p in enumerate(self.procs):
             threading.Thread(target=self._read, args=(i, p), daemon=True).start()
 
@@ -222,7 +231,7 @@ class Sim:
                 if msg["event"] == "exit" and (i >= self.lost or not self.killed):
                     raise RuntimeError(f"{why}: process {i} exited (code {self.procs[i].wait()})")
                 if msg["event"] == "epoch":
-                    self.epochs.append(msg["t"])
+                    self.epochs.append((msg["t"], msg["number"]))
                 on_event(i, msg)
 
     def report(self, deadline: float) -> tuple[float, dict]:
@@ -291,7 +300,7 @@ def setting(args, members: int, logs: Path) -> dict:
                    threads_per_process=stat(threads, 0, "max_process"),
                    threads_per_member=round(sum(threads.values()) / members, 1),
                    cpu_cores=round(cpu / (t2 - t1), 2), cpu_ms_per_member_s=round(1000 * cpu / (t2 - t1) / members, 2),
-                   epochs_taken_in_window=sum(1 for t in sim.epochs if t1 < t <= t2))
+                   **epochs_in(sim.epochs, t1, t2))
         again: dict[int, tuple[float, int]] = {}
 
         def without(_, msg):

@@ -5,7 +5,7 @@ import pytest
 
 from benchmarks import free_port
 from benchmarks.__main__ import main
-from benchmarks.membership_sim import layout, quorum
+from benchmarks.membership_sim import epochs_in, layout, quorum
 from benchmarks.survivors_scale import beacon_lines, epoch_lines, epochs_of, stat, step_time, step_work, work_figures
 
 # each group's console log, as a 4-group job whose group 0 (the coordinator) was SIGKILLed after step 31 writes it
@@ -109,6 +109,14 @@ def test_the_sim_gives_the_coordinator_and_its_successors_processes_of_their_own
     assert all(sum(m in relays for m in r) in (19, 20) for r in layout(1024, 10, 128)[4:])
     assert sorted(m for r in layout(1000, 10, 40) for m in r) == list(range(1000))
     assert quorum(1024, 10) == 513 and quorum(16, 10) == 6  # a majority, or the survivors where they are fewer
+
+
+def test_the_sim_counts_the_epochs_formed_in_its_window_apart_from_the_members_takes_of_them():
+    """A new epoch is a take by each of its members: 3,283 takes of 2,048 members in the window were one or
+    two epochs, and the line said only the takes."""
+    takes = [(0.5, 3)] * 4 + [(1.2, 4)] * 4 + [(1.9, 5)] * 3 + [(2.5, 5)] + [(3.5, 6)] * 4  # 4 members
+    assert epochs_in(takes, 1.0, 3.0) == {"epochs_taken_in_window": 8, "epochs_formed_in_window": 2}
+    assert epochs_in(takes[:4], 1.0, 3.0) == {"epochs_taken_in_window": 0, "epochs_formed_in_window": 0}
 
 
 @pytest.mark.parametrize(("argv", "said"), [
