@@ -617,7 +617,11 @@ def test_a_stop_signal_to_every_group_saves_the_last_step_trained_and_the_same_c
             if a.poll() is None:
                 a.kill()
     assert codes == [0] * GROUPS
-    assert f"resumed from snapshot step {trained}" in (tmp_path / "again0.log").read_text()
+    # the groups up first form the first epoch and load the snapshot; a group that starts later (a loaded
+    # node: group 0 came 12 s after the others here) heals from them at the step they reached
+    resumed = [re.findall(r"resumed from snapshot step (\d+)", (tmp_path / f"again{g}.log").read_text())
+               for g in range(GROUPS)]
+    assert any(resumed) and {int(step) for steps in resumed for step in steps} == {trained}, resumed
     assert shares_by_step(run_dir) == reference["shares"]
     weights = final(run_dir)
     assert all(torch.equal(weights[k], reference["weights"][k]) for k in weights)
