@@ -22,6 +22,19 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Each test starts from the suite's environment. Code that an agent runs in-process (the rendezvous
+    handler sets MINGPT_LAUNCH_ID) writes os.environ; monkeypatch.delenv of a name that was not set
+    restores nothing, so one test's launch id went to every job a later test started: two jobs of one
+    "launch" share a store's lease, and test_lease's second job was let in."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def make_corpus(directory: Path) -> Path:
     """A small corpus (about 17,000 characters) that the test writes itself."""
     lines = [f"Speaker {i % 7}: the quick brown fox {i} jumps over the lazy dog." for i in range(300)]
